@@ -1,0 +1,46 @@
+# Slipstream: `make demo` runs a real job end to end on CPU; `make test` runs the test suite.
+# Both install what they need into .venv first (torch pinned to the CPU wheel: see README).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: install demo test test-fast lint format cluster-up cluster-down clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.6"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m slipstream.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q --durations=10
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+cluster-up cluster-down:
+	@echo "make $@: the persistent cluster (Redis, Ray head, Prometheus, control API) is not built yet (issue 9);"
+	@echo "use 'make demo' or '$(PY) -m slipstream run examples/demo.yaml', which bring up a private one per job."
+	@exit 1
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

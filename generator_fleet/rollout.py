@@ -1,0 +1,155 @@
+"""Rollout worker: keeps `concurrency` groups in flight, samples G responses per prompt from the engines,
+scores them and streams each finished group into the replay buffer. It never waits for the trainer;
+only admission control (max_staleness versions ahead) holds it back.
+
+A sample aborted by an engine (pause mode `abort`) is resumed from its token prefix, so no request is
+lost; an engine error retries the sample on another engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import redis.asyncio as aioredis
+
+from generator_fleet import metrics
+from generator_fleet.client import EngineClient, EngineError
+from generator_fleet.tasks import TASKS
+from replay_buffer import BufferProducer, Sample, make_group
+from slipstream.jobspec import JobSpec
+
+log = logging.getLogger(__name__)
+
+ADMISSION_POLL_S = 0.05
+"""How often a worker blocked by admission control re-checks the version (seconds)."""
+MAX_ATTEMPTS = 5
+"""Engine errors tolerated per sample before the group is given up (its admission slot is released)."""
+
+
+class EnginePool:
+    """Routes each request to the engine with the fewest outstanding requests."""
+
+    def __init__(self, urls: list[str], api_key: str | None) -> None:
+        self.clients = [EngineClient(u, api_key=api_key) for u in urls]
+        self.outstanding = [0] * len(self.clients)
+
+    def pick(self, exclude: set[int] = frozenset()) -> int:
+        choices = [i for i in range(len(self.clients)) if i not in exclude] or list(range(len(self.clients)))
+        return min(choices, key=lambda i: self.outstanding[i])
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+
+
+class RolloutWorker:
+    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None,
+                 worker_id: int = 0) -> None:
+        self.spec = spec
+        self.redis_url = redis_url
+        self.engine_urls = engine_urls
+        self.api_key = api_key
+        self.worker_id = worker_id
+        self.rng = random.Random(spec.dataset.seed * 1000 + worker_id)
+        self._stop = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> dict:
+        from transformers import AutoTokenizer
+
+        spec = self.spec
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+        self.task = TASKS[spec.dataset.name](max_operand=spec.dataset.max_operand, seed=spec.dataset.seed)
+        self.engines = EnginePool(self.engine_urls, self.api_key)
+        r = aioredis.Redis.from_url(self.redis_url)
+        self.producer = BufferProducer(r, spec.name)
+        self.produced = 0
+        log.info("rollout worker %d: %d engines, concurrency %d", self.worker_id, len(self.engine_urls),
+                 spec.rollout.concurrency)
+        try:
+            await asyncio.gather(*(self._loop() for _ in range(spec.rollout.concurrency)))
+        finally:
+            await self.engines.aclose()
+            await r.aclose()
+        log.info("rollout worker %d stopped after %d groups", self.worker_id, self.produced)
+        return {"groups": self.produced}
+
+    async def _loop(self) -> None:
+        alg, buf = self.spec.algorithm, self.spec.buffer
+        while not self._stop.is_set():
+            if not await self.producer.try_admit(alg.groups_per_step, buf.max_staleness):
+                metrics.ADMISSION_WAITS.inc()
+                try:
+                    await asyncio.wait_for(self._stop.wait(), ADMISSION_POLL_S)
+                except TimeoutError:
+                    pass
+                continue
+            problem = self.task.sample(self.rng)
+            try:
+                samples = await self._group(problem)
+            except EngineError as e:
+                await self.producer.release()
+                log.error("group for %s given up: %s", problem.prompt_id, e)
+                continue
+            await self.producer.put(make_group(self.spec.name, problem.prompt_id, samples))
+            self.produced += 1
+
+    async def _group(self, problem) -> list[Sample]:
+        prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
+        t0 = time.monotonic()
+        samples = await asyncio.gather(
+            *(self._sample(problem, prompt_ids) for _ in range(self.spec.rollout.group_size))
+        )
+        metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
+        return list(samples)
+
+    async def _sample(self, problem, prompt_ids: list[int]) -> Sample:
+        sp = self.spec.rollout.sampling
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        failed: set[int] = set()
+        attempts = 0
+        while True:
+            i = self.engines.pick(exclude=failed)
+            params = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens - len(ids)}
+            self.engines.outstanding[i] += 1
+            try:
+                res = await self.engines.clients[i].generate(prompt_ids + ids, params, return_logprob=True)
+            except EngineError as e:
+                attempts += 1
+                failed.add(i)
+                metrics.ENGINE_ERRORS.inc()
+                if attempts >= MAX_ATTEMPTS:
+                    raise
+                log.warning("engine %s failed (%s); retrying sample elsewhere", self.engine_urls[i], e)
+                continue
+            finally:
+                self.engines.outstanding[i] -= 1
+            ids += res.output_ids
+            logprobs += res.output_logprobs
+            versions += res.token_versions
+            # Aborted by a pause: resume from the prefix (tokens so far keep their versions/logprobs).
+            if res.finish_reason == "abort" and len(ids) < sp.max_new_tokens and not self._stop.is_set():
+                metrics.RESUMED.inc()
+                continue
+            break
+        eos = self.tokenizer.eos_token_id
+        finished_by_eos = bool(ids) and ids[-1] == eos and res.finish_reason == "stop"
+        text = self.tokenizer.decode(ids[:-1] if finished_by_eos else ids)
+        reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
+        metrics.TOKENS.inc(len(ids))
+        metrics.REWARD.observe(reward)
+        return Sample(
+            prompt_ids=prompt_ids,
+            response_ids=ids,
+            loss_mask=[1] * len(ids),
+            behavior_logprobs=logprobs,
+            token_versions=versions,
+            reward=reward,
+            finish_reason=res.finish_reason if res.finish_reason in ("stop", "length") else "abort",
+        )

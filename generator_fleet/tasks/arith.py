@@ -1,0 +1,52 @@
+"""Generated arithmetic task `a+b=` -> `c<eos>`, with a correctness + format reward.
+
+Small enough for a tiny model on CPU, and the reward is reachable by sampling once a short SFT warm-up
+on noisy answers (trainer/tiny_model.py) has taught the format: RL then has a real signal to sharpen.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import msgspec
+
+ALPHABET = "0123456789+="
+_ANSWER = re.compile(r"^\d{1,4}$")
+
+
+class Problem(msgspec.Struct, frozen=True):
+    prompt_id: str
+    prompt: str
+    answer: int
+
+
+class ArithTask:
+    """All problems a+b with 0 <= a, b <= max_operand, in a seeded order."""
+
+    def __init__(self, max_operand: int = 19, seed: int = 0) -> None:
+        self.problems = [
+            Problem(f"{a}+{b}", f"{a}+{b}=", a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)
+        ]
+        random.Random(seed).shuffle(self.problems)
+        self._by_id = {p.prompt_id: p for p in self.problems}
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def get(self, prompt_id: str) -> Problem:
+        return self._by_id[prompt_id]
+
+    def sample(self, rng: random.Random) -> Problem:
+        return rng.choice(self.problems)
+
+    def score(self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float) -> float:
+        return score(problem, response_text, finished_by_eos, format_weight)
+
+
+def score(problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float = 0.1) -> float:
+    """format_weight for a bare number ended by EOS; the rest for the right number."""
+    text = response_text.strip()
+    well_formed = finished_by_eos and bool(_ANSWER.match(text))
+    correct = well_formed and int(text) == problem.answer
+    return format_weight * well_formed + (1.0 - format_weight) * correct

@@ -1,0 +1,55 @@
+"""Redis key layout of one job; every key lives under `slipstream:{job}:` so jobs never collide."""
+
+from __future__ import annotations
+
+import msgspec
+
+TRAINER_GROUP = "trainers"
+"""The one consumer group of the trainer pool on a job's stream."""
+
+
+class JobKeys(msgspec.Struct, frozen=True):
+    job: str
+
+    def _k(self, name: str) -> str:
+        return f"slipstream:{self.job}:{name}"
+
+    @property
+    def groups(self) -> str:
+        """Stream of msgpack GroupRecords."""
+        return self._k("groups")
+
+    @property
+    def dead_letter(self) -> str:
+        """Stream of records that failed to decode/validate, with the reason."""
+        return self._k("dead")
+
+    @property
+    def version(self) -> str:
+        """Published policy version (int): optimizer steps whose weights every engine holds."""
+        return self._k("version")
+
+    @property
+    def started(self) -> str:
+        """Groups admitted so far (admission control counter)."""
+        return self._k("started")
+
+    @property
+    def trained(self) -> str:
+        """Set of group_ids already used by a committed optimizer step (idempotency)."""
+        return self._k("trained")
+
+    @property
+    def stats(self) -> str:
+        """Hash of counters: produced, consumed, dropped_stale, dead_letter, duplicates, steps."""
+        return self._k("stats")
+
+    @property
+    def staleness(self) -> str:
+        """Hash staleness(versions) -> groups consumed with it."""
+        return self._k("staleness")
+
+    @property
+    def progress(self) -> str:
+        """Stream of per-step trainer progress records (JSON), read by the driver and the CLI."""
+        return self._k("progress")

@@ -1,0 +1,101 @@
+"""Ray actors: thin wrappers that host one component each in its own process.
+
+Each actor logs INFO to `<output_dir>/logs/<name>.log` (WARNING and up also reach the driver) and serves
+its Prometheus metrics on 127.0.0.1, registering the address in Redis for scraping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+
+import ray
+
+from slipstream.jobspec import JobSpec
+
+
+def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> None:
+    import redis
+    import torch
+    from prometheus_client import start_http_server
+
+    from slipstream.redis_server import free_port
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(threads)
+    log_dir = Path(spec.output_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    fh = logging.FileHandler(log_dir / f"{name}.log")
+    fh.setFormatter(fmt)
+    sh = logging.StreamHandler()
+    sh.setLevel(logging.WARNING)
+    sh.setFormatter(fmt)
+    root.handlers[:] = [fh, sh]
+    port = free_port()
+    start_http_server(port, addr="127.0.0.1")
+    redis.Redis.from_url(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
+    logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
+
+
+@ray.remote(num_cpus=0)
+class EngineActor:
+    def __init__(self, spec: JobSpec, redis_url: str, api_key: str, index: int) -> None:
+        from generator_fleet.engine import EngineServer
+
+        _setup_process(spec, f"engine-{index}", redis_url, spec.generators.torch_threads)
+        self.server = EngineServer(
+            spec.model.path,
+            api_key=api_key,
+            max_batch_size=spec.generators.max_batch_size,
+            torch_threads=spec.generators.torch_threads,
+            weight_version="0",
+        )
+
+    def start(self) -> str:
+        self.server.start()
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@ray.remote(num_cpus=0)
+class RolloutActor:
+    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str, index: int) -> None:
+        from generator_fleet.rollout import RolloutWorker
+
+        _setup_process(spec, f"rollout-{index}", redis_url, 1)
+        self.worker = RolloutWorker(spec, redis_url, engine_urls, api_key, worker_id=index)
+
+    async def run(self) -> dict:
+        return await self.worker.run()
+
+    async def stop(self) -> None:
+        self.worker.stop()
+        await asyncio.sleep(0)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through
+class TrainerActor:
+    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str) -> None:
+        from trainer.trainer import Trainer
+
+        _setup_process(spec, "trainer-0", redis_url, spec.trainer.torch_threads)
+        self.trainer = Trainer(spec, redis_url, engine_urls, api_key)
+
+    def setup(self) -> None:
+        self.trainer.setup()
+
+    def run(self) -> dict:
+        result = self.trainer.run()
+        result["final_model"] = self.trainer.save(Path(self.trainer.spec.output_dir) / "final_model")
+        self.trainer.close()
+        return result
+
+    def stop(self) -> None:
+        self.trainer.stop()

@@ -1,0 +1,185 @@
+"""Job spec: one YAML file -> msgspec Structs with defaults that run; bad keys fail with their path.
+
+Every field documents its unit. Validation happens here, once, before any process starts, so a typo
+(`algorithm.lr: fast`) is reported as `$.algorithm.lr` at submit time, not as a crash in a trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Prob = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Base: unknown keys are errors."""
+
+
+class ModelSpec(Spec):
+    path: str = "runs/demo/model"
+    """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers."""
+    build: Literal["tiny-arith"] | None = None
+    """If set and `path` has no model yet, build it there first (tiny model + tokenizer + SFT warm-up)."""
+    warmup_steps: NonNeg = 300
+    """SFT warm-up optimizer steps when building (only with `build`)."""
+
+
+class DatasetSpec(Spec):
+    name: Literal["arith"] = "arith"
+    """Prompt source; `arith`: generated `a+b=` problems."""
+    max_operand: Pos = 19
+    """Largest operand of the arithmetic problems."""
+    seed: int = 0
+
+
+class RewardSpec(Spec):
+    name: Literal["arith"] = "arith"
+    format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
+    """Share of the reward paid for a well-formed answer (digits then EOS); the rest for correctness."""
+
+
+class SamplingSpec(Spec):
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Prob = 1.0
+    max_new_tokens: Pos = 8
+
+
+class RolloutSpec(Spec):
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    """Samples per prompt (G); GRPO needs at least 2."""
+    concurrency: Pos = 16
+    """Groups each rollout worker keeps in flight."""
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+
+
+class GeneratorsSpec(Spec):
+    engine: Literal["builtin"] = "builtin"
+    """`builtin`: Slipstream's SGLang-compatible engine."""
+    num_engines: Pos = 1
+    num_workers: Pos = 1
+    """Rollout worker processes (asyncio); each drives every engine."""
+    max_batch_size: Pos = 256
+    """Most requests an engine decodes together."""
+    torch_threads: Pos = 1
+
+
+class AlgorithmSpec(Spec):
+    advantage: Literal["grpo"] = "grpo"
+    loss: Literal["decoupled_ppo", "ppo", "tis"] = "decoupled_ppo"
+    """`decoupled_ppo`: PPO-clip on pi/pi_prox times min(pi_prox/pi_behav, is_cap) (AReaL)."""
+    clip_eps: Annotated[float, msgspec.Meta(gt=0.0)] = 0.2
+    is_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    """Truncation C of the behaviour importance weight."""
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    max_grad_norm: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    groups_per_step: Pos = 16
+    """Groups (prompts) consumed per optimizer step."""
+    total_steps: Pos = 50
+    """Optimizer steps; the job ends after the last one is published."""
+    seed: int = 0
+
+
+class BufferSpec(Spec):
+    max_staleness: NonNeg = 1
+    """A group is usable at version v if v - min_version <= max_staleness (versions); 0 = on-policy."""
+    read_block_ms: Pos = 1000
+    """How long one XREADGROUP waits for new groups (milliseconds)."""
+
+
+class TrainerSpec(Spec):
+    num_trainers: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
+    """Trainer ranks (this release: 1)."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    torch_threads: Pos = 1
+
+
+class BusSpec(Spec):
+    backend: Literal["gloo", "nccl"] = "gloo"
+    bucket_bytes: Pos = 512 * 1024 * 1024
+    """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
+    pause_mode: Literal["in_place", "abort"] = "in_place"
+    """How engines pause for the swap: keep in-flight requests (partial rollouts) or abort them."""
+
+
+class RedisSpec(Spec):
+    url: str | None = None
+    """redis:// URL of an existing server; null = start a private managed instance for the job."""
+    appendfsync: Literal["everysec", "always"] = "everysec"
+
+
+class JobSpec(Spec):
+    name: str = "demo"
+    """Job id; namespaces every Redis key (`slipstream:{name}:...`)."""
+    output_dir: str = "runs/demo"
+    """Where the final model, metrics and plots are written."""
+    model: ModelSpec = msgspec.field(default_factory=ModelSpec)
+    dataset: DatasetSpec = msgspec.field(default_factory=DatasetSpec)
+    reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
+    rollout: RolloutSpec = msgspec.field(default_factory=RolloutSpec)
+    generators: GeneratorsSpec = msgspec.field(default_factory=GeneratorsSpec)
+    algorithm: AlgorithmSpec = msgspec.field(default_factory=AlgorithmSpec)
+    buffer: BufferSpec = msgspec.field(default_factory=BufferSpec)
+    trainer: TrainerSpec = msgspec.field(default_factory=TrainerSpec)
+    bus: BusSpec = msgspec.field(default_factory=BusSpec)
+    redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
+
+
+class JobSpecError(ValueError):
+    """Invalid job spec; the message carries the path of the bad key (`$.algorithm.lr`)."""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides (value parsed as YAML) to a raw spec dict, returning it."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise JobSpecError(f"override {item!r}: expected dotted.key=value")
+        node = raw
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise JobSpecError(f"override {item!r}: $.{'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(value)
+    return raw
+
+
+_UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `(?P<at>[^`]+)`)?")
+
+
+def from_dict(raw: Any) -> JobSpec:
+    try:
+        # strict=False: YAML 1.1 reads `1e-4` as a string; numeric strings convert, "fast" still fails.
+        return msgspec.convert(raw if raw is not None else {}, JobSpec, strict=False)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        if m := _UNKNOWN.fullmatch(msg):  # point at the bad key itself, not its parent
+            msg = f"unknown key - at `{m['at'] or '$'}.{m['key']}`"
+        raise JobSpecError(f"invalid job spec: {msg}") from e
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
+    """Read a YAML job spec, apply overrides, validate; raise JobSpecError with the key path."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise JobSpecError(f"{path}: {e}") from e
+    if raw is not None and not isinstance(raw, dict):
+        raise JobSpecError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    return from_dict(apply_overrides(raw or {}, overrides or []))
+
+
+def to_json(spec: JobSpec) -> str:
+    """Resolved spec as JSON (nulls survive a round trip); saved with every run."""
+    return json.dumps(msgspec.to_builtins(spec), indent=2)

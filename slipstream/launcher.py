@@ -1,0 +1,151 @@
+"""`slipstream run`: bring up a job on a local Ray instance — private Redis, engines, rollout workers,
+one trainer — stream its progress, and tear everything down on every way out (Ctrl-C included).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import redis
+
+from replay_buffer import JobKeys, ReplayBuffer
+from slipstream.jobspec import JobSpec, to_json
+from slipstream.redis_server import ManagedRedis
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+STOP_TIMEOUT_S = 30.0
+
+
+class JobResult(msgspec.Struct):
+    version: int
+    elapsed_s: float
+    final_model: str
+    progress: list[dict]
+    buffer: dict
+
+
+def resolve_paths(spec: JobSpec) -> JobSpec:
+    """Absolute model/output paths: actors run with another working directory."""
+    model = msgspec.structs.replace(spec.model, path=str(Path(spec.model.path).resolve()))
+    return msgspec.structs.replace(spec, model=model, output_dir=str(Path(spec.output_dir).resolve()))
+
+
+def prepare_model(spec: JobSpec) -> None:
+    """Build the model if the spec asks for a recipe and the directory has none yet."""
+    path = Path(spec.model.path)
+    if (path / "config.json").exists():
+        return
+    if spec.model.build is None:
+        raise FileNotFoundError(f"model.path {path} has no config.json and model.build is not set")
+    from trainer.warmup import build_tiny_arith
+
+    log.info("building %s model at %s (%d SFT warm-up steps)", spec.model.build, path, spec.model.warmup_steps)
+    build_tiny_arith(path, max_operand=spec.dataset.max_operand, warmup_steps=spec.model.warmup_steps,
+                     seed=spec.dataset.seed)
+
+
+def format_progress(r: dict, total_steps: int) -> str:
+    return (
+        f"step {r['step']:>4}/{total_steps}  version {r['version']:>4}  reward {r['reward_mean']:.3f}  "
+        f"staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
+        f"loss {r['loss']:+.4f}  tok/s {r['tokens_per_s']:.0f}  step {r['step_s'] * 1e3:.0f} ms  "
+        f"wait {r['wait_s'] * 1e3:.0f} ms  swap {r['pause_s'] * 1e3:.0f} ms"
+    )
+
+
+def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
+    """Run `spec` to completion on a fresh local Ray instance; returns the summary."""
+    import ray
+
+    from slipstream.actors import EngineActor, RolloutActor, TrainerActor
+
+    spec = resolve_paths(spec)
+    out = Path(spec.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "job.json").write_text(to_json(spec))
+    prepare_model(spec)
+
+    managed = None
+    if spec.redis.url is None:
+        managed = ManagedRedis(data_dir=out / "redis", appendfsync=spec.redis.appendfsync).start()
+    redis_url = spec.redis.url or managed.url
+    r = redis.Redis.from_url(redis_url)
+    buffer = ReplayBuffer(r, spec.name)
+    keys = JobKeys(spec.name)
+    api_key = secrets.token_hex(16)  # every engine's control surface requires it
+    actors: list = []
+    progress: list[dict] = []
+    t0 = time.monotonic()
+    try:
+        ray.init(
+            address="local",
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=True,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1",
+                                      "TOKENIZERS_PARALLELISM": "false"}},
+        )
+        log.info("ray started; job %s", spec.name)
+        buffer.ensure_group()
+        if buffer.r.get(keys.version) is None:
+            buffer.set_version(0)
+        engines = [EngineActor.remote(spec, redis_url, api_key, i) for i in range(spec.generators.num_engines)]
+        actors += engines
+        urls = ray.get([e.start.remote() for e in engines])
+        log.info("engines up: %s", urls)
+        trainer = TrainerActor.remote(spec, redis_url, urls, api_key)
+        actors.append(trainer)
+        ray.get(trainer.setup.remote())
+        workers = [RolloutActor.remote(spec, redis_url, urls, api_key, i) for i in range(spec.generators.num_workers)]
+        actors += workers
+        worker_runs = [w.run.remote() for w in workers]
+        train_run = trainer.run.remote()
+        last_id = "0"
+        gen_tokens = 0
+        while True:
+            done, _ = ray.wait([train_run, *worker_runs], num_returns=1, timeout=0)
+            for ref in done:
+                ray.get(ref)  # re-raises an actor's failure here
+                if ref is not train_run:
+                    raise RuntimeError("a rollout worker exited before the trainer finished")
+            resp = r.xread({keys.progress: last_id}, block=500, count=100)
+            for _, entries in resp or []:
+                for entry_id, fields in entries:
+                    last_id = entry_id
+                    rec = json.loads(fields[b"j"])
+                    gen_tokens += rec["response_tokens"]
+                    rec["tokens_per_s"] = gen_tokens / max(rec["elapsed_s"], 1e-9)
+                    progress.append(rec)
+                    if on_progress:
+                        on_progress(rec)
+            if done:
+                break
+        result = ray.get(train_run)
+        for w in workers:
+            w.stop.remote()
+        ray.wait(worker_runs, num_returns=len(worker_runs), timeout=STOP_TIMEOUT_S)
+        stats = buffer.stats()
+        (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
+        return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
+    finally:
+        for a in actors:
+            try:
+                ray.kill(a)
+            except Exception:  # already dead
+                pass
+        if ray.is_initialized():
+            ray.shutdown()
+        r.close()
+        if managed:
+            managed.stop()
+        log.info("job %s: everything stopped", spec.name)

@@ -1,0 +1,44 @@
+"""Shared fixtures: a real private redis-server per test session, a fresh job namespace per test,
+and a tiny model directory built once."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    from slipstream.redis_server import ManagedRedis
+
+    with ManagedRedis(data_dir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def job_id() -> str:
+    return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Untrained tiny arithmetic model + tokenizer (seeded), shared by the tests that need weights."""
+    from generator_fleet.tasks.arith import ALPHABET, ArithTask
+    from trainer.tiny_model import build
+
+    path = tmp_path_factory.mktemp("tiny_model")
+    task = ArithTask()
+    build(path, ALPHABET, [p.prompt + str(p.answer) for p in task.problems], seed=0)
+    return path

@@ -1,0 +1,61 @@
+import pytest
+
+from slipstream import jobspec
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "job.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_example_demo_spec_is_valid():
+    spec = jobspec.load("examples/demo.yaml")
+    assert spec.model.build == "tiny-arith" and spec.buffer.max_staleness == 1
+
+
+def test_empty_spec_gets_defaults_that_run(tmp_path):
+    spec = jobspec.load(_write(tmp_path, ""))
+    assert spec.algorithm.groups_per_step >= 1 and spec.rollout.group_size >= 2
+
+
+@pytest.mark.parametrize(
+    "text, path",
+    [
+        ("algorithm: {lr: fast}", "$.algorithm.lr"),
+        ("trainer: {nonsense: 1}", "$.trainer.nonsense"),
+        ("rollout: {group_size: 1}", "$.rollout.group_size"),
+        ("buffer: {max_staleness: -1}", "$.buffer.max_staleness"),
+        ("rollout: {sampling: {top_p: 2}}", "$.rollout.sampling.top_p"),
+        ("bogus_section: {}", "$.bogus_section"),
+    ],
+)
+def test_bad_keys_fail_with_their_path(tmp_path, text, path):
+    with pytest.raises(jobspec.JobSpecError) as e:
+        jobspec.load(_write(tmp_path, text))
+    assert f"`{path}`" in str(e.value)
+
+
+def test_overrides_are_parsed_as_yaml(tmp_path):
+    spec = jobspec.load(_write(tmp_path, "algorithm: {lr: 0.1}"),
+                        ["algorithm.lr=1e-4", "buffer.max_staleness=0", "name=x"])
+    assert spec.algorithm.lr == 1e-4 and spec.buffer.max_staleness == 0 and spec.name == "x"
+
+
+def test_override_into_scalar_is_an_error(tmp_path):
+    with pytest.raises(jobspec.JobSpecError, match=r"\$\.name is not a section"):
+        jobspec.load(_write(tmp_path, "name: x"), ["name.sub=1"])
+
+
+def test_resolved_spec_round_trips_through_json():
+    import json
+
+    spec = jobspec.load("examples/demo.yaml")
+    assert jobspec.from_dict(json.loads(jobspec.to_json(spec))) == spec
+
+
+def test_cli_reports_bad_key_and_exit_code(tmp_path, capsys):
+    from slipstream.cli import main
+
+    assert main(["validate", str(_write(tmp_path, "algorithm: {total_steps: 0}"))]) == 2
+    assert "$.algorithm.total_steps" in capsys.readouterr().err

@@ -1,0 +1,144 @@
+"""The trainer loop: take a staleness-bounded batch, one importance-corrected policy step, commit, publish.
+
+Each step, in order (the order is the durability contract, DESIGN.md §3):
+  1. take_batch   — groups read from the stream, still pending (unacked)
+  2. optimizer step
+  3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
+  4. publish      — weights over the bus to every engine; only when all acknowledged:
+  5. version      — bump `version` in Redis; rollout admission and staleness follow it
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import redis
+import torch
+
+from replay_buffer import ReplayBuffer
+from slipstream.jobspec import JobSpec
+from trainer import metrics
+from trainer.batch import TrainBatch, build_batch
+from trainer.logprobs import token_logprobs
+from trainer.losses import approx_kl, policy_loss
+from weight_bus import WeightBus
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None) -> None:
+        self.spec = spec
+        self.buffer = ReplayBuffer(redis.Redis.from_url(redis_url), spec.name)
+        self.bus = WeightBus(
+            engine_urls,
+            api_key=api_key,
+            backend=spec.bus.backend,
+            bucket_bytes=spec.bus.bucket_bytes,
+            pause_mode=spec.bus.pause_mode,
+        )
+        self.model = None
+        self.tokenizer = None
+        self._stop = False
+
+    def setup(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(self.spec.algorithm.seed)
+        torch.set_num_threads(self.spec.trainer.torch_threads)
+        self.device = torch.device(self.spec.trainer.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=torch.float32).to(self.device)
+        self.model.train()
+        alg = self.spec.algorithm
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=alg.lr, weight_decay=alg.weight_decay)
+        self.buffer.ensure_group()
+        self.bus.connect()
+        log.info("trainer ready: %s, %d params, version %d", self.spec.model.path,
+                 sum(p.numel() for p in self.model.parameters()), self.buffer.version())
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        alg = self.spec.algorithm
+        dev = self.device
+        logp = token_logprobs(self.model, batch.input_ids.to(dev), batch.attention_mask.to(dev))
+        # One optimizer step per batch: pi_prox is the policy at batch time, i.e. these logprobs detached.
+        prox = logp.detach()
+        mask = batch.loss_mask.to(dev)
+        behav = batch.behav_logprobs.to(dev)
+        loss, stats = policy_loss(
+            logp, prox, behav, batch.advantages.to(dev), mask,
+            kind=alg.loss, clip_eps=alg.clip_eps, is_cap=alg.is_cap, agg=alg.loss_agg,
+        )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
+        self.opt.step()
+        return {
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "behav_kl": approx_kl(prox, behav, mask),
+            **stats,
+        }
+
+    def publish(self, version: int):
+        # Engines run fp32 on CPU here; the bus casts nothing. (FSDP2 full_tensor gathering: later issue.)
+        named = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        return self.bus.publish(named, version)
+
+    def run(self) -> dict:
+        """Train spec.algorithm.total_steps steps; returns the final summary."""
+        spec, alg = self.spec, self.spec.algorithm
+        version = self.buffer.version()
+        t_start = time.monotonic()
+        while version < alg.total_steps and not self._stop:
+            t0 = time.monotonic()
+            entries = self.buffer.take_batch(
+                alg.groups_per_step, version, spec.buffer.max_staleness, spec.buffer.read_block_ms,
+                should_stop=lambda: self._stop,
+            )
+            if len(entries) < alg.groups_per_step:
+                break  # stopping
+            t_data = time.monotonic()
+            groups = [e.group for e in entries]
+            batch = build_batch(groups, self.tokenizer.pad_token_id)
+            stats = self.train_step(batch)
+            t_step = time.monotonic()
+            self.buffer.commit(entries, version)
+            pub = self.publish(version + 1)
+            version += 1
+            self.buffer.set_version(version)
+            stale = [version - 1 - g.min_version for g in groups]
+            record = {
+                "step": version,
+                "version": version,
+                "reward_mean": float(batch.rewards.mean()),
+                "staleness_mean": sum(stale) / len(stale),
+                "staleness_max": max(stale),
+                "response_tokens": batch.num_response_tokens,
+                "wait_s": t_data - t0,
+                "step_s": t_step - t_data,
+                "publish_s": pub.transfer_s,
+                "pause_s": pub.pause_s,
+                "elapsed_s": time.monotonic() - t_start,
+                **stats,
+            }
+            self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
+            metrics.observe_step(record)
+        return {"version": version, "elapsed_s": time.monotonic() - t_start}
+
+    def save(self, path: str | Path) -> str:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        log.info("saved final model to %s", path)
+        return str(path)
+
+    def close(self) -> None:
+        self.bus.close()

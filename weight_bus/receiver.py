@@ -1,0 +1,65 @@
+"""Engine side of the weight bus: join update groups and receive broadcast tensors (blocking calls;
+the engine runs them off its event loop)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+
+from weight_bus.group import broadcast, dtype_from_name, new_group
+from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+
+log = logging.getLogger(__name__)
+
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+class WeightReceiver:
+    """Holds the engine's update groups by name (several may coexist, as in recent SGLang)."""
+
+    def __init__(self, device: str | torch.device = "cpu", tp_rank: int = 0) -> None:
+        self.device = torch.device(device)
+        self.tp_rank = tp_rank
+        self.groups: dict[str, dist.ProcessGroup] = {}
+
+    def init_group(self, req: InitWeightsUpdateGroup) -> None:
+        if req.group_name in self.groups:
+            raise ValueError(f"group {req.group_name!r} already exists; destroy it first")
+        rank = req.rank_offset + self.tp_rank
+        self.groups[req.group_name] = new_group(
+            req.master_address, int(req.master_port), rank, req.world_size, req.backend, req.group_name
+        )
+        log.info("joined weight group %s as rank %d/%d (%s)", req.group_name, rank, req.world_size, req.backend)
+
+    def destroy(self, group_name: str) -> None:
+        if self.groups.pop(group_name, None) is None:
+            raise ValueError(f"no group {group_name!r}")
+
+    def receive(self, req: UpdateWeightsFromDistributed) -> list[tuple[str, torch.Tensor]]:
+        """Receive the tensors named in `req` from rank 0; returns (name, tensor) in order."""
+        group = self.groups.get(req.group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {req.group_name!r}; call /init_weights_update_group")
+        if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        dtypes = [dtype_from_name(d) for d in req.dtypes]
+        if req.load_format == FLATTENED_BUCKET:
+            sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(req.shapes, dtypes)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            broadcast(group, flat)
+            out, off = [], 0
+            for name, shape, dtype, size in zip(req.names, req.shapes, dtypes, sizes):
+                out.append((name, flat[off : off + size].view(dtype).view(shape)))
+                off += size
+            return out
+        if req.load_format is not None:
+            raise ValueError(f"load_format {req.load_format!r}: expected null or {FLATTENED_BUCKET!r}")
+        out = []
+        for name, shape, dtype in zip(req.names, req.shapes, dtypes):
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            broadcast(group, t)
+            out.append((name, t))
+        return out

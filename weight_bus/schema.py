@@ -1,0 +1,41 @@
+"""Bodies of the engines' weight-update endpoints (SGLang native API, shared/SGLANG_API.md §3)."""
+
+from __future__ import annotations
+
+import msgspec
+
+DEFAULT_GROUP = "weight_update_group"
+
+
+class InitWeightsUpdateGroup(msgspec.Struct, kw_only=True):
+    """POST /init_weights_update_group: join {trainer rank 0, engine ranks} at tcp://addr:port."""
+
+    master_address: str
+    master_port: int | str
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):
+    """POST /update_weights_from_distributed: receive tensors broadcast from rank 0 in `names` order."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    """None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast of all tensors' bytes."""
+
+
+class DestroyWeightsUpdateGroup(msgspec.Struct, kw_only=True):
+    group_name: str = DEFAULT_GROUP
+
+
+class UpdateResult(msgspec.Struct):
+    success: bool
+    message: str
