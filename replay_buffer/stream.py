@@ -197,14 +197,17 @@ class ReplayBuffer:
         """Depth, pending, counters and the staleness distribution of consumed groups."""
         raw = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
         hist = {int(k): int(v) for k, v in self.r.hgetall(self.keys.staleness).items()}
-        try:
-            pending = self.r.xpending(self.keys.groups, TRAINER_GROUP)["pending"]
-        except redis.ResponseError:
-            pending = 0
+        pending, unread = 0, self.r.xlen(self.keys.groups)
+        for g in self.r.xinfo_groups(self.keys.groups) if self.r.exists(self.keys.groups) else []:
+            if g["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
+                pending = g["pending"]
+                last = g["last-delivered-id"]
+                unread = len(self.r.xrange(self.keys.groups, b"(" + last if isinstance(last, bytes) else "(" + last))
         return {
             "version": self.version(),
             "depth": self.r.xlen(self.keys.groups),
             "pending": pending,
+            "unread": unread,
             "dead_letter_depth": self.r.xlen(self.keys.dead_letter),
             "started": int(self.r.get(self.keys.started) or 0),
             **{k: raw.get(k, 0) for k in ("produced", "consumed", "dropped_stale", "dead_letter", "duplicates", "steps")},

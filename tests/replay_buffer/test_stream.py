@@ -27,12 +27,13 @@ def test_round_trip_and_ack_only_on_commit(buf, job_id):
     sent = [_group(job_id, 0, f"p{i}") for i in range(3)]
     for g in sent:
         buf.put(g)
+    assert buf.stats()["unread"] == 3
     batch = buf.take_batch(3, version=0, max_staleness=0, block_ms=100)
     assert [e.group for e in batch] == sent
     assert buf.stats()["pending"] == 3  # read but not yet trained: still pending
     buf.commit(batch, version=0)
     st = buf.stats()
-    assert st["pending"] == 0 and st["consumed"] == 3 and st["produced"] == 3
+    assert st["pending"] == 0 and st["unread"] == 0 and st["consumed"] == 3 and st["produced"] == 3
     assert st["staleness"] == {0: 3}
 
 

@@ -1,0 +1,82 @@
+"""Prometheus metrics of the built-in engine: SGLang's `sglang:*` names (the subset it can measure, labelled
+`model_name`) plus `slipstream_engine_*`, in a registry per engine so several engines share a process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from generator_fleet.engine.runner import Runner, RunnerStats
+
+# SGLang's default latency buckets are for GPU serving; these also resolve a tiny CPU model's milliseconds.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+PAUSE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class _SchedulerCollector(Collector):
+    """Reads the runner's state at scrape time, so gauges are never stale and the runner stays free of
+    prometheus code."""
+
+    def __init__(self, runner: Runner, model_name: str, waiting_at_gate: Callable[[], int]) -> None:
+        self.runner = runner
+        self.model_name = model_name
+        self.waiting_at_gate = waiting_at_gate
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.runner.snapshot()
+        stats: RunnerStats = self.runner.stats
+        gauges: dict[str, tuple[str, Any]] = {
+            "num_running_reqs": ("Requests in the running batch.", snap["num_running_reqs"]),
+            "num_queue_reqs": (
+                "Requests waiting for a batch (incl. calls held by a pause).",
+                snap["num_queue_reqs"] + self.waiting_at_gate(),
+            ),
+            "num_paused_reqs": ("Running requests parked by an in-place pause.", snap["num_paused_reqs"]),
+            "gen_throughput": ("Generation throughput of the last decode step (tokens/s).", stats.gen_throughput),
+            "max_total_num_tokens": ("Context length (no paged KV pool yet).", self.runner.context_length),
+        }
+        for name, (doc, value) in gauges.items():
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(value))
+            yield g
+        counters = {
+            "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
+            "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
+            "num_requests": ("Finished requests (any finish reason).", stats.num_requests_total),
+            "num_aborted_requests": ("Aborted requests.", stats.num_aborted_requests_total),
+        }
+        for name, (doc, value) in counters.items():
+            c = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            c.add_metric([self.model_name], float(value))
+            yield c
+
+
+class EngineMetrics:
+    """One engine's registry; the server observes request latencies, pauses and weight updates."""
+
+    def __init__(self, runner: Runner, model_name: str, waiting_at_gate: Callable[[], int] = lambda: 0) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_SchedulerCollector(runner, model_name, waiting_at_gate))
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self.e2e_latency = Histogram(
+            "sglang:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS_S, **labels
+        ).labels(model_name)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS_S, **labels
+        ).labels(model_name)
+        self.pause_seconds = Histogram(
+            "slipstream_engine_pause_seconds",
+            "Time from /pause_generation to /continue_generation.",
+            buckets=PAUSE_BUCKETS_S,
+            **labels,
+        ).labels(model_name)
+        self.weight_updates = Counter(
+            "slipstream_engine_weight_updates", "Successful weight updates (distributed or disk).", **labels
+        ).labels(model_name)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
