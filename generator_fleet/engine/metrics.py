@@ -36,7 +36,10 @@ class _SchedulerCollector(Collector):
                 snap["num_queue_reqs"] + self.waiting_at_gate(),
             ),
             "num_paused_reqs": ("Running requests parked by an in-place pause.", snap["num_paused_reqs"]),
-            "gen_throughput": ("Generation throughput of the last decode step (tokens/s).", stats.gen_throughput),
+            "gen_throughput": (
+                "Generation throughput of the last decode step (tokens/s).",
+                stats.gen_throughput,
+            ),
             "max_total_num_tokens": ("Context length (no paged KV pool yet).", self.runner.context_length),
         }
         for name, (doc, value) in gauges.items():
@@ -58,12 +61,17 @@ class _SchedulerCollector(Collector):
 class EngineMetrics:
     """One engine's registry; the server observes request latencies, pauses and weight updates."""
 
-    def __init__(self, runner: Runner, model_name: str, waiting_at_gate: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, runner: Runner, model_name: str, waiting_at_gate: Callable[[], int] = lambda: 0
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_SchedulerCollector(runner, model_name, waiting_at_gate))
         labels = {"labelnames": ["model_name"], "registry": self.registry}
         self.e2e_latency = Histogram(
-            "sglang:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS_S, **labels
+            "sglang:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            buckets=LATENCY_BUCKETS_S,
+            **labels,
         ).labels(model_name)
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS_S, **labels

@@ -311,7 +311,9 @@ class Runner:
                     self._updating = False
                     self._cv.notify_all()
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None) -> None:
+    def load_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> None:
         """Copy tensors into the parameters of the same HF name at a step boundary; all names and shapes
         are checked first, so a bad request changes nothing."""
         unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
@@ -508,7 +510,9 @@ class Runner:
             r.versions.append(version)
             if r.top_logprobs_num > 0:
                 top = torch.topk(logprobs[i], min(r.top_logprobs_num, logprobs.shape[-1]))
-                r.output_top_logprobs.append(list(zip(top.values.tolist(), top.indices.tolist(), strict=True)))
+                r.output_top_logprobs.append(
+                    list(zip(top.values.tolist(), top.indices.tolist(), strict=True))
+                )
             self.stats.generation_tokens_total += 1
             reason = self._check_finished(r)
             if reason is not None:

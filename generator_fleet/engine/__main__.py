@@ -1,0 +1,54 @@
+"""`python -m generator_fleet.engine --model PATH --port N`: serve one built-in engine until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m generator_fleet.engine", description=__doc__)
+    p.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--torch-threads", type=int, default=None)
+    p.add_argument("--weight-version", default="0")
+    p.add_argument(
+        "--context-length", type=int, default=None, help="default: the config's max_position_embeddings"
+    )
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from generator_fleet.engine.server import EngineServer  # after parsing: --help stays instant
+
+    server = EngineServer(
+        args.model,
+        api_key=args.api_key,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        torch_threads=args.torch_threads,
+        weight_version=args.weight_version,
+        context_length=args.context_length,
+        served_model_name=args.served_model_name,
+    ).start()
+
+    def shutdown(signum, frame) -> None:
+        logging.getLogger(__name__).info("signal %d: shutting down", signum)
+        server.stop()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    print(f"engine ready at {server.url}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

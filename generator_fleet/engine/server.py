@@ -1,0 +1,745 @@
+"""HTTP face of the built-in engine: SGLang's native API subset (shared/SGLANG_API.md) over a Runner.
+
+Handlers only parse, validate and wait: compute runs on the runner's generation thread, blocking
+collectives and loads in worker threads, so the event loop always answers /health and /abort_request.
+`EngineServer` runs the app under uvicorn in a background thread of any process (tests, Ray actors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+import uuid
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import httpx
+import msgspec
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from generator_fleet.engine.metrics import EngineMetrics
+from generator_fleet.engine.runner import Completion, Runner, SamplingParams
+from generator_fleet.engine.runner import Request as GenRequest
+from weight_bus.receiver import WeightReceiver
+from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+
+log = logging.getLogger(__name__)
+
+VERSION = "slipstream-builtin"
+HEALTH_CHECK_TIMEOUT_S = 20.0
+"""SGLANG_HEALTH_CHECK_TIMEOUT's default."""
+PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
+"""Reachable without the API key (liveness probes and Prometheus scrapes)."""
+
+# ---- request bodies ------------------------------------------------------------------------------
+
+
+class SamplingParamsIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`sampling_params` as sent: SGLang's keys only (others are a 400); null means the default."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_new_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    # Detokenization only: they shape `text`, never the tokens.
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    # Accepted and ignored: SGLang also ignores custom_params without a custom logit processor.
+    custom_params: dict[str, Any] | None = None
+    # Constrained decoding: accepted by the schema, refused when set (ignoring them would silently change
+    # what the policy generates).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    stop_regex: str | list[str] | None = None
+
+
+_CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
+
+
+class GenerateReqIn(msgspec.Struct, kw_only=True):
+    """POST /generate body (unknown top-level fields are ignored, as SGLang's dataclass does)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    input_embeds: list[Any] | None = None
+    sampling_params: SamplingParamsIn | list[SamplingParamsIn] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int | list[int]] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    lora_path: Any = None
+
+
+class PauseGeneration(msgspec.Struct, kw_only=True):
+    mode: str = "abort"
+
+
+class ContinueGeneration(msgspec.Struct, kw_only=True):
+    torch_empty_cache: bool = False
+
+
+class AbortRequest(msgspec.Struct, kw_only=True):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class UpdateWeightVersion(msgspec.Struct, kw_only=True):
+    new_version: str
+    abort_all_requests: bool = False
+
+
+class UpdateWeightsFromDisk(msgspec.Struct, kw_only=True):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+
+T = TypeVar("T")
+
+
+class BadRequest(Exception):
+    """A handler's ValueError-class failure, rendered as {"error": {"message"}} (SGLang)."""
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def _json(obj: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
+
+
+def _validation_error(message: str) -> Response:
+    return _json(
+        {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}, 400
+    )
+
+
+def _http_error(code: int, message: str) -> Response:
+    body = {
+        "object": "error",
+        "message": message,
+        "type": HTTPStatus(code).phrase,
+        "param": None,
+        "code": code,
+    }
+    return _json(body, code)
+
+
+def _value_error(message: str, code: int = 400) -> Response:
+    return _json({"error": {"message": message}}, code)
+
+
+def _control(success: bool, message: str, **extra: Any) -> Response:
+    return _json({"success": success, "message": message, **extra}, 200 if success else 400)
+
+
+async def _decode(request: Request, typ: type[T]) -> T:
+    """Decode the body into `typ`; an empty body means all defaults (SGLang's control endpoints accept it)."""
+    body = await request.body()
+    return msgspec.json.decode(body or b"{}", type=typ)
+
+
+# ---- /generate helpers ---------------------------------------------------------------------------
+
+
+class _Item(msgspec.Struct):
+    """One result of a /generate call: the runner request plus what shapes its JSON."""
+
+    req: GenRequest
+    sp: SamplingParamsIn
+
+
+def _per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
+    if isinstance(value, list):
+        if len(value) != n_items:
+            raise BadRequest(f"{name} has {len(value)} entries for a batch of {n_items}")
+        value = value[i]
+    return default if value is None else value
+
+
+def _resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> SamplingParams:
+    for key in _CONSTRAINED:
+        if getattr(sp, key) is not None:
+            raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
+    fields = {
+        f: getattr(sp, f)
+        for f in SamplingParams.__struct_fields__
+        if f not in ("stop", "stop_token_ids", "logit_bias") and getattr(sp, f, None) is not None
+    }
+    if sp.stop is not None:
+        fields["stop"] = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
+    if sp.stop_token_ids is not None:
+        fields["stop_token_ids"] = tuple(sp.stop_token_ids)
+    if sp.logit_bias:
+        try:
+            fields["logit_bias"] = {int(k): float(v) for k, v in sp.logit_bias.items()}
+        except ValueError:
+            raise BadRequest("logit_bias keys must be token ids") from None
+    # SGLang: an explicit max_new_tokens that does not fit is an error; the default is clamped.
+    max_total = runner.context_length - 1
+    if sp.max_new_tokens is not None and prompt_len + sp.max_new_tokens > max_total:
+        raise BadRequest(
+            f"Requested token count exceeds the model's maximum context length of {runner.context_length} "
+            f"tokens. You requested a total of {prompt_len + sp.max_new_tokens} tokens: {prompt_len} tokens "
+            f"from the input messages and {sp.max_new_tokens} tokens for the completion."
+        )
+    if sp.max_new_tokens is None:
+        fields["max_new_tokens"] = max(0, min(SamplingParams().max_new_tokens, max_total - prompt_len))
+    params = SamplingParams(**fields)
+    try:
+        params.verify()
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    return params
+
+
+def _expand(body: GenerateReqIn, runner: Runner) -> tuple[list[_Item], bool]:
+    """Turn a /generate body into runner requests in response order; returns (items, is_batch)."""
+    for key in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "token_ids_logprob"):
+        if getattr(body, key) is not None:
+            raise BadRequest(f"{key} is not supported by the built-in engine")
+    if (body.text is None) == (body.input_ids is None):
+        raise BadRequest("Either text or input_ids should be provided.")
+    if body.text is not None:
+        texts = [body.text] if isinstance(body.text, str) else body.text
+        prompts = [runner.tokenizer.encode(t) for t in texts]
+        is_batch = not isinstance(body.text, str)
+    else:
+        ids = body.input_ids
+        if not ids:
+            raise BadRequest("input_ids cannot be empty.")
+        if all(isinstance(x, int) for x in ids):
+            prompts, is_batch = [list(ids)], False
+        elif all(isinstance(x, list) for x in ids):
+            prompts, is_batch = [list(x) for x in ids], True
+        else:
+            raise BadRequest("input_ids must be a list of ints or a list of lists of ints.")
+    if not prompts:
+        raise BadRequest("the batch is empty.")
+    for p in prompts:
+        if not p:
+            raise BadRequest("input_ids cannot be empty.")
+        if len(p) >= runner.context_length:
+            raise BadRequest(
+                f"The input ({len(p)} tokens) is longer than the model's context length ({runner.context_length} tokens)."
+            )
+        if min(p) < 0 or max(p) >= runner.vocab_size:
+            raise BadRequest(
+                f"The input_ids {p} contain values outside the vocabulary (size {runner.vocab_size})."
+            )
+
+    sps = body.sampling_params
+    if isinstance(sps, list) and not is_batch:
+        raise BadRequest("sampling_params is a list but the request is not a batch.")
+    sps_by_prompt = [
+        _per_item(sps, i, len(prompts), "sampling_params", SamplingParamsIn()) for i in range(len(prompts))
+    ]
+    ns = {sp.n if sp.n is not None else 1 for sp in sps_by_prompt}
+    if len(ns) != 1:
+        raise BadRequest("The parallel sample number n must be the same across a batch.")
+    n = ns.pop()
+    if n < 1:
+        raise BadRequest(f"n must be at least 1, got {n}.")
+    rids = body.rid
+    if isinstance(rids, list) and len(rids) != len(prompts):
+        raise BadRequest("The rid list must match the batch size.")
+    if isinstance(rids, list) and len(set(rids)) != len(rids):
+        raise BadRequest("Duplicate rids in one batch.")
+    is_batch = is_batch or n > 1
+
+    items: list[_Item] = []
+    for i, (prompt, sp) in enumerate(zip(prompts, sps_by_prompt, strict=True)):
+        params = _resolve_sampling(sp, len(prompt), runner)
+        return_logprob = bool(_per_item(body.return_logprob, i, len(prompts), "return_logprob", False))
+        start = int(_per_item(body.logprob_start_len, i, len(prompts), "logprob_start_len", -1))
+        top_k = int(_per_item(body.top_logprobs_num, i, len(prompts), "top_logprobs_num", 0))
+        for _ in range(n):
+            if n > 1 or rids is None:
+                rid = uuid.uuid4().hex  # SGLang gives parallel samples fresh rids
+            elif isinstance(rids, list):
+                rid = rids[i]
+            else:
+                rid = f"{rids}_{i}" if is_batch else rids
+            req = GenRequest(
+                rid,
+                prompt,
+                params,
+                return_logprob=return_logprob,
+                logprob_start_len=start,
+                top_logprobs_num=top_k,
+            )
+            items.append(_Item(req, sp))
+    return items, is_batch
+
+
+def _render(c: Completion, item: _Item, tokenizer, return_text_in_logprobs: bool) -> dict[str, Any]:
+    """SGLang's non-streaming /generate result for one request."""
+    sp, req = item.sp, item.req
+    skip = sp.skip_special_tokens is not False
+    spaces = sp.spaces_between_special_tokens is not False
+    text_ids = c.output_ids
+    matched = c.finish_reason.get("matched")
+    if isinstance(matched, int) and not sp.no_stop_trim and text_ids:
+        text_ids = text_ids[:-1]  # SGLang trims the matched stop token from text (not from output_ids)
+    text = tokenizer.decode(text_ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    if isinstance(matched, str) and not sp.no_stop_trim:
+        cut = text.find(matched)
+        if cut >= 0:
+            text = text[:cut]
+    meta: dict[str, Any] = {
+        "id": c.rid,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+        "completion_tokens": len(c.output_ids),
+        "cached_tokens": 0,
+        "reasoning_tokens": 0,
+        "weight_version": c.weight_version,
+        "num_retractions": 0,
+    }
+    if len(c.weight_versions) > 1:
+        meta["weight_versions"] = c.weight_versions
+    if req.return_logprob:
+
+        def tok_text(t: int) -> str | None:
+            return tokenizer.decode([t]) if return_text_in_logprobs else None
+
+        meta["output_token_logprobs"] = [
+            [lp, t, tok_text(t)] for lp, t in zip(c.output_logprobs, c.output_ids, strict=True)
+        ]
+        meta["output_token_logprobs_length"] = len(c.output_ids)
+        if c.input_logprobs is not None:
+            prompt = req.prompt_ids[len(req.prompt_ids) - len(c.input_logprobs) :]
+            meta["input_token_logprobs"] = [
+                [lp, t, tok_text(t)] for lp, t in zip(c.input_logprobs, prompt, strict=True)
+            ]
+        else:
+            meta["input_token_logprobs"] = []
+        if c.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [
+                [[lp, t, tok_text(t)] for lp, t in pos] for pos in c.output_top_logprobs
+            ]
+            meta["input_top_logprobs"] = None
+    meta["e2e_latency"] = c.e2e_latency
+    return {"text": text, "output_ids": c.output_ids, "meta_info": meta}
+
+
+# ---- the app -------------------------------------------------------------------------------------
+
+
+class _BearerAuth:
+    """ASGI middleware: with an API key, everything but GET /health and GET /metrics needs
+    `Authorization: Bearer <key>` (plain ASGI, so it adds nothing to the /generate path but a compare)."""
+
+    def __init__(self, app, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.expected is not None and scope["type"] == "http":
+            public = scope["method"] == "GET" and scope["path"] in PUBLIC_GET_PATHS
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not public and not hmac.compare_digest(given, self.expected):
+                await _json({"error": {"message": "Unauthorized"}}, 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _EngineState:
+    """Per-app state that lives on the event loop: the pause gate, the weight receiver, metrics."""
+
+    def __init__(self, runner: Runner, model_name: str) -> None:
+        self.runner = runner
+        self.model_name = model_name
+        self.receiver = WeightReceiver(runner.device)
+        # New /generate calls wait on this while paused (SGLang: no error, they go on after continue).
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
+        self.waiting = 0
+        self.paused_at: float | None = None
+        self.weight_lock = asyncio.Lock()  # one weight operation at a time: groups receive in order
+        self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
+
+
+def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
+    """The FastAPI app over a started runner (EngineServer wires lifecycle; tests may use this alone)."""
+    model_name = served_model_name or runner.model_path
+    app = FastAPI(title="slipstream built-in engine", openapi_url=None, docs_url=None, redoc_url=None)
+    state = _EngineState(runner, model_name)
+    app.state.engine = state
+
+    app.add_middleware(_BearerAuth, api_key=api_key)
+
+    @app.exception_handler(msgspec.DecodeError)  # also catches its subclass msgspec.ValidationError
+    async def on_validation_error(request: Request, exc: Exception) -> Response:
+        return _validation_error(str(exc))
+
+    @app.exception_handler(BadRequest)
+    async def on_bad_request(request: Request, exc: Exception) -> Response:
+        return _value_error(str(exc))
+
+    @app.exception_handler(Exception)
+    async def on_error(request: Request, exc: Exception) -> Response:
+        # An engine bug still answers in SGLang's shape (Starlette logs the traceback).
+        return _http_error(500, f"{type(exc).__name__}: {exc}")
+
+    # ---- generation ----
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await _decode(request, GenerateReqIn)
+        if body.stream:
+            raise BadRequest("stream not supported by the built-in engine")
+        items, is_batch = _expand(body, runner)
+        if not state.unpaused.is_set():
+            state.waiting += 1
+            try:
+                await state.unpaused.wait()
+            finally:
+                state.waiting -= 1
+        futures = [asyncio.wrap_future(runner.submit(it.req)) for it in items]
+        try:
+            completions = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            # The client went away: free the rows (SGLang aborts on disconnect too).
+            runner.abort_requests([it.req for it in items], "Client disconnected")
+            raise
+        for c in completions:
+            state.metrics.e2e_latency.observe(c.e2e_latency)
+            if c.time_to_first_token is not None:
+                state.metrics.ttft.observe(c.time_to_first_token)
+        out = [
+            _render(c, it, runner.tokenizer, body.return_text_in_logprobs)
+            for c, it in zip(completions, items, strict=True)
+        ]
+        return _json(out if is_batch else out[0])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _decode(request, AbortRequest)
+        n = runner.abort(body.rid, body.abort_all)
+        if n:
+            log.info("aborted %d request(s) (rid=%r, abort_all=%s)", n, body.rid, body.abort_all)
+        return Response(status_code=200)
+
+    # ---- pause / continue ----
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await _decode(request, PauseGeneration)
+        if body.mode not in ("abort", "in_place"):
+            return _control(False, f"pause mode {body.mode!r} is not supported by the built-in engine")
+        state.unpaused.clear()
+        if state.paused_at is None:
+            state.paused_at = time.monotonic()
+        await asyncio.to_thread(runner.pause, body.mode)  # "abort" returns once aborted calls have returned
+        log.info("generation paused (mode=%s)", body.mode)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        await _decode(request, ContinueGeneration)
+        runner.resume()
+        state.unpaused.set()
+        if state.paused_at is not None:
+            state.metrics.pause_seconds.observe(time.monotonic() - state.paused_at)
+            state.paused_at = None
+        log.info("generation continued (weight version %s)", runner.weight_version)
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+    # ---- weights ----
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        body = await _decode(request, InitWeightsUpdateGroup)
+        async with state.weight_lock:
+            try:
+                # Blocks until the trainer (rank 0) and every other engine rank have joined.
+                await asyncio.to_thread(state.receiver.init_group, body)
+            except Exception as e:
+                log.warning("init_weights_update_group failed: %s", e)
+                return _control(False, f"Failed to init weight update group: {e}")
+        log.info("joined weight update group %s", body.group_name)
+        return _control(True, "Succeeded to initialize custom process group.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = await _decode(request, UpdateWeightsFromDistributed)
+        async with state.weight_lock:
+            if body.abort_all_requests:
+                runner.abort(abort_all=True)
+            try:
+                named = await asyncio.to_thread(state.receiver.receive, body)
+                await asyncio.to_thread(runner.load_weights, named, body.weight_version)
+            except Exception as e:
+                log.warning("update_weights_from_distributed failed: %s", e)
+                return _control(False, f"Failed to update weights: {e}")
+        state.metrics.weight_updates.inc()
+        log.info(
+            "weights updated from %s (%d tensors) to version %s",
+            body.group_name,
+            len(named),
+            runner.weight_version,
+        )
+        return _control(True, "Succeeded to update parameter online.")
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = await _decode(request, DestroyWeightsUpdateGroup)
+        async with state.weight_lock:
+            try:
+                state.receiver.destroy(body.group_name)
+            except ValueError as e:
+                return _control(False, str(e))
+        log.info("left weight update group %s", body.group_name)
+        return _control(True, "Succeeded to destroy custom process group.")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await _decode(request, UpdateWeightsFromDisk)
+        async with state.weight_lock:
+            if body.abort_all_requests:
+                runner.abort(abort_all=True)
+            try:
+                await asyncio.to_thread(runner.load_weights_from_disk, body.model_path, body.weight_version)
+            except Exception as e:
+                log.warning("update_weights_from_disk(%s) failed: %s", body.model_path, e)
+                return _control(
+                    False, f"Failed to update weights from {body.model_path}: {e}", num_paused_requests=0
+                )
+        state.metrics.weight_updates.inc()
+        log.info("weights updated from disk %s to version %s", body.model_path, runner.weight_version)
+        return _control(True, "Succeeded to update model weights.", num_paused_requests=0)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> Response:
+        body = await _decode(request, UpdateWeightVersion)
+        if body.abort_all_requests:
+            runner.abort(abort_all=True)
+        runner.set_weight_version(body.new_version)
+        log.info("weight version set to %s", body.new_version)
+        return _json(
+            {
+                "success": True,
+                "message": f"Weight version updated to {body.new_version}",
+                "new_version": body.new_version,
+            }
+        )
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return _json({"weight_version": runner.weight_version})
+
+    # ---- info and health ----
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if runner.paused:
+            return _http_error(503, "generation is paused")
+        req = GenRequest(
+            f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0.0)
+        )
+        try:
+            c = await asyncio.wait_for(asyncio.wrap_future(runner.submit(req)), HEALTH_CHECK_TIMEOUT_S)
+        except Exception as e:
+            runner.abort_requests([req], "health check timed out")
+            return _http_error(503, f"health check failed: {e!r}")
+        if c.finish_reason["type"] == "abort":
+            return _http_error(503, f"health check aborted: {c.finish_reason['message']}")
+        return Response(status_code=200)
+
+    def model_info() -> dict[str, Any]:
+        cfg = runner.config
+        return {
+            "model_path": runner.model_path,
+            "tokenizer_path": runner.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": runner.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+        }
+
+    def server_info() -> dict[str, Any]:
+        snap = runner.snapshot()
+        return {
+            "model_path": runner.model_path,
+            "tokenizer_path": runner.model_path,
+            "served_model_name": model_name,
+            "weight_version": runner.weight_version,
+            "device": str(runner.device),
+            "dtype": str(runner.dtype).removeprefix("torch."),
+            "max_batch_size": runner.max_batch_size,
+            "max_running_requests": runner.max_batch_size,
+            "context_length": runner.context_length,
+            "max_total_num_tokens": runner.context_length,
+            "max_req_input_len": runner.context_length - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "weight_update_groups": sorted(state.receiver.groups),
+            "internal_states": [{**snap, "num_queue_reqs": snap["num_queue_reqs"] + state.waiting}],
+            "version": VERSION,
+        }
+
+    async def get_model_info() -> Response:
+        return _json(model_info())
+
+    async def get_server_info() -> Response:
+        return _json(server_info())
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, get_model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, get_server_info, methods=["GET"])
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        # No prefix cache yet: there is nothing to flush, and nothing can make the flush fail.
+        return Response(
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n",
+            media_type="text/plain",
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        data, content_type = state.metrics.render()
+        return Response(data, media_type=content_type)
+
+    return app
+
+
+# ---- running it ----------------------------------------------------------------------------------
+
+
+class EngineServer:
+    """The built-in engine in a background thread: `start()` loads the model, serves, and returns once
+    /health answers; `stop()` aborts in-flight requests and joins both threads."""
+
+    def __init__(
+        self,
+        model_path: str,
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        device: str = "cpu",
+        max_batch_size: int = 256,
+        torch_threads: int | None = None,
+        weight_version: str = "0",
+        context_length: int | None = None,
+        served_model_name: str | None = None,
+    ) -> None:
+        self.model_path = str(model_path)
+        self.api_key = api_key
+        self.host = host
+        self.port = port
+        """0 until start() when 0 was asked: then the port the OS picked."""
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.torch_threads = torch_threads
+        self.weight_version = weight_version
+        self.context_length = context_length
+        self.served_model_name = served_model_name
+        self.runner: Runner | None = None
+        self.app: FastAPI | None = None
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 120.0) -> EngineServer:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)  # process-wide: one engine per process in production
+        self.runner = Runner(
+            self.model_path,
+            device=self.device,
+            max_batch_size=self.max_batch_size,
+            weight_version=self.weight_version,
+            context_length=self.context_length,
+        )
+        self.runner.start()
+        self.app = build_app(self.runner, api_key=self.api_key, served_model_name=self.served_model_name)
+        # Bind here so port=0 resolves before uvicorn starts and the URL is known to the caller.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name=f"engine-http-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if not self._thread.is_alive() or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"engine at {self.url} did not become healthy")
+                time.sleep(0.02)  # uvicorn offers no startup event to wait on; /health is the signal
+        log.info("engine serving %s at %s (version %s)", self.model_path, self.url, self.weight_version)
+        return self
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.stop()  # first, so open /generate calls return (aborted) and uvicorn can drain
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+        log.info("engine at %s stopped", self.url)
+
+    def serve_forever(self) -> None:
+        """Block until the server thread ends (the CLI's main thread)."""
+        assert self._thread is not None, "start() first"
+        self._thread.join()
+
+    def __enter__(self) -> EngineServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
