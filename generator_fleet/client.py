@@ -163,6 +163,31 @@ class EngineClient:
             obj = obj[0]
         return parse_generate(obj)
 
+    async def generate_batch(
+        self,
+        input_ids: list[list[int]],
+        sampling_params: list[dict[str, Any]],
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> list[GenerateResult]:
+        """One sample for each of several prompts in ONE request (results in input order). A group's G
+        samples go this way: one HTTP round trip instead of G; `rid` becomes "{rid}_{i}" per item, so
+        aborting `rid` (prefix match) aborts the whole batch."""
+        if len(input_ids) != len(sampling_params):
+            raise ValueError("input_ids and sampling_params must have the same length")
+        body: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
+        if rid is not None:
+            body["rid"] = rid
+        resp = await self._request("POST", "/generate", body)
+        objs = resp.json()
+        if not isinstance(objs, list) or len(objs) != len(input_ids):
+            raise EngineError(resp.status_code, f"expected a list of {len(input_ids)} results", self.base_url)
+        return [parse_generate(o) for o in objs]
+
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort by rid prefix, or everything; the aborted generate() calls return finish_reason "abort"."""
         await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})

@@ -1,9 +1,6 @@
 """Rollout worker: keeps `concurrency` groups in flight, samples G responses per prompt from the engines,
 scores them and streams each finished group into the replay buffer. It never waits for the trainer;
 only admission control (max_staleness versions ahead) holds it back.
-
-A sample aborted by an engine (pause mode `abort`) is resumed from its token prefix, so no request is
-lost; an engine error retries the sample on another engine.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ log = logging.getLogger(__name__)
 ADMISSION_POLL_S = 0.05
 """How often a worker blocked by admission control re-checks the version (seconds)."""
 MAX_ATTEMPTS = 5
-"""Engine errors tolerated per sample before the group is given up (its admission slot is released)."""
+"""Engine errors tolerated per group before the group is given up (its admission slot is released)."""
 
 
 class EnginePool:
@@ -45,8 +42,9 @@ class EnginePool:
 
 
 class RolloutWorker:
-    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None,
-                 worker_id: int = 0) -> None:
+    def __init__(
+        self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None, worker_id: int = 0
+    ) -> None:
         self.spec = spec
         self.redis_url = redis_url
         self.engine_urls = engine_urls
@@ -68,8 +66,12 @@ class RolloutWorker:
         r = aioredis.Redis.from_url(self.redis_url)
         self.producer = BufferProducer(r, spec.name)
         self.produced = 0
-        log.info("rollout worker %d: %d engines, concurrency %d", self.worker_id, len(self.engine_urls),
-                 spec.rollout.concurrency)
+        log.info(
+            "rollout worker %d: %d engines, concurrency %d",
+            self.worker_id,
+            len(self.engine_urls),
+            spec.rollout.concurrency,
+        )
         try:
             await asyncio.gather(*(self._loop() for _ in range(spec.rollout.concurrency)))
         finally:
@@ -99,47 +101,65 @@ class RolloutWorker:
             self.produced += 1
 
     async def _group(self, problem) -> list[Sample]:
-        prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
-        t0 = time.monotonic()
-        samples = await asyncio.gather(
-            *(self._sample(problem, prompt_ids) for _ in range(self.spec.rollout.group_size))
-        )
-        metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
-        return list(samples)
-
-    async def _sample(self, problem, prompt_ids: list[int]) -> Sample:
+        """All G samples of one prompt through one batched /generate per round. Samples aborted by a
+        pause are resumed from their token prefix in the next round; an engine error retries the
+        unfinished samples on another engine."""
         sp = self.spec.rollout.sampling
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
+        g = self.spec.rollout.group_size
+        prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
+        ids: list[list[int]] = [[] for _ in range(g)]
+        logprobs: list[list[float]] = [[] for _ in range(g)]
+        versions: list[list[int]] = [[] for _ in range(g)]
+        finish: list[str | None] = [None] * g
         failed: set[int] = set()
         attempts = 0
-        while True:
-            i = self.engines.pick(exclude=failed)
-            params = {"temperature": sp.temperature, "top_p": sp.top_p, "max_new_tokens": sp.max_new_tokens - len(ids)}
-            self.engines.outstanding[i] += 1
+        t0 = time.monotonic()
+        while todo := [i for i in range(g) if finish[i] is None]:
+            e = self.engines.pick(exclude=failed)
+            params = [
+                {
+                    "temperature": sp.temperature,
+                    "top_p": sp.top_p,
+                    "max_new_tokens": sp.max_new_tokens - len(ids[i]),
+                }
+                for i in todo
+            ]
+            self.engines.outstanding[e] += len(todo)
             try:
-                res = await self.engines.clients[i].generate(prompt_ids + ids, params, return_logprob=True)
-            except EngineError as e:
+                results = await self.engines.clients[e].generate_batch(
+                    [prompt_ids + ids[i] for i in todo], params, return_logprob=True
+                )
+            except EngineError as err:
                 attempts += 1
-                failed.add(i)
+                failed.add(e)
                 metrics.ENGINE_ERRORS.inc()
                 if attempts >= MAX_ATTEMPTS:
                     raise
-                log.warning("engine %s failed (%s); retrying sample elsewhere", self.engine_urls[i], e)
+                log.warning("engine %s failed (%s); retrying group elsewhere", self.engine_urls[e], err)
                 continue
             finally:
-                self.engines.outstanding[i] -= 1
-            ids += res.output_ids
-            logprobs += res.output_logprobs
-            versions += res.token_versions
-            # Aborted by a pause: resume from the prefix (tokens so far keep their versions/logprobs).
-            if res.finish_reason == "abort" and len(ids) < sp.max_new_tokens and not self._stop.is_set():
-                metrics.RESUMED.inc()
-                continue
-            break
+                self.engines.outstanding[e] -= len(todo)
+            for i, res in zip(todo, results, strict=True):
+                ids[i] += res.output_ids
+                logprobs[i] += res.output_logprobs
+                versions[i] += res.token_versions
+                # Aborted by a pause: resume from the prefix (tokens so far keep their versions/logprobs).
+                if (
+                    res.finish_reason == "abort"
+                    and len(ids[i]) < sp.max_new_tokens
+                    and not self._stop.is_set()
+                ):
+                    metrics.RESUMED.inc()
+                    continue
+                finish[i] = res.finish_reason if res.finish_reason in ("stop", "length") else "abort"
+        metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
+        return [
+            self._sample(problem, prompt_ids, ids[i], logprobs[i], versions[i], finish[i]) for i in range(g)
+        ]
+
+    def _sample(self, problem, prompt_ids, ids, logprobs, versions, finish_reason) -> Sample:
         eos = self.tokenizer.eos_token_id
-        finished_by_eos = bool(ids) and ids[-1] == eos and res.finish_reason == "stop"
+        finished_by_eos = bool(ids) and ids[-1] == eos and finish_reason == "stop"
         text = self.tokenizer.decode(ids[:-1] if finished_by_eos else ids)
         reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
         metrics.TOKENS.inc(len(ids))
@@ -151,5 +171,5 @@ class RolloutWorker:
             behavior_logprobs=logprobs,
             token_versions=versions,
             reward=reward,
-            finish_reason=res.finish_reason if res.finish_reason in ("stop", "length") else "abort",
+            finish_reason=finish_reason,
         )

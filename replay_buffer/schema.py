@@ -70,7 +70,9 @@ def new_group_id() -> str:
     return uuid.uuid4().hex
 
 
-def make_group(job_id: str, prompt_id: str, samples: list[Sample], group_id: str | None = None) -> GroupRecord:
+def make_group(
+    job_id: str, prompt_id: str, samples: list[Sample], group_id: str | None = None
+) -> GroupRecord:
     """Build a record, deriving the version span from the samples' model tokens."""
     versions = [v for s in samples for v, m in zip(s.token_versions, s.loss_mask, strict=True) if m]
     if not versions:

@@ -57,7 +57,9 @@ class BufferProducer:
 
     async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
         """Atomically reserve one group slot; False when the fleet is max_staleness versions ahead."""
-        n = await self._admit(keys=[self.keys.started, self.keys.version], args=[groups_per_step, max_staleness])
+        n = await self._admit(
+            keys=[self.keys.started, self.keys.version], args=[groups_per_step, max_staleness]
+        )
         return int(n) > 0
 
     async def release(self) -> None:
@@ -202,7 +204,9 @@ class ReplayBuffer:
             if g["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
                 pending = g["pending"]
                 last = g["last-delivered-id"]
-                unread = len(self.r.xrange(self.keys.groups, b"(" + last if isinstance(last, bytes) else "(" + last))
+                unread = len(
+                    self.r.xrange(self.keys.groups, b"(" + last if isinstance(last, bytes) else "(" + last)
+                )
         return {
             "version": self.version(),
             "depth": self.r.xlen(self.keys.groups),
@@ -210,7 +214,10 @@ class ReplayBuffer:
             "unread": unread,
             "dead_letter_depth": self.r.xlen(self.keys.dead_letter),
             "started": int(self.r.get(self.keys.started) or 0),
-            **{k: raw.get(k, 0) for k in ("produced", "consumed", "dropped_stale", "dead_letter", "duplicates", "steps")},
+            **{
+                k: raw.get(k, 0)
+                for k in ("produced", "consumed", "dropped_stale", "dead_letter", "duplicates", "steps")
+            },
             "staleness": dict(sorted(hist.items())),
         }
 

@@ -36,6 +36,7 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     sh.setLevel(logging.WARNING)
     sh.setFormatter(fmt)
     root.handlers[:] = [fh, sh]
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
     port = free_port()
     start_http_server(port, addr="127.0.0.1")
     redis.Redis.from_url(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
@@ -66,7 +67,9 @@ class EngineActor:
 
 @ray.remote(num_cpus=0)
 class RolloutActor:
-    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str, index: int) -> None:
+    def __init__(
+        self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str, index: int
+    ) -> None:
         from generator_fleet.rollout import RolloutWorker
 
         _setup_process(spec, f"rollout-{index}", redis_url, 1)

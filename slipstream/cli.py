@@ -14,12 +14,20 @@ from slipstream import jobspec
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name, help_ in (("run", "run a job on a local Ray instance with a private Redis"),
-                        ("validate", "check a job spec and print it resolved")):
+    for name, help_ in (
+        ("run", "run a job on a local Ray instance with a private Redis"),
+        ("validate", "check a job spec and print it resolved"),
+    ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("spec", help="job spec YAML")
-        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable)")
+        s.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable)",
+        )
     return p
 
 
@@ -38,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     from slipstream.launcher import format_progress, run_job
 
     try:
-        result = run_job(spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True))
+        result = run_job(
+            spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True)
+        )
     except KeyboardInterrupt:
         print("slipstream: interrupted; job stopped", file=sys.stderr)
         return 130

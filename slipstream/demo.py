@@ -52,11 +52,19 @@ def evaluate(model_path: str, spec: jobspec.JobSpec, seed: int = 1234) -> dict:
     with torch.no_grad():
         greedy = model.generate(input_ids=ids, attention_mask=attn, do_sample=False, **common)
         sampled = model.generate(
-            input_ids=ids.repeat_interleave(EVAL_SAMPLES, 0), attention_mask=attn.repeat_interleave(EVAL_SAMPLES, 0),
-            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, **common,
+            input_ids=ids.repeat_interleave(EVAL_SAMPLES, 0),
+            attention_mask=attn.repeat_interleave(EVAL_SAMPLES, 0),
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            **common,
         )
-    return {"sampled_reward": score_all(sampled, EVAL_SAMPLES), "greedy_reward": score_all(greedy, 1),
-            "problems": len(task)}
+    return {
+        "sampled_reward": score_all(sampled, EVAL_SAMPLES),
+        "greedy_reward": score_all(greedy, 1),
+        "problems": len(task),
+    }
 
 
 def plot(progress: list[dict], before: dict, after: dict, path: Path) -> None:
@@ -69,8 +77,15 @@ def plot(progress: list[dict], before: dict, after: dict, path: Path) -> None:
     rewards = [p["reward_mean"] for p in progress]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, rewards, marker=".", label="training batch reward (sampled)")
-    ax.axhline(before["sampled_reward"], color="gray", ls="--", label=f"eval before RL {before['sampled_reward']:.2f}")
-    ax.axhline(after["sampled_reward"], color="green", ls="--", label=f"eval after RL {after['sampled_reward']:.2f}")
+    ax.axhline(
+        before["sampled_reward"],
+        color="gray",
+        ls="--",
+        label=f"eval before RL {before['sampled_reward']:.2f}",
+    )
+    ax.axhline(
+        after["sampled_reward"], color="green", ls="--", label=f"eval after RL {after['sampled_reward']:.2f}"
+    )
     ax.set_xlabel("optimizer step (= weight version)")
     ax.set_ylabel("mean reward")
     ax.set_title("Slipstream demo: async GRPO on a+b (tiny Qwen2, CPU)")
@@ -95,22 +110,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] preparing model at {spec.model.path}", flush=True)
     prepare_model(spec)
     before = evaluate(spec.model.path, spec)
-    print(f"[demo] before RL: sampled reward {before['sampled_reward']:.3f}, greedy {before['greedy_reward']:.3f}",
-          flush=True)
-    print(f"[demo] training {spec.algorithm.total_steps} steps, max_staleness {spec.buffer.max_staleness}", flush=True)
-    result = run_job(spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True))
+    print(
+        f"[demo] before RL: sampled reward {before['sampled_reward']:.3f}, greedy {before['greedy_reward']:.3f}",
+        flush=True,
+    )
+    print(
+        f"[demo] training {spec.algorithm.total_steps} steps, max_staleness {spec.buffer.max_staleness}",
+        flush=True,
+    )
+    result = run_job(
+        spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True)
+    )
     after = evaluate(result.final_model, spec)
-    print(f"[demo] after RL:  sampled reward {after['sampled_reward']:.3f}, greedy {after['greedy_reward']:.3f}",
-          flush=True)
+    print(
+        f"[demo] after RL:  sampled reward {after['sampled_reward']:.3f}, greedy {after['greedy_reward']:.3f}",
+        flush=True,
+    )
     out = Path(spec.output_dir)
     plot(result.progress, before, after, out / "reward_curve.png")
-    summary = {"before": before, "after": after, "steps": result.version, "job_seconds": result.elapsed_s,
-               "total_seconds": time.monotonic() - t0, "buffer": result.buffer}
+    summary = {
+        "before": before,
+        "after": after,
+        "steps": result.version,
+        "job_seconds": result.elapsed_s,
+        "total_seconds": time.monotonic() - t0,
+        "buffer": result.buffer,
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"[demo] reward curve: {out / 'reward_curve.png'}; summary: {out / 'summary.json'}")
     print(f"[demo] buffer: {result.buffer}")
-    print(f"[demo] done in {summary['total_seconds']:.0f}s: sampled reward {before['sampled_reward']:.3f} -> "
-          f"{after['sampled_reward']:.3f}")
+    print(
+        f"[demo] done in {summary['total_seconds']:.0f}s: sampled reward {before['sampled_reward']:.3f} -> "
+        f"{after['sampled_reward']:.3f}"
+    )
     return 0
 
 

@@ -48,9 +48,15 @@ def prepare_model(spec: JobSpec) -> None:
         raise FileNotFoundError(f"model.path {path} has no config.json and model.build is not set")
     from trainer.warmup import build_tiny_arith
 
-    log.info("building %s model at %s (%d SFT warm-up steps)", spec.model.build, path, spec.model.warmup_steps)
-    build_tiny_arith(path, max_operand=spec.dataset.max_operand, warmup_steps=spec.model.warmup_steps,
-                     seed=spec.dataset.seed)
+    log.info(
+        "building %s model at %s (%d SFT warm-up steps)", spec.model.build, path, spec.model.warmup_steps
+    )
+    build_tiny_arith(
+        path,
+        max_operand=spec.dataset.max_operand,
+        warmup_steps=spec.model.warmup_steps,
+        seed=spec.dataset.seed,
+    )
 
 
 def format_progress(r: dict, total_steps: int) -> str:
@@ -92,21 +98,30 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
             include_dashboard=False,
             log_to_driver=True,
             logging_level=logging.WARNING,
-            runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1",
-                                      "TOKENIZERS_PARALLELISM": "false"}},
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": str(PROJECT_ROOT),
+                    "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
+            },
         )
         log.info("ray started; job %s", spec.name)
         buffer.ensure_group()
         if buffer.r.get(keys.version) is None:
             buffer.set_version(0)
-        engines = [EngineActor.remote(spec, redis_url, api_key, i) for i in range(spec.generators.num_engines)]
+        engines = [
+            EngineActor.remote(spec, redis_url, api_key, i) for i in range(spec.generators.num_engines)
+        ]
         actors += engines
         urls = ray.get([e.start.remote() for e in engines])
         log.info("engines up: %s", urls)
         trainer = TrainerActor.remote(spec, redis_url, urls, api_key)
         actors.append(trainer)
         ray.get(trainer.setup.remote())
-        workers = [RolloutActor.remote(spec, redis_url, urls, api_key, i) for i in range(spec.generators.num_workers)]
+        workers = [
+            RolloutActor.remote(spec, redis_url, urls, api_key, i) for i in range(spec.generators.num_workers)
+        ]
         actors += workers
         worker_runs = [w.run.remote() for w in workers]
         train_run = trainer.run.remote()

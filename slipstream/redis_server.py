@@ -119,7 +119,9 @@ class ManagedRedis:
                     raise TimeoutError(f"redis-server did not answer on port {self.port}") from None
                 time.sleep(0.05)
         client.close()
-        log.info("redis started: %s port=%d dir=%s aof=%s", binary, self.port, self.data_dir, self.appendfsync)
+        log.info(
+            "redis started: %s port=%d dir=%s aof=%s", binary, self.port, self.data_dir, self.appendfsync
+        )
         return self
 
     def stop(self) -> None:

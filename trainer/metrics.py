@@ -3,7 +3,9 @@
 from prometheus_client import Counter, Gauge, Histogram
 
 STEP_SECONDS = Histogram("slipstream_trainer_step_seconds", "Forward+backward+optimizer time per step")
-WAIT_SECONDS = Histogram("slipstream_trainer_data_wait_seconds", "Time waiting for a full batch from the buffer")
+WAIT_SECONDS = Histogram(
+    "slipstream_trainer_data_wait_seconds", "Time waiting for a full batch from the buffer"
+)
 STEPS = Counter("slipstream_trainer_steps_total", "Optimizer steps committed")
 TOKENS = Counter("slipstream_trainer_tokens_total", "Response tokens trained on")
 LOSS = Gauge("slipstream_trainer_loss", "Policy loss of the last step")

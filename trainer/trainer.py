@@ -51,14 +51,20 @@ class Trainer:
         torch.set_num_threads(self.spec.trainer.torch_threads)
         self.device = torch.device(self.spec.trainer.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=torch.float32).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=torch.float32).to(
+            self.device
+        )
         self.model.train()
         alg = self.spec.algorithm
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=alg.lr, weight_decay=alg.weight_decay)
         self.buffer.ensure_group()
         self.bus.connect()
-        log.info("trainer ready: %s, %d params, version %d", self.spec.model.path,
-                 sum(p.numel() for p in self.model.parameters()), self.buffer.version())
+        log.info(
+            "trainer ready: %s, %d params, version %d",
+            self.spec.model.path,
+            sum(p.numel() for p in self.model.parameters()),
+            self.buffer.version(),
+        )
 
     def stop(self) -> None:
         self._stop = True
@@ -72,8 +78,15 @@ class Trainer:
         mask = batch.loss_mask.to(dev)
         behav = batch.behav_logprobs.to(dev)
         loss, stats = policy_loss(
-            logp, prox, behav, batch.advantages.to(dev), mask,
-            kind=alg.loss, clip_eps=alg.clip_eps, is_cap=alg.is_cap, agg=alg.loss_agg,
+            logp,
+            prox,
+            behav,
+            batch.advantages.to(dev),
+            mask,
+            kind=alg.loss,
+            clip_eps=alg.clip_eps,
+            is_cap=alg.is_cap,
+            agg=alg.loss_agg,
         )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -99,7 +112,10 @@ class Trainer:
         while version < alg.total_steps and not self._stop:
             t0 = time.monotonic()
             entries = self.buffer.take_batch(
-                alg.groups_per_step, version, spec.buffer.max_staleness, spec.buffer.read_block_ms,
+                alg.groups_per_step,
+                version,
+                spec.buffer.max_staleness,
+                spec.buffer.read_block_ms,
                 should_stop=lambda: self._stop,
             )
             if len(entries) < alg.groups_per_step:

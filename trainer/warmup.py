@@ -34,8 +34,15 @@ def noisy_answer(answer: int, rng: random.Random) -> str:
     return str(max(0, answer + rng.choice(WRONG_OFFSETS)))
 
 
-def sft(model, tokenizer, examples: list[tuple[str, str]], steps: int, batch_size: int = 64, lr: float = 3e-3,
-        seed: int = 0) -> list[float]:
+def sft(
+    model,
+    tokenizer,
+    examples: list[tuple[str, str]],
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+) -> list[float]:
     """Train on (prompt, answer) pairs with loss on the answer + EOS only; returns the loss per step."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

@@ -38,7 +38,9 @@ class PublishStats(msgspec.Struct):
     """Time spent moving the buckets (HTTP announce + broadcast + engine load)."""
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor]]]:
     """Split (name, tensor) pairs, in order, into groups of at most bucket_bytes (a larger tensor alone)."""
     out: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
@@ -85,8 +87,11 @@ class WeightBus:
 
     # --- HTTP helpers ------------------------------------------------------------------------------
     def _post(self, url: str, path: str, body) -> dict:
-        resp = self.http.post(url + path, content=msgspec.json.encode(body) if body is not None else b"{}",
-                              headers={"Content-Type": "application/json"})
+        resp = self.http.post(
+            url + path,
+            content=msgspec.json.encode(body) if body is not None else b"{}",
+            headers={"Content-Type": "application/json"},
+        )
         if resp.status_code != 200:
             raise BusError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         data = resp.json() if resp.content else {}
@@ -95,7 +100,9 @@ class WeightBus:
         return data
 
     def _fire(self, path: str, body_for) -> list[Future]:
-        return [self.pool.submit(self._post, url, path, body_for(i)) for i, url in enumerate(self.engine_urls)]
+        return [
+            self.pool.submit(self._post, url, path, body_for(i)) for i, url in enumerate(self.engine_urls)
+        ]
 
     @staticmethod
     def _collect(futures: list[Future]) -> None:
@@ -125,7 +132,9 @@ class WeightBus:
             ),
         )
         try:
-            self.group = new_group(self.master_address, port, 0, world, self.backend, self.group_name, self.timeout_s)
+            self.group = new_group(
+                self.master_address, port, 0, world, self.backend, self.group_name, self.timeout_s
+            )
         except Exception as e:
             failed = [f.exception() for f in futures if f.done() and f.exception()]
             raise BusError(f"weight group setup failed: {e}; engine errors: {failed}") from e
@@ -167,8 +176,14 @@ class WeightBus:
         metrics.TRANSFER_SECONDS.observe(transfer_s)
         metrics.PAUSE_SECONDS.observe(pause_s)
         metrics.VERSION.set(version)
-        log.info("published version %d: %.1f MB in %d buckets, transfer %.1f ms, engines paused %.1f ms",
-                 version, total / 1e6, len(plan), transfer_s * 1e3, pause_s * 1e3)
+        log.info(
+            "published version %d: %.1f MB in %d buckets, transfer %.1f ms, engines paused %.1f ms",
+            version,
+            total / 1e6,
+            len(plan),
+            transfer_s * 1e3,
+            pause_s * 1e3,
+        )
         return PublishStats(version, total, len(plan), pause_s, transfer_s)
 
     def close(self) -> None:

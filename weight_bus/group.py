@@ -27,7 +27,12 @@ def new_group(
     """Join (rank > 0) or host (rank 0) a group; blocks until all `world_size` ranks have joined."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+        master_address,
+        int(master_port),
+        world_size,
+        is_master=(rank == 0),
+        timeout=timeout,
+        wait_for_workers=False,
     )
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":

@@ -32,7 +32,9 @@ class WeightReceiver:
         self.groups[req.group_name] = new_group(
             req.master_address, int(req.master_port), rank, req.world_size, req.backend, req.group_name
         )
-        log.info("joined weight group %s as rank %d/%d (%s)", req.group_name, rank, req.world_size, req.backend)
+        log.info(
+            "joined weight group %s as rank %d/%d (%s)", req.group_name, rank, req.world_size, req.backend
+        )
 
     def destroy(self, group_name: str) -> None:
         if self.groups.pop(group_name, None) is None:
@@ -47,18 +49,21 @@ class WeightReceiver:
             raise ValueError("names, dtypes and shapes must have the same length")
         dtypes = [dtype_from_name(d) for d in req.dtypes]
         if req.load_format == FLATTENED_BUCKET:
-            sizes = [math.prod(s) * torch.empty((), dtype=d).element_size() for s, d in zip(req.shapes, dtypes)]
+            sizes = [
+                math.prod(s) * torch.empty((), dtype=d).element_size()
+                for s, d in zip(req.shapes, dtypes, strict=True)
+            ]
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             broadcast(group, flat)
             out, off = [], 0
-            for name, shape, dtype, size in zip(req.names, req.shapes, dtypes, sizes):
+            for name, shape, dtype, size in zip(req.names, req.shapes, dtypes, sizes, strict=True):
                 out.append((name, flat[off : off + size].view(dtype).view(shape)))
                 off += size
             return out
         if req.load_format is not None:
             raise ValueError(f"load_format {req.load_format!r}: expected null or {FLATTENED_BUCKET!r}")
         out = []
-        for name, shape, dtype in zip(req.names, req.shapes, dtypes):
+        for name, shape, dtype in zip(req.names, req.shapes, dtypes, strict=True):
             t = torch.empty(shape, dtype=dtype, device=self.device)
             broadcast(group, t)
             out.append((name, t))

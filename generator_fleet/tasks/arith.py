@@ -26,7 +26,9 @@ class ArithTask:
 
     def __init__(self, max_operand: int = 19, seed: int = 0) -> None:
         self.problems = [
-            Problem(f"{a}+{b}", f"{a}+{b}=", a + b) for a in range(max_operand + 1) for b in range(max_operand + 1)
+            Problem(f"{a}+{b}", f"{a}+{b}=", a + b)
+            for a in range(max_operand + 1)
+            for b in range(max_operand + 1)
         ]
         random.Random(seed).shuffle(self.problems)
         self._by_id = {p.prompt_id: p for p in self.problems}
@@ -40,7 +42,9 @@ class ArithTask:
     def sample(self, rng: random.Random) -> Problem:
         return rng.choice(self.problems)
 
-    def score(self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float) -> float:
+    def score(
+        self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float
+    ) -> float:
         return score(problem, response_text, finished_by_eos, format_weight)
 
 

@@ -5,8 +5,15 @@ from replay_buffer.schema import RecordError, Sample, decode, encode, make_group
 
 def _sample(versions=(3, 4), mask=(1, 1)) -> Sample:
     n = len(versions)
-    return Sample(prompt_ids=[1, 5], response_ids=[7] * n, loss_mask=list(mask), behavior_logprobs=[-0.5] * n,
-                  token_versions=list(versions), reward=1.0, finish_reason="stop")
+    return Sample(
+        prompt_ids=[1, 5],
+        response_ids=[7] * n,
+        loss_mask=list(mask),
+        behavior_logprobs=[-0.5] * n,
+        token_versions=list(versions),
+        reward=1.0,
+        finish_reason="stop",
+    )
 
 
 def test_round_trip_and_version_span():

@@ -11,8 +11,15 @@ from replay_buffer.keys import TRAINER_GROUP
 
 
 def _group(job, version, prompt="p"):
-    s = Sample(prompt_ids=[1, 2], response_ids=[3, 4], loss_mask=[1, 1], behavior_logprobs=[-0.1, -0.2],
-               token_versions=[version, version], reward=0.5, finish_reason="stop")
+    s = Sample(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        loss_mask=[1, 1],
+        behavior_logprobs=[-0.1, -0.2],
+        token_versions=[version, version],
+        reward=0.5,
+        finish_reason="stop",
+    )
     return make_group(job, prompt, [s, s])
 
 

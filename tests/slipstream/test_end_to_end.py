@@ -10,15 +10,17 @@ pytestmark = pytest.mark.slow
 
 
 def test_short_async_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir):
-    spec = jobspec.from_dict({
-        "name": "e2e",
-        "output_dir": str(tmp_path / "run"),
-        "model": {"path": str(tiny_model_dir)},
-        "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
-        "generators": {"num_engines": 2, "num_workers": 1},
-        "algorithm": {"groups_per_step": 3, "total_steps": 4},
-        "buffer": {"max_staleness": 1},
-    })
+    spec = jobspec.from_dict(
+        {
+            "name": "e2e",
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
+            "generators": {"num_engines": 2, "num_workers": 1},
+            "algorithm": {"groups_per_step": 3, "total_steps": 4},
+            "buffer": {"max_staleness": 1},
+        }
+    )
     seen = []
     result = run_job(spec, on_progress=seen.append)
 

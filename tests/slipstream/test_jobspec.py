@@ -37,8 +37,9 @@ def test_bad_keys_fail_with_their_path(tmp_path, text, path):
 
 
 def test_overrides_are_parsed_as_yaml(tmp_path):
-    spec = jobspec.load(_write(tmp_path, "algorithm: {lr: 0.1}"),
-                        ["algorithm.lr=1e-4", "buffer.max_staleness=0", "name=x"])
+    spec = jobspec.load(
+        _write(tmp_path, "algorithm: {lr: 0.1}"), ["algorithm.lr=1e-4", "buffer.max_staleness=0", "name=x"]
+    )
     assert spec.algorithm.lr == 1e-4 and spec.buffer.max_staleness == 0 and spec.name == "x"
 
 

@@ -58,7 +58,9 @@ def test_decoupled_ppo_gradient_is_weighted_policy_gradient_on_policy():
 def test_ppo_uses_behaviour_policy_as_anchor():
     logp = torch.tensor([[-1.0]])
     behav = torch.tensor([[-1.5]])
-    loss, stats = policy_loss(logp, torch.zeros(1, 1), behav, torch.tensor([[1.0]]), torch.ones(1, 1), "ppo", 0.2)
+    loss, stats = policy_loss(
+        logp, torch.zeros(1, 1), behav, torch.tensor([[1.0]]), torch.ones(1, 1), "ppo", 0.2
+    )
     assert loss.item() == pytest.approx(-1.2)  # ratio e^0.5 clipped to 1.2
     assert stats["is_weight_mean"] == 1.0
 

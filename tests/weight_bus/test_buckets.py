@@ -20,14 +20,19 @@ def _send_and_receive(named, load_format):
     port = free_port()
     recv = WeightReceiver()
     req = UpdateWeightsFromDistributed(
-        names=[n for n, _ in named], dtypes=[dtype_name(t.dtype) for _, t in named],
-        shapes=[list(t.shape) for _, t in named], load_format=load_format,
+        names=[n for n, _ in named],
+        dtypes=[dtype_name(t.dtype) for _, t in named],
+        shapes=[list(t.shape) for _, t in named],
+        load_format=load_format,
     )
     got = {}
 
     def engine():
-        recv.init_group(InitWeightsUpdateGroup(master_address="127.0.0.1", master_port=port, rank_offset=1,
-                                               world_size=2, backend="gloo"))
+        recv.init_group(
+            InitWeightsUpdateGroup(
+                master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, backend="gloo"
+            )
+        )
         got["tensors"] = recv.receive(req)
 
     th = threading.Thread(target=engine)
@@ -43,8 +48,11 @@ def _send_and_receive(named, load_format):
 
 
 def test_flattened_bucket_round_trip_mixed_dtypes():
-    named = [("w", torch.randn(3, 4)), ("b", torch.arange(5, dtype=torch.int64)),
-             ("h", torch.randn(2, 2).to(torch.bfloat16))]
+    named = [
+        ("w", torch.randn(3, 4)),
+        ("b", torch.arange(5, dtype=torch.int64)),
+        ("h", torch.randn(2, 2).to(torch.bfloat16)),
+    ]
     got = _send_and_receive(named, "flattened_bucket")
     assert [n for n, _ in got] == ["w", "b", "h"]
     for (_, a), (_, b) in zip(named, got, strict=True):
