@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import secrets
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +70,19 @@ def format_progress(r: dict, total_steps: int) -> str:
     )
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C and SIGTERM both unwind run_job through its `finally` (actors, Ray, Redis stopped).
+    Installed after ray.init, which sets handlers of its own; SIGINT is re-enabled even when the shell
+    started us with it ignored (background jobs)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
     """Run `spec` to completion on a fresh local Ray instance; returns the summary."""
     import ray
@@ -107,6 +122,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
             },
         )
         log.info("ray started; job %s", spec.name)
+        _interrupt_on_signals()
         buffer.ensure_group()
         if buffer.r.get(keys.version) is None:
             buffer.set_version(0)
