@@ -20,3 +20,6 @@ ENGINE_ERRORS = Counter(
 RESUMED = Counter(
     "slipstream_rollout_resumed_total", "Samples aborted by a pause and resumed from their prefix"
 )
+RECYCLED = Counter(
+    "slipstream_rollout_recycled_prompts_total", "Prompts generated again because their group went stale"
+)

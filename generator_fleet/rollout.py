@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+import socket
 import time
 
 import redis.asyncio as aioredis
@@ -64,8 +66,13 @@ class RolloutWorker:
         self.task = TASKS[spec.dataset.name](max_operand=spec.dataset.max_operand, seed=spec.dataset.seed)
         self.engines = EnginePool(self.engine_urls, self.api_key)
         r = aioredis.Redis.from_url(self.redis_url)
-        self.producer = BufferProducer(r, spec.name)
+        # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
+        name = f"{socket.gethostname()}-{os.getpid()}-{self.worker_id}"
+        self.producer = BufferProducer(
+            r, spec.name, worker_id=name, lease_ms=int(spec.buffer.worker_lease_s * 1000)
+        )
         self.produced = 0
+        heartbeat = asyncio.create_task(self._heartbeat())
         log.info(
             "rollout worker %d: %d engines, concurrency %d",
             self.worker_id,
@@ -75,10 +82,28 @@ class RolloutWorker:
         try:
             await asyncio.gather(*(self._loop() for _ in range(spec.rollout.concurrency)))
         finally:
+            heartbeat.cancel()
+            released = await self.producer.leave()
+            if released:
+                log.info("rollout worker %s released %d unfinished reservations", name, released)
             await self.engines.aclose()
             await r.aclose()
         log.info("rollout worker %d stopped after %d groups", self.worker_id, self.produced)
         return {"groups": self.produced}
+
+    async def _heartbeat(self) -> None:
+        """Keep this worker's lease alive while groups take long (admission calls renew it too)."""
+        period = self.spec.buffer.worker_lease_s / 3
+        while True:
+            await asyncio.sleep(period)
+            await self.producer.heartbeat()
+
+    async def _next_problem(self):
+        """A recycled prompt (its group went stale) first, else a fresh sample from the task."""
+        if self.spec.buffer.stale_policy == "recycle" and (prompt_id := await self.producer.next_recycled()):
+            metrics.RECYCLED.inc()
+            return self.task.get(prompt_id)
+        return self.task.sample(self.rng)
 
     async def _loop(self) -> None:
         alg, buf = self.spec.algorithm, self.spec.buffer
@@ -90,7 +115,7 @@ class RolloutWorker:
                 except TimeoutError:
                     pass
                 continue
-            problem = self.task.sample(self.rng)
+            problem = await self._next_problem()
             try:
                 samples = await self._group(problem)
             except EngineError as e:

@@ -36,12 +36,28 @@ class JobKeys(msgspec.Struct, frozen=True):
 
     @property
     def trained(self) -> str:
-        """Set of group_ids already used by a committed optimizer step (idempotency)."""
+        """Zset group_id -> min_version of groups used by a committed optimizer step (idempotency).
+        Pruned below version - max_staleness: a redelivery that old is stale and never trained anyway."""
         return self._k("trained")
 
     @property
+    def reservations(self) -> str:
+        """Hash worker -> admitted groups not yet produced."""
+        return self._k("reservations")
+
+    @property
+    def workers(self) -> str:
+        """Zset worker -> lease expiry (Redis time, ms); expired workers' reservations are released."""
+        return self._k("workers")
+
+    @property
+    def recycle(self) -> str:
+        """List of prompt_ids whose groups were too stale (stale_policy: recycle); generated again first."""
+        return self._k("recycle")
+
+    @property
     def stats(self) -> str:
-        """Hash of counters: produced, consumed, dropped_stale, dead_letter, duplicates, steps."""
+        """Hash of counters: produced, consumed, dropped_stale, recycled, dead_letter, duplicates, ..."""
         return self._k("stats")
 
     @property

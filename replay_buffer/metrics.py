@@ -1,11 +1,27 @@
 """Prometheus metrics of the replay buffer (process-local; each process exposes its own /metrics)."""
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 GROUPS_PRODUCED = Counter("slipstream_buffer_groups_produced_total", "Groups written to the buffer")
 GROUPS_CONSUMED = Counter("slipstream_buffer_groups_consumed_total", "Groups trained on and acknowledged")
-GROUPS_DROPPED = Counter("slipstream_buffer_groups_dropped_stale_total", "Groups dropped as too stale")
+GROUPS_DROPPED = Counter(
+    "slipstream_buffer_groups_dropped_stale_total", "Groups dropped (or recycled) as too stale"
+)
 DEAD_LETTER = Counter("slipstream_buffer_dead_letter_total", "Records moved to the dead-letter stream")
+DUPLICATES = Counter("slipstream_buffer_duplicates_total", "Redelivered groups skipped as already trained")
+RECLAIMED = Counter("slipstream_buffer_reclaimed_total", "Pending entries claimed from idle (dead) consumers")
+TRIMMED = Counter("slipstream_buffer_trimmed_total", "Acknowledged entries trimmed from the stream")
+DEPTH = Gauge("slipstream_buffer_depth", "Entries in the job's stream (unread + pending + not yet trimmed)")
+PENDING = Gauge("slipstream_buffer_pending", "Entries read by a trainer and not yet acknowledged")
+PUT_SECONDS = Histogram(
+    "slipstream_buffer_put_seconds", "Latency of one group put (encode + XADD)", buckets=_LATENCY
+)
+GET_SECONDS = Histogram(
+    "slipstream_buffer_get_seconds",
+    "Latency of one read round (XREADGROUP/XAUTOCLAIM + decode + checks)",
+    buckets=_LATENCY,
+)
 STALENESS = Histogram(
     "slipstream_buffer_consumed_staleness_versions",
     "Staleness (policy versions) of consumed groups",

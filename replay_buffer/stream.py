@@ -3,12 +3,16 @@ drops too-stale groups, and XACKs a batch only when the optimizer step that used
 
 Invariants:
 - A group is acknowledged only in `commit` (trained) or when it is dropped/dead-lettered, so a trainer
-  that dies between read and commit leaves its groups pending for redelivery.
-- `commit` records the group_ids in the `trained` set in the same MULTI as the XACK, so a redelivered
-  group that was already trained is recognised and skipped, never trained twice.
+  that dies between read and commit leaves its groups pending; the next `take_batch` of any trainer
+  re-reads its own pending entries after a restart and claims (XAUTOCLAIM) other consumers' entries once
+  they have been idle for `reclaim_idle_ms`.
+- `commit` records the group_ids as trained in the same MULTI as the XACK, so a redelivered group that
+  was already trained is recognised and skipped, never trained twice.
 - Admission: a producer may start group number `started + 1` only while it is
-  <= (version + max_staleness + 1) * groups_per_step. A dropped stale group gives its slot back,
-  otherwise at max_staleness = 0 one drop would starve the step that needs it.
+  <= (version + max_staleness + 1) * groups_per_step (replay_buffer/scripts.py). A dropped stale group
+  gives its slot back, otherwise at max_staleness = 0 one drop would starve the step that needs it.
+- Hygiene: after each commit, entries below the oldest pending/unread one are all acknowledged and are
+  trimmed (XTRIM MINID); trained ids are kept only while a redelivery of them could still be fresh.
 """
 
 from __future__ import annotations
@@ -21,20 +25,17 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 
-from replay_buffer import metrics
+from replay_buffer import metrics, scripts
 from replay_buffer.keys import TRAINER_GROUP, JobKeys
 from replay_buffer.schema import GroupRecord, RecordError, decode, encode
 from replay_buffer.staleness import is_usable, staleness
 
 log = logging.getLogger(__name__)
 
-_ADMIT_LUA = """
-local v = tonumber(redis.call('GET', KEYS[2]) or '0')
-local started = tonumber(redis.call('GET', KEYS[1]) or '0')
-local cap = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1])
-if started + 1 <= cap then return redis.call('INCR', KEYS[1]) end
-return 0
-"""
+DEFAULT_LEASE_MS = 30_000
+DEAD_LETTER_MAXLEN = 100_000
+"""Dead letters are kept for inspection, capped (approximately) so a flood of garbage cannot fill Redis."""
+STALE_POLICIES = ("drop", "recycle")
 
 
 class Entry(msgspec.Struct):
@@ -44,46 +45,101 @@ class Entry(msgspec.Struct):
     group: GroupRecord
 
 
-class BufferProducer:
-    """Producer side (asyncio): admission, version reads, XADD. Used by rollout workers."""
+def _str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else x
 
-    def __init__(self, client: aioredis.Redis, job: str) -> None:
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = entry_id.split("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+class BufferProducer:
+    """Producer side (asyncio), one per rollout worker: admission, heartbeats, XADD."""
+
+    def __init__(
+        self, client: aioredis.Redis, job: str, worker_id: str = "worker-0", lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
         self.r = client
         self.keys = JobKeys(job)
-        self._admit = client.register_script(_ADMIT_LUA)
+        self.worker_id = worker_id
+        self.lease_ms = lease_ms
+        self._admit = client.register_script(scripts.ADMIT)
+        self._heartbeat = client.register_script(scripts.HEARTBEAT)
+        self._leave = client.register_script(scripts.LEAVE)
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)
 
     async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
-        """Atomically reserve one group slot; False when the fleet is max_staleness versions ahead."""
+        """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
+        versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
         n = await self._admit(
-            keys=[self.keys.started, self.keys.version], args=[groups_per_step, max_staleness]
+            keys=[self.keys.started, self.keys.reservations, self.keys.workers, self.keys.version],
+            args=[groups_per_step, max_staleness, self.worker_id, self.lease_ms],
         )
         return int(n) > 0
 
+    async def heartbeat(self) -> None:
+        """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
+        await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
+
     async def release(self) -> None:
         """Give back a reserved slot whose group will not be produced (e.g. the rollout failed)."""
-        await self.r.decr(self.keys.started)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(self.keys.reservations, self.worker_id, -1)
+        pipe.decr(self.keys.started)
+        await pipe.execute()
+
+    async def leave(self) -> int:
+        """Worker shutdown: release every reservation it still holds; returns how many."""
+        n = await self._leave(
+            keys=[self.keys.started, self.keys.reservations, self.keys.workers], args=[self.worker_id]
+        )
+        return int(n)
+
+    async def next_recycled(self) -> str | None:
+        """A prompt_id whose group was dropped as stale (stale_policy: recycle), to generate again."""
+        return _str(await self.r.lpop(self.keys.recycle))
 
     async def put(self, group: GroupRecord) -> str:
+        t0 = time.perf_counter()
         data = encode(group)
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.groups, {"d": data})
         pipe.hincrby(self.keys.stats, "produced", 1)
-        entry_id, _ = await pipe.execute()
+        pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
+        entry_id, _, _ = await pipe.execute()
+        metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
         metrics.GROUPS_PRODUCED.inc()
-        return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        return _str(entry_id)
 
 
 class ReplayBuffer:
-    """Consumer side (sync, trainer rank 0) plus job-state helpers shared by the driver and tests."""
+    """Consumer side (sync, trainer rank 0) plus job-state helpers shared by the driver, CLI and tests."""
 
-    def __init__(self, client: redis.Redis, job: str, consumer: str = "trainer-0") -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        job: str,
+        consumer: str = "trainer-0",
+        reclaim_idle_ms: int = 30_000,
+        stale_policy: str = "drop",
+    ) -> None:
+        if stale_policy not in STALE_POLICIES:
+            raise ValueError(f"stale_policy {stale_policy!r}: expected one of {STALE_POLICIES}")
         self.r = client
         self.keys = JobKeys(job)
         self.consumer = consumer
-        self._admit = client.register_script(_ADMIT_LUA)
+        self.reclaim_idle_ms = reclaim_idle_ms
+        self.stale_policy = stale_policy
+        self._own_pending_done = False
+        self._reap = client.register_script(scripts.REAP)
 
     def ensure_group(self) -> None:
         try:
@@ -99,32 +155,60 @@ class ReplayBuffer:
     def set_version(self, version: int) -> None:
         self.r.set(self.keys.version, version)
 
-    def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
-        n = self._admit(keys=[self.keys.started, self.keys.version], args=[groups_per_step, max_staleness])
-        return int(n) > 0
+    def reap_workers(self) -> int:
+        """Release the reservations of workers whose lease expired; returns how many were released."""
+        return int(self._reap(keys=[self.keys.started, self.keys.reservations, self.keys.workers]))
 
     def put(self, group: GroupRecord) -> str:
-        """Synchronous XADD (tests, tools); rollout workers use BufferProducer."""
+        """Synchronous XADD without a reservation (tests, tools); rollout workers use BufferProducer."""
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.groups, {"d": encode(group)})
         pipe.hincrby(self.keys.stats, "produced", 1)
         entry_id, _ = pipe.execute()
-        return entry_id.decode()
+        return _str(entry_id)
 
     # --- consumption -------------------------------------------------------------------------------
-    def _read(self, count: int, block_ms: int) -> list[tuple[str, dict]]:
+    def _read_own_pending(self, count: int) -> list[tuple[str, dict | None]]:
+        """After a restart under the same consumer name: entries we read but never committed."""
+        resp = self.r.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: "0"}, count=count)
+        entries = resp[0][1] if resp else []
+        if len(entries) < count:
+            self._own_pending_done = True
+        return [(_str(eid), fields) for eid, fields in entries]
+
+    def _claim(self, count: int) -> list[tuple[str, dict | None]]:
+        """Entries other consumers read but did not commit within reclaim_idle_ms (dead trainers)."""
+        resp = self.r.xautoclaim(
+            self.keys.groups, TRAINER_GROUP, self.consumer, self.reclaim_idle_ms, start_id="0-0", count=count
+        )
+        claimed = [(_str(eid), fields) for eid, fields in resp[1]]
+        if claimed:
+            metrics.RECLAIMED.inc(len(claimed))
+            self.r.hincrby(self.keys.stats, "reclaimed", len(claimed))
+            log.warning("reclaimed %d pending entries idle > %d ms", len(claimed), self.reclaim_idle_ms)
+        return claimed
+
+    def _read_new(self, count: int, block_ms: int) -> list[tuple[str, dict | None]]:
         resp = self.r.xreadgroup(
             TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
         )
-        if not resp:
-            return []
-        return [(eid.decode(), fields) for eid, fields in resp[0][1]]
+        return [(_str(eid), fields) for eid, fields in resp[0][1]] if resp else []
 
-    def _dead_letter(self, entry_id: str, fields: dict, reason: str) -> None:
+    def _read(self, count: int, block_ms: int) -> list[tuple[str, dict | None]]:
+        if not self._own_pending_done:
+            if own := self._read_own_pending(count):
+                return own
+        if claimed := self._claim(count):
+            return claimed
+        return self._read_new(count, block_ms)
+
+    def _dead_letter(self, entry_id: str, fields: dict | None, reason: str) -> None:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(
             self.keys.dead_letter,
-            {"entry_id": entry_id, "reason": reason, "d": fields.get(b"d", b"")},
+            {"entry_id": entry_id, "reason": reason, "d": (fields or {}).get(b"d", b"")},
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
         )
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
         pipe.hincrby(self.keys.stats, "dead_letter", 1)
@@ -137,14 +221,27 @@ class ReplayBuffer:
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
         pipe.hincrby(self.keys.stats, "dropped_stale", 1)
         pipe.decr(self.keys.started)  # give the admission slot back (see module docstring)
+        if self.stale_policy == "recycle":
+            pipe.rpush(self.keys.recycle, entry.group.prompt_id)
+            pipe.hincrby(self.keys.stats, "recycled", 1)
         pipe.execute()
         metrics.GROUPS_DROPPED.inc()
         log.info(
-            "dropped stale group %s: version %d, min_version %d",
+            "%s stale group %s (prompt %s): version %d, min_version %d",
+            "recycled" if self.stale_policy == "recycle" else "dropped",
             entry.group.group_id,
+            entry.group.prompt_id,
             version,
             entry.group.min_version,
         )
+
+    def _skip_duplicate(self, entry: Entry) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
+        pipe.hincrby(self.keys.stats, "duplicates", 1)
+        pipe.execute()
+        metrics.DUPLICATES.inc()
+        log.warning("skipped already-trained group %s (entry %s)", entry.group.group_id, entry.entry_id)
 
     def take_batch(
         self,
@@ -159,31 +256,44 @@ class ReplayBuffer:
         batch: list[Entry] = []
         seen: set[str] = set()
         while len(batch) < n and not should_stop():
-            for entry_id, fields in self._read(n - len(batch), block_ms):
+            t0 = time.perf_counter()
+            raw = self._read(n - len(batch), block_ms)
+            candidates: list[Entry] = []
+            for entry_id, fields in raw:
+                if fields is None:  # claimed entry that was deleted meanwhile: nothing to train
+                    self.r.xack(self.keys.groups, TRAINER_GROUP, entry_id)
+                    continue
                 try:
                     group = decode(fields[b"d"])
                 except (RecordError, KeyError) as e:
-                    self._dead_letter(entry_id, fields, str(e))
+                    reason = str(e) if not isinstance(e, KeyError) else "missing field 'd'"
+                    self._dead_letter(entry_id, fields, reason)
                     continue
-                entry = Entry(entry_id, group)
-                if group.group_id in seen or self.r.sismember(self.keys.trained, group.group_id):
-                    self.r.xack(self.keys.groups, TRAINER_GROUP, entry_id)
-                    self.r.hincrby(self.keys.stats, "duplicates", 1)
-                    log.info("skipped already-trained group %s", group.group_id)
-                    continue
-                if not is_usable(version, group.min_version, max_staleness):
+                candidates.append(Entry(entry_id, group))
+            trained = (
+                self.r.zmscore(self.keys.trained, [e.group.group_id for e in candidates])
+                if candidates
+                else []
+            )
+            for entry, score in zip(candidates, trained, strict=True):
+                if score is not None or entry.group.group_id in seen:
+                    self._skip_duplicate(entry)
+                elif not is_usable(version, entry.group.min_version, max_staleness):
                     self._drop_stale(entry, version)
-                    continue
-                seen.add(group.group_id)
-                batch.append(entry)
+                else:
+                    seen.add(entry.group.group_id)
+                    batch.append(entry)
+            if raw:
+                metrics.GET_SECONDS.observe(time.perf_counter() - t0)
         return batch
 
-    def commit(self, entries: list[Entry], version: int) -> None:
-        """After the optimizer step that used `entries` (trained at `version`): mark trained, ack, count."""
+    def commit(self, entries: list[Entry], version: int, max_staleness: int | None = None) -> None:
+        """After the optimizer step that used `entries` (trained at `version`): mark trained, ack, count,
+        then trim acknowledged entries. With `max_staleness`, forget trained ids too old to matter."""
         if not entries:
             return
         pipe = self.r.pipeline(transaction=True)
-        pipe.sadd(self.keys.trained, *[e.group.group_id for e in entries])
+        pipe.zadd(self.keys.trained, {e.group.group_id: e.group.min_version for e in entries})
         pipe.xack(self.keys.groups, TRAINER_GROUP, *[e.entry_id for e in entries])
         pipe.hincrby(self.keys.stats, "consumed", len(entries))
         pipe.hincrby(self.keys.stats, "steps", 1)
@@ -193,31 +303,69 @@ class ReplayBuffer:
             metrics.STALENESS.observe(s)
         pipe.execute()
         metrics.GROUPS_CONSUMED.inc(len(entries))
+        if max_staleness is not None:
+            # A redelivered group with min_version < (next version) - max_staleness is stale: dropped
+            # before the duplicate check, so its id need not be remembered.
+            self.r.zremrangebyscore(self.keys.trained, "-inf", f"({version + 1 - max_staleness}")
+        self.trim()
+
+    def trim(self) -> int:
+        """XTRIM MINID below the oldest entry that is pending or unread: everything older is acknowledged
+        (trained, dropped or dead-lettered). Returns the number of entries removed."""
+        info = self._group_info()
+        if info is None:
+            return 0
+        last = _str(info["last-delivered-id"])
+        keep_from = _next_id(last)
+        if info["pending"]:
+            oldest = _str(self.r.xpending(self.keys.groups, TRAINER_GROUP)["min"])
+            keep_from = min(keep_from, oldest, key=_id_key)
+        removed = self.r.xtrim(self.keys.groups, minid=keep_from, approximate=False)
+        if removed:
+            metrics.TRIMMED.inc(removed)
+        depth = self.r.xlen(self.keys.groups)
+        metrics.DEPTH.set(depth)
+        metrics.PENDING.set(info["pending"])
+        return removed
 
     # --- inspection --------------------------------------------------------------------------------
+    def _group_info(self) -> dict | None:
+        if not self.r.exists(self.keys.groups):
+            return None
+        for g in self.r.xinfo_groups(self.keys.groups):
+            if _str(g["name"]) == TRAINER_GROUP:
+                return g
+        return None
+
     def stats(self) -> dict:
-        """Depth, pending, counters and the staleness distribution of consumed groups."""
-        raw = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
+        """Depth, pending, unread, counters and the staleness distribution of consumed groups."""
+        raw = {_str(k): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
         hist = {int(k): int(v) for k, v in self.r.hgetall(self.keys.staleness).items()}
-        pending, unread = 0, self.r.xlen(self.keys.groups)
-        for g in self.r.xinfo_groups(self.keys.groups) if self.r.exists(self.keys.groups) else []:
-            if g["name"] in (TRAINER_GROUP, TRAINER_GROUP.encode()):
-                pending = g["pending"]
-                last = g["last-delivered-id"]
-                unread = len(
-                    self.r.xrange(self.keys.groups, b"(" + last if isinstance(last, bytes) else "(" + last)
-                )
+        depth = self.r.xlen(self.keys.groups)
+        pending, unread = 0, depth
+        if info := self._group_info():
+            pending = info["pending"]
+            unread = len(self.r.xrange(self.keys.groups, "(" + _str(info["last-delivered-id"])))
+        counters = (
+            "produced",
+            "consumed",
+            "dropped_stale",
+            "recycled",
+            "dead_letter",
+            "duplicates",
+            "reclaimed",
+            "steps",
+        )
         return {
             "version": self.version(),
-            "depth": self.r.xlen(self.keys.groups),
+            "depth": depth,
             "pending": pending,
             "unread": unread,
             "dead_letter_depth": self.r.xlen(self.keys.dead_letter),
             "started": int(self.r.get(self.keys.started) or 0),
-            **{
-                k: raw.get(k, 0)
-                for k in ("produced", "consumed", "dropped_stale", "dead_letter", "duplicates", "steps")
-            },
+            "workers": self.r.zcard(self.keys.workers),
+            "recycle_queue": self.r.llen(self.keys.recycle),
+            **{k: raw.get(k, 0) for k in counters},
             "staleness": dict(sorted(hist.items())),
         }
 

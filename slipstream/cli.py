@@ -28,11 +28,59 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable)",
         )
+    buf = sub.add_parser("buffer", help="inspect a job's replay buffer")
+    bsub = buf.add_subparsers(dest="buffer_cmd", required=True)
+    st = bsub.add_parser("stats", help="depth, pending, dead letters, staleness distribution of a job")
+    st.add_argument("job")
+    st.add_argument(
+        "--redis-url",
+        default=os.environ.get("SLIPSTREAM_REDIS_URL"),
+        help="Redis of the job (default: $SLIPSTREAM_REDIS_URL, else <output-dir>/redis.url of a running job)",
+    )
+    st.add_argument("--output-dir", help="the job's output_dir (default runs/JOB)")
+    st.add_argument("--json", action="store_true", help="print JSON")
     return p
+
+
+def _buffer_stats(args) -> int:
+    import json
+    from pathlib import Path
+
+    import redis
+
+    from replay_buffer import ReplayBuffer
+
+    url = args.redis_url
+    if url is None:
+        url_file = Path(args.output_dir or f"runs/{args.job}") / "redis.url"
+        if not url_file.exists():
+            print(f"slipstream: no --redis-url and no {url_file} (is the job running?)", file=sys.stderr)
+            return 2
+        url = url_file.read_text().strip()
+    try:
+        stats = ReplayBuffer(redis.Redis.from_url(url, socket_connect_timeout=5), args.job).stats()
+    except redis.RedisError as e:
+        print(f"slipstream: cannot read buffer of job {args.job!r}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(stats))
+        return 0
+    hist = stats.pop("staleness")
+    width = max(map(len, stats))
+    print(f"job {args.job}")
+    for k, v in stats.items():
+        print(f"  {k:<{width}}  {v}")
+    total = sum(hist.values()) or 1
+    print("  staleness of consumed groups (versions):")
+    for s, n in hist.items():
+        print(f"    {s:>3}  {n:>8}  {'#' * round(40 * n / total)}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "buffer":
+        return _buffer_stats(args)
     try:
         spec = jobspec.load(args.spec, args.overrides)
     except jobspec.JobSpecError as e:

@@ -92,8 +92,14 @@ class AlgorithmSpec(Spec):
 class BufferSpec(Spec):
     max_staleness: NonNeg = 1
     """A group is usable at version v if v - min_version <= max_staleness (versions); 0 = on-policy."""
+    stale_policy: Literal["drop", "recycle"] = "drop"
+    """Too-stale groups are dropped; `recycle` also queues their prompt to be generated again first."""
     read_block_ms: Pos = 1000
     """How long one XREADGROUP waits for new groups (milliseconds)."""
+    reclaim_idle_ms: Pos = 30_000
+    """Entries a trainer read but did not commit for this long are claimed by another (milliseconds)."""
+    worker_lease_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    """A rollout worker silent for this long is presumed dead; its admission reservations are released."""
 
 
 class TrainerSpec(Spec):

@@ -99,6 +99,9 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     if spec.redis.url is None:
         managed = ManagedRedis(data_dir=out / "redis", appendfsync=spec.redis.appendfsync).start()
     redis_url = spec.redis.url or managed.url
+    url_file = out / "redis.url"  # for `slipstream buffer stats JOB` while the job runs; holds a secret
+    url_file.touch(mode=0o600)
+    url_file.write_text(redis_url)
     r = redis.Redis.from_url(redis_url)
     buffer = ReplayBuffer(r, spec.name)
     keys = JobKeys(spec.name)
@@ -179,4 +182,5 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         r.close()
         if managed:
             managed.stop()
+            url_file.unlink(missing_ok=True)
         log.info("job %s: everything stopped", spec.name)

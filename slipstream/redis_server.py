@@ -21,6 +21,7 @@ import redis
 log = logging.getLogger(__name__)
 
 MIN_VERSION = (6, 2)
+APP_USER = "slipstream"
 STARTUP_TIMEOUT_S = 20.0
 
 
@@ -80,6 +81,12 @@ class ManagedRedis:
 
     @property
     def url(self) -> str:
+        """What Slipstream's processes use: the ACL user `slipstream`, limited to `slipstream:*` keys."""
+        return f"redis://{APP_USER}:{self.password}@{self.host}:{self.port}/0"
+
+    @property
+    def admin_url(self) -> str:
+        """The default (admin) user, for operators; same generated password."""
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def client(self, **kw) -> redis.Redis:
@@ -90,6 +97,9 @@ class ManagedRedis:
         return template + (
             f"\nbind {self.host}\nport {self.port}\ndir {self.data_dir}\n"
             f"requirepass {self.password}\nappendfsync {self.appendfsync}\n"
+            # Least privilege for the app: its own key prefix, no admin/dangerous commands (FLUSHALL,
+            # CONFIG, KEYS, DEBUG, ...). The default user keeps full rights behind the same password.
+            f"user {APP_USER} on >{self.password} ~slipstream:* &* +@all -@admin -@dangerous\n"
         )
 
     def start(self) -> ManagedRedis:

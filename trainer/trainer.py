@@ -32,7 +32,12 @@ log = logging.getLogger(__name__)
 class Trainer:
     def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None) -> None:
         self.spec = spec
-        self.buffer = ReplayBuffer(redis.Redis.from_url(redis_url), spec.name)
+        self.buffer = ReplayBuffer(
+            redis.Redis.from_url(redis_url),
+            spec.name,
+            reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
+            stale_policy=spec.buffer.stale_policy,
+        )
         self.bus = WeightBus(
             engine_urls,
             api_key=api_key,
@@ -125,7 +130,7 @@ class Trainer:
             batch = build_batch(groups, self.tokenizer.pad_token_id)
             stats = self.train_step(batch)
             t_step = time.monotonic()
-            self.buffer.commit(entries, version)
+            self.buffer.commit(entries, version, spec.buffer.max_staleness)
             pub = self.publish(version + 1)
             version += 1
             self.buffer.set_version(version)

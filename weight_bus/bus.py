@@ -114,10 +114,27 @@ class WeightBus:
         self._collect(self._fire(path, lambda i: body))
 
     # --- protocol ----------------------------------------------------------------------------------
+    def _preflight(self) -> None:
+        """Every engine reachable and accepting our token, before anyone blocks in a collective: a bad
+        token or a dead engine fails in milliseconds instead of after the group-setup timeout."""
+        futures = [self.pool.submit(self.http.get, url + "/get_model_info") for url in self.engine_urls]
+        errors = []
+        for url, f in zip(self.engine_urls, futures, strict=True):
+            try:
+                resp = f.result()
+            except httpx.HTTPError as e:
+                errors.append(f"{url}: unreachable: {e}")
+                continue
+            if resp.status_code != 200:
+                errors.append(f"{url}/get_model_info: HTTP {resp.status_code}: {resp.text[:200]}")
+        if errors:
+            raise BusError("; ".join(errors))
+
     def connect(self) -> None:
         """Create the update group: announce to every engine (not awaited), host rank 0, then await."""
         from slipstream.redis_server import free_port  # a free TCP port for the group's store
 
+        self._preflight()
         port = free_port(self.master_address)
         world = 1 + len(self.engine_urls)
         futures = self._fire(

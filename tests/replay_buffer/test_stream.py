@@ -1,12 +1,9 @@
-"""Buffer semantics against a real redis-server: round trip, ack only on commit, staleness drop,
-dead-letter, idempotent redelivery, admission control."""
-
-import asyncio
+"""Buffer semantics against a real redis-server: round trip, ack only on commit, staleness drop/recycle,
+dead-letter, idempotent redelivery, reclaim from idle consumers, trimming."""
 
 import pytest
-import redis.asyncio as aioredis
 
-from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
+from replay_buffer import ReplayBuffer, Sample, make_group
 from replay_buffer.keys import TRAINER_GROUP
 
 
@@ -52,9 +49,9 @@ def test_uncommitted_batch_is_redelivered_to_another_consumer(buf, redis_client,
     assert [eid.decode() for eid, _ in claimed[1]] == [taken[0].entry_id]
 
 
-def test_stale_groups_are_dropped_counted_and_release_admission(buf, job_id):
+def test_stale_groups_are_dropped_counted_and_release_admission(buf, redis_client, job_id):
     buf.set_version(5)
-    assert buf.try_admit(groups_per_step=1, max_staleness=0)
+    redis_client.set(buf.keys.started, 1)  # the stale group's admission slot
     buf.put(_group(job_id, 3, "old"))  # 5 - 3 = 2 > max_staleness 1
     fresh = _group(job_id, 4, "fresh")  # 5 - 4 = 1: usable
     buf.put(fresh)
@@ -97,29 +94,74 @@ def test_redelivered_trained_group_is_skipped(buf, job_id):
     assert st["duplicates"] == 1 and st["consumed"] == 1 and st["pending"] == 0
 
 
-def test_admission_cap_follows_version(redis_server, job_id):
-    async def scenario():
-        r = aioredis.Redis.from_url(redis_server.url)
-        prod = BufferProducer(r, job_id)
-        admitted = [await prod.try_admit(groups_per_step=2, max_staleness=1) for _ in range(6)]
-        assert admitted == [True] * 4 + [False] * 2  # (0 + 1 + 1) * 2 = 4
-        await r.set(prod.keys.version, 1)
-        assert await prod.try_admit(2, 1) and await prod.try_admit(2, 1)
-        assert not await prod.try_admit(2, 1)
-        await prod.release()
-        assert await prod.try_admit(2, 1)
-        await r.aclose()
-
-    asyncio.run(scenario())
+def test_recycle_policy_queues_the_prompt_again(redis_client, job_id):
+    buf = ReplayBuffer(redis_client, job_id, stale_policy="recycle")
+    buf.ensure_group()
+    buf.set_version(3)
+    buf.put(_group(job_id, 0, "prompt-7"))
+    assert buf.take_batch(1, 3, 1, block_ms=50, should_stop=lambda: buf.stats()["dropped_stale"] > 0) == []
+    st = buf.stats()
+    assert st["recycled"] == 1 and st["recycle_queue"] == 1
+    assert redis_client.lpop(buf.keys.recycle) == b"prompt-7"
 
 
-def test_concurrent_admission_never_exceeds_cap(redis_server, job_id):
-    async def scenario():
-        clients = [aioredis.Redis.from_url(redis_server.url) for _ in range(4)]
-        prods = [BufferProducer(c, job_id) for c in clients]
-        results = await asyncio.gather(*(p.try_admit(8, 0) for p in prods for _ in range(10)))
-        for c in clients:
-            await c.aclose()
-        return results
+def test_uncommitted_entries_of_a_dead_consumer_are_reclaimed(redis_client, job_id):
+    dead = ReplayBuffer(redis_client, job_id, consumer="trainer-dead")
+    dead.ensure_group()
+    dead.put(g := _group(job_id, 0))
+    assert [e.group.group_id for e in dead.take_batch(1, 0, 0, block_ms=50)] == [g.group_id]
+    # A live consumer with a zero idle threshold claims it at once (production default: 30 s).
+    live = ReplayBuffer(redis_client, job_id, consumer="trainer-live", reclaim_idle_ms=1)
+    redis_client.xgroup_setid(live.keys.groups, TRAINER_GROUP, "$")  # nothing new to read: only the claim
+    batch = live.take_batch(1, 0, 0, block_ms=50)
+    assert [e.group.group_id for e in batch] == [g.group_id]
+    live.commit(batch, 0)
+    st = live.stats()
+    assert st["reclaimed"] == 1 and st["consumed"] == 1 and st["pending"] == 0
 
-    assert sum(asyncio.run(scenario())) == 8
+
+def test_restarted_consumer_rereads_its_own_pending_entries_first(redis_client, job_id):
+    first = ReplayBuffer(redis_client, job_id, consumer="trainer-0")
+    first.ensure_group()
+    for i in range(3):
+        first.put(_group(job_id, 0, f"p{i}"))
+    taken = first.take_batch(2, 0, 0, block_ms=50)
+    restarted = ReplayBuffer(redis_client, job_id, consumer="trainer-0")  # same name, fresh process state
+    again = restarted.take_batch(3, 0, 0, block_ms=50)
+    assert [e.entry_id for e in again[:2]] == [e.entry_id for e in taken]
+    assert len(again) == 3
+
+
+def test_trim_removes_only_acknowledged_entries(buf, job_id):
+    for i in range(6):
+        buf.put(_group(job_id, 0, f"p{i}"))
+    first = buf.take_batch(2, 0, 0, block_ms=50)
+    second = buf.take_batch(2, 0, 0, block_ms=50)
+    buf.commit(second, 0)  # `first` is still pending: nothing before it may go
+    assert buf.stats()["depth"] == 6
+    buf.commit(first, 0)  # now the 4 oldest are acknowledged
+    st = buf.stats()
+    assert st["depth"] == 2 and st["unread"] == 2 and st["pending"] == 0
+    assert len(buf.take_batch(2, 0, 0, block_ms=50)) == 2
+
+
+def test_trained_ids_are_forgotten_only_once_a_redelivery_would_be_stale(buf, redis_client, job_id):
+    g = _group(job_id, 4)
+    buf.put(g)
+    buf.commit(buf.take_batch(1, 4, 1, block_ms=50), version=4, max_staleness=1)
+    assert redis_client.zscore(buf.keys.trained, g.group_id) == 4  # at version 5 it is still fresh
+    buf.put(h := _group(job_id, 5))
+    buf.commit(buf.take_batch(1, 5, 1, block_ms=50), version=5, max_staleness=1)
+    assert redis_client.zscore(buf.keys.trained, g.group_id) is None  # at version 6 it is stale
+    assert redis_client.zscore(buf.keys.trained, h.group_id) == 5
+
+
+def test_memory_stays_bounded_over_a_long_run(buf, redis_client, job_id):
+    for step in range(50):
+        for i in range(4):
+            buf.put(_group(job_id, step, f"s{step}-{i}"))
+        buf.commit(buf.take_batch(4, step, 1, block_ms=50), version=step, max_staleness=1)
+        buf.set_version(step + 1)
+    st = buf.stats()
+    assert st["consumed"] == 200 and st["depth"] == 0
+    assert redis_client.zcard(buf.keys.trained) <= 2 * 4

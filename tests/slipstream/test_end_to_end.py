@@ -9,7 +9,8 @@ from slipstream.launcher import run_job
 pytestmark = pytest.mark.slow
 
 
-def test_short_async_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_short_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir, max_staleness):
     spec = jobspec.from_dict(
         {
             "name": "e2e",
@@ -18,7 +19,7 @@ def test_short_async_job_advances_versions_and_loses_no_group(tmp_path, tiny_mod
             "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
             "generators": {"num_engines": 2, "num_workers": 1},
             "algorithm": {"groups_per_step": 3, "total_steps": 4},
-            "buffer": {"max_staleness": 1},
+            "buffer": {"max_staleness": max_staleness},
         }
     )
     seen = []
@@ -26,14 +27,19 @@ def test_short_async_job_advances_versions_and_loses_no_group(tmp_path, tiny_mod
 
     assert result.version == 4
     assert [p["version"] for p in seen] == [1, 2, 3, 4]
-    assert all(p["staleness_max"] <= 1 for p in seen)
+    assert all(p["staleness_max"] <= max_staleness for p in seen)
     st = result.buffer
     assert st["version"] == 4 and st["steps"] == 4
     assert st["consumed"] == 4 * 3
     assert st["pending"] == 0  # every group read by the trainer was either trained+acked or dropped+acked
-    # No group lost: everything produced is still in the stream, and was trained, dropped, or is unread.
-    assert st["depth"] == st["produced"]
+    # No group lost: everything produced was trained, dropped as stale (counted), or is still unread;
+    # acknowledged entries were trimmed, so only the unread ones remain in the stream.
     assert st["produced"] == st["consumed"] + st["dropped_stale"] + st["unread"]
+    assert st["depth"] == st["unread"]
+    if max_staleness == 0:  # strictly on-policy: every group trained at the version that generated it
+        assert st["staleness"] == {0: st["consumed"]} and st["dropped_stale"] == 0
+    # Workers left cleanly: no reservations held, no leases.
+    assert st["workers"] == 0
     assert st["dead_letter"] == 0
     assert sum(st["staleness"].values()) == st["consumed"]
     # The final model was saved in HF format and the job spec with it.

@@ -1,0 +1,71 @@
+"""Lua scripts that keep admission control atomic across every rollout worker of a job.
+
+Reservations are tracked per worker (`reservations` hash) and every worker holds a lease in the
+`workers` zset (score = expiry, Redis server time in ms, so worker clocks never matter). Any admission
+call first reaps workers whose lease expired: their unfinished reservations go back to the pool, so a
+dead generator never holds slots forever.
+"""
+
+# KEYS: started, reservations, workers        ARGV: now_ms (optional; default server time)
+_REAP = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function reap(started, reservations, workers, now)
+  local released = 0
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', now)) do
+    local n = tonumber(redis.call('HGET', reservations, w) or '0')
+    if n ~= 0 then redis.call('DECRBY', started, n) end
+    released = released + n
+    redis.call('HDEL', reservations, w)
+    redis.call('ZREM', workers, w)
+  end
+  return released
+end
+"""
+
+ADMIT = (
+    _REAP
+    + """
+-- KEYS: started, reservations, workers, version   ARGV: groups_per_step, max_staleness, worker, lease_ms
+redis.replicate_commands()
+local now = now_ms()
+reap(KEYS[1], KEYS[2], KEYS[3], now)
+redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[3])
+local v = tonumber(redis.call('GET', KEYS[4]) or '0')
+local started = tonumber(redis.call('GET', KEYS[1]) or '0')
+local cap = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1])
+if started + 1 <= cap then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+  return redis.call('INCR', KEYS[1])
+end
+return 0
+"""
+)
+
+REAP = (
+    _REAP
+    + """
+-- KEYS: started, reservations, workers
+redis.replicate_commands()
+return reap(KEYS[1], KEYS[2], KEYS[3], now_ms())
+"""
+)
+
+HEARTBEAT = """
+-- KEYS: workers   ARGV: worker, lease_ms
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+return redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+"""
+
+LEAVE = """
+-- KEYS: started, reservations, workers   ARGV: worker
+local n = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0')
+if n ~= 0 then redis.call('DECRBY', KEYS[1], n) end
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+return n
+"""

@@ -1,0 +1,141 @@
+"""Admission control against a real redis-server: the AReaL cap, shared by all workers, correct when
+workers join, leave, or die holding reservations."""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import redis.asyncio as aioredis
+
+from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
+
+
+def _group(job):
+    s = Sample(
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        behavior_logprobs=[-0.1],
+        token_versions=[0],
+        reward=1.0,
+        finish_reason="stop",
+    )
+    return make_group(job, "p", [s, s])
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+async def _producers(url, job, names, lease_ms=60_000):
+    clients = [aioredis.Redis.from_url(url) for _ in names]
+    return clients, [
+        BufferProducer(c, job, worker_id=n, lease_ms=lease_ms) for c, n in zip(clients, names, strict=True)
+    ]
+
+
+async def _close(clients):
+    for c in clients:
+        await c.aclose()
+
+
+def test_cap_follows_version_and_release(redis_server, job_id):
+    async def scenario():
+        clients, (p,) = await _producers(redis_server.url, job_id, ["w0"])
+        admitted = [await p.try_admit(groups_per_step=2, max_staleness=1) for _ in range(6)]
+        assert admitted == [True] * 4 + [False] * 2  # (0 + 1 + 1) * 2 = 4
+        await p.r.set(p.keys.version, 1)
+        assert await p.try_admit(2, 1) and await p.try_admit(2, 1)
+        assert not await p.try_admit(2, 1)
+        await p.release()
+        assert await p.try_admit(2, 1)
+        await _close(clients)
+
+    _run(scenario())
+
+
+def test_concurrent_workers_never_exceed_the_shared_cap(redis_server, job_id):
+    async def scenario():
+        clients, prods = await _producers(redis_server.url, job_id, [f"w{i}" for i in range(4)])
+        results = await asyncio.gather(*(p.try_admit(8, 0) for p in prods for _ in range(10)))
+        await _close(clients)
+        return results
+
+    assert sum(_run(scenario())) == 8
+
+
+def test_put_turns_a_reservation_into_a_record_and_leave_releases_the_rest(
+    redis_server, redis_client, job_id
+):
+    async def scenario():
+        clients, (p,) = await _producers(redis_server.url, job_id, ["w0"])
+        for _ in range(3):
+            assert await p.try_admit(10, 0)
+        await p.put(_group(job_id))
+        assert int(await p.r.hget(p.keys.reservations, "w0")) == 2
+        assert await p.leave() == 2
+        await _close(clients)
+
+    _run(scenario())
+    assert int(redis_client.get(f"slipstream:{job_id}:started")) == 1  # only the produced group counts
+    assert redis_client.zcard(f"slipstream:{job_id}:workers") == 0
+
+
+def test_a_joining_worker_shares_the_cap(redis_server, job_id):
+    async def scenario():
+        clients, (a, b) = await _producers(redis_server.url, job_id, ["a", "b"])
+        assert all([await a.try_admit(4, 0) for _ in range(3)])
+        assert await b.try_admit(4, 0)  # joins mid-window: gets the last slot only
+        assert not await b.try_admit(4, 0) and not await a.try_admit(4, 0)
+        await _close(clients)
+
+    _run(scenario())
+
+
+def test_expired_lease_releases_a_dead_workers_reservations(redis_server, redis_client, job_id):
+    async def scenario():
+        clients, (dead, live) = await _producers(redis_server.url, job_id, ["dead", "live"])
+        assert all([await dead.try_admit(3, 0) for _ in range(3)])
+        assert not await live.try_admit(3, 0)
+        await dead.r.zadd(dead.keys.workers, {"dead": 0})  # its lease ran out (it stopped heartbeating)
+        assert await live.try_admit(3, 0)  # the admission call reaped it first
+        assert await dead.r.zscore(dead.keys.workers, "dead") is None
+        await _close(clients)
+
+    _run(scenario())
+    assert int(redis_client.get(f"slipstream:{job_id}:started")) == 1
+
+
+_CHILD = """
+import asyncio, sys, redis.asyncio as aioredis
+from replay_buffer import BufferProducer
+async def main():
+    p = BufferProducer(aioredis.Redis.from_url(sys.argv[1]), sys.argv[2], worker_id="child", lease_ms=500)
+    for _ in range(3):
+        assert await p.try_admit(3, 0)
+    print("reserved", flush=True)
+    await asyncio.Event().wait()  # holds its reservations until killed
+asyncio.run(main())
+"""
+
+
+def test_killed_worker_process_gets_its_reservations_released(redis_server, redis_client, job_id):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, redis_server.url, job_id], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert child.stdout.readline().strip() == "reserved"
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    buf = ReplayBuffer(redis_client, job_id)
+    deadline = time.monotonic() + 30
+    while buf.reap_workers() == 0:  # lease is 500 ms; poll the server-side expiry
+        assert time.monotonic() < deadline, "dead worker's lease never expired"
+        time.sleep(0.05)
+    st = buf.stats()
+    assert st["started"] == 0 and st["workers"] == 0

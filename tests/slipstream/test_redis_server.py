@@ -1,0 +1,58 @@
+"""The managed redis-server: real process, password and ACL user required, AOF on, clean stop."""
+
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from slipstream.redis_server import ManagedRedis, find_redis_server
+
+
+def test_finds_a_redis_server_binary():
+    assert find_redis_server().endswith("redis-server")
+
+
+NO_RETRY = Retry(NoBackoff(), 0)  # redis-py retries auth failures with backoff by default: seconds wasted
+
+
+def test_auth_is_required(redis_server):
+    anon = redis.Redis(host=redis_server.host, port=redis_server.port, retry=NO_RETRY)
+    with pytest.raises(redis.AuthenticationError):
+        anon.ping()
+    wrong = redis.Redis(
+        host=redis_server.host, port=redis_server.port, username="slipstream", password="nope", retry=NO_RETRY
+    )
+    with pytest.raises(redis.AuthenticationError):
+        wrong.ping()
+
+
+def test_app_user_is_limited_to_its_keys_and_safe_commands(redis_server):
+    app = redis_server.client()
+    app.set("slipstream:acl-test:x", 1)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        app.set("not-slipstream", 1)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        app.flushall()
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        app.config_set("appendonly", "no")
+    admin = redis.Redis.from_url(redis_server.admin_url)
+    assert admin.config_get("appendonly") == {"appendonly": "yes"}
+    assert admin.acl_whoami() == "default"
+
+
+def test_aof_settings_and_stop(tmp_path):
+    with ManagedRedis(data_dir=tmp_path / "r", appendfsync="always") as r:
+        admin = redis.Redis.from_url(r.admin_url)
+        assert admin.config_get("appendfsync") == {"appendfsync": "always"}
+        r.client().xadd("slipstream:j:groups", {"d": b"x"})
+        port = r.port
+    assert (tmp_path / "r" / "appendonly.aof").exists()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis(port=port, socket_connect_timeout=1, retry=NO_RETRY).ping()
+
+
+def test_data_survives_a_restart_from_the_aof(tmp_path):
+    with ManagedRedis(data_dir=tmp_path / "r", appendfsync="always", password="pw") as r:
+        r.client().xadd("slipstream:j:groups", {"d": b"kept"})
+    with ManagedRedis(data_dir=tmp_path / "r", password="pw") as r:
+        assert r.client().xrange("slipstream:j:groups")[0][1] == {b"d": b"kept"}
