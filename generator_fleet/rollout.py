@@ -189,7 +189,7 @@ class RolloutWorker:
         reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
         metrics.TOKENS.inc(len(ids))
         metrics.REWARD.observe(reward)
-        return Sample(
+        return Sample.build(
             prompt_ids=prompt_ids,
             response_ids=ids,
             loss_mask=[1] * len(ids),

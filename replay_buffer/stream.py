@@ -130,6 +130,7 @@ class ReplayBuffer:
         consumer: str = "trainer-0",
         reclaim_idle_ms: int = 30_000,
         stale_policy: str = "drop",
+        trim_interval_s: float = 1.0,
     ) -> None:
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy {stale_policy!r}: expected one of {STALE_POLICIES}")
@@ -138,7 +139,10 @@ class ReplayBuffer:
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.stale_policy = stale_policy
+        self.trim_interval_s = trim_interval_s
         self._own_pending_done = False
+        self._next_claim = 0.0
+        self._next_trim = 0.0
         self._reap = client.register_script(scripts.REAP)
 
     def ensure_group(self) -> None:
@@ -198,8 +202,12 @@ class ReplayBuffer:
         if not self._own_pending_done:
             if own := self._read_own_pending(count):
                 return own
-        if claimed := self._claim(count):
-            return claimed
+        # Another consumer's entries become claimable only after reclaim_idle_ms, so looking more often
+        # than a few times per that interval buys nothing and costs a round trip per read.
+        if time.monotonic() >= self._next_claim:
+            if claimed := self._claim(count):
+                return claimed
+            self._next_claim = time.monotonic() + min(self.reclaim_idle_ms / 4000, 5.0)
         return self._read_new(count, block_ms)
 
     def _dead_letter(self, entry_id: str, fields: dict | None, reason: str) -> None:
@@ -301,13 +309,15 @@ class ReplayBuffer:
             s = staleness(version, e.group.min_version)
             pipe.hincrby(self.keys.staleness, str(s), 1)
             metrics.STALENESS.observe(s)
-        pipe.execute()
-        metrics.GROUPS_CONSUMED.inc(len(entries))
         if max_staleness is not None:
             # A redelivered group with min_version < (next version) - max_staleness is stale: dropped
-            # before the duplicate check, so its id need not be remembered.
-            self.r.zremrangebyscore(self.keys.trained, "-inf", f"({version + 1 - max_staleness}")
-        self.trim()
+            # as such, so its id need not be remembered.
+            pipe.zremrangebyscore(self.keys.trained, "-inf", f"({version + 1 - max_staleness}")
+        pipe.execute()
+        metrics.GROUPS_CONSUMED.inc(len(entries))
+        if time.monotonic() >= self._next_trim:  # trimming costs ~5 round trips: at most every interval
+            self.trim()
+            self._next_trim = time.monotonic() + self.trim_interval_s
 
     def trim(self) -> int:
         """XTRIM MINID below the oldest entry that is pending or unread: everything older is acknowledged

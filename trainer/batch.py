@@ -7,10 +7,10 @@ len(prompt) + j - 1, so every per-token tensor here is aligned with `token_logpr
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import torch
 
 from replay_buffer.schema import GroupRecord
-from trainer.logprobs import pad_batch
 from trainer.losses import grpo_advantages
 
 
@@ -31,28 +31,30 @@ class TrainBatch(msgspec.Struct):
 
 
 def build_batch(groups: list[GroupRecord], pad_id: int) -> TrainBatch:
-    seqs, spans, behav, lmask, advs, rewards = [], [], [], [], [], []
+    samples, advs, rewards = [], [], []
     for g in groups:
         r = torch.tensor([s.reward for s in g.samples], dtype=torch.float32)
-        a = grpo_advantages(r)
-        for s, adv in zip(g.samples, a.tolist(), strict=True):
-            seqs.append(s.prompt_ids + s.response_ids)
-            spans.append(len(s.prompt_ids))
-            behav.append(s.behavior_logprobs)
-            lmask.append(s.loss_mask)
-            advs.append(adv)
+        samples += g.samples
+        advs += grpo_advantages(r).tolist()
         rewards.append(r)
-    ids, attn = pad_batch(seqs, pad_id)
-    shape = (ids.shape[0], ids.shape[1] - 1)
+    width = max(len(s.prompt_ids) // 4 + len(s) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    shape = (len(samples), width - 1)
     loss_mask = torch.zeros(shape)
     behav_lp = torch.zeros(shape)
     adv_t = torch.zeros(shape)
     n_tokens = 0
-    for i, start in enumerate(spans):
-        n = len(lmask[i])
+    for i, s in enumerate(samples):
+        p = torch.from_numpy(s.view("prompt_ids").astype(np.int64))
+        r = torch.from_numpy(s.view("response_ids").astype(np.int64))
+        start, n = len(p), len(r)
+        ids[i, :start] = p
+        ids[i, start : start + n] = r
+        attn[i, : start + n] = 1
         sl = slice(start - 1, start - 1 + n)
-        loss_mask[i, sl] = torch.tensor(lmask[i], dtype=torch.float32)
-        behav_lp[i, sl] = torch.tensor(behav[i], dtype=torch.float32)
+        loss_mask[i, sl] = torch.from_numpy(s.view("loss_mask").astype(np.float32))
+        behav_lp[i, sl] = torch.from_numpy(s.view("behavior_logprobs").copy())
         adv_t[i, sl] = advs[i]
         n_tokens += n
     return TrainBatch(ids, attn, loss_mask, behav_lp * loss_mask, adv_t, torch.cat(rewards), n_tokens)

@@ -151,6 +151,7 @@ class Trainer:
             }
             self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
             metrics.observe_step(record)
+        self.buffer.trim()
         return {"version": version, "elapsed_s": time.monotonic() - t_start}
 
     def save(self, path: str | Path) -> str:

@@ -14,7 +14,7 @@ from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
 
 
 def _group(job):
-    s = Sample(
+    s = Sample.build(
         prompt_ids=[1],
         response_ids=[2],
         loss_mask=[1],

@@ -24,7 +24,7 @@ time.sleep(3600)  # "training" -- killed here
 
 
 def _group(job, i):
-    s = Sample(
+    s = Sample.build(
         prompt_ids=[1, 2],
         response_ids=[3],
         loss_mask=[1],

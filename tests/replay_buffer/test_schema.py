@@ -5,7 +5,7 @@ from replay_buffer.schema import RecordError, Sample, decode, encode, make_group
 
 def _sample(versions=(3, 4), mask=(1, 1)) -> Sample:
     n = len(versions)
-    return Sample(
+    return Sample.build(
         prompt_ids=[1, 5],
         response_ids=[7] * n,
         loss_mask=list(mask),
@@ -30,7 +30,9 @@ def test_masked_tokens_do_not_count_for_versions():
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda g: g.samples[0].loss_mask.append(1), r"samples\[0\]\.loss_mask: length"),
+        (lambda g: setattr(g.samples[0], "loss_mask", b"\x01\x01\x01"), r"samples\[0\]\.loss_mask: length 3"),
+        (lambda g: setattr(g.samples[0], "loss_mask", b"\x01\x02"), r"samples\[0\]\.loss_mask: values"),
+        (lambda g: setattr(g.samples[0], "response_ids", b"\x00" * 9), r"response_ids: 9 bytes"),
         (lambda g: setattr(g.samples[0], "finish_reason", "boom"), "finish_reason"),
         (lambda g: setattr(g, "schema_version", 99), "schema_version"),
         (lambda g: setattr(g, "samples", []), "empty group"),
@@ -46,3 +48,10 @@ def test_invalid_records_are_rejected_with_reason(mutate, reason):
 def test_garbage_bytes_raise_record_error():
     with pytest.raises(RecordError, match="decode"):
         decode(b"\x93not msgpack of a group")
+
+
+def test_packed_fields_round_trip_values():
+    s = _sample((3, 4))
+    assert s.view("response_ids").tolist() == [7, 7] and len(s) == 2
+    assert s.view("behavior_logprobs").tolist() == [-0.5, -0.5]
+    assert s.view("token_versions").tolist() == [3, 4] and s.view("loss_mask").tolist() == [1, 1]

@@ -8,7 +8,7 @@ from replay_buffer.keys import TRAINER_GROUP
 
 
 def _group(job, version, prompt="p"):
-    s = Sample(
+    s = Sample.build(
         prompt_ids=[1, 2],
         response_ids=[3, 4],
         loss_mask=[1, 1],
@@ -22,7 +22,7 @@ def _group(job, version, prompt="p"):
 
 @pytest.fixture
 def buf(redis_client, job_id):
-    b = ReplayBuffer(redis_client, job_id)
+    b = ReplayBuffer(redis_client, job_id, trim_interval_s=0)
     b.ensure_group()
     return b
 

@@ -11,7 +11,7 @@ def test_buffer_stats_shows_depth_pending_dead_letter_and_staleness(
 ):
     buf = ReplayBuffer(redis_client, job_id)
     buf.ensure_group()
-    s = Sample(
+    s = Sample.build(
         prompt_ids=[1],
         response_ids=[2],
         loss_mask=[1],

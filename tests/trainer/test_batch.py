@@ -5,7 +5,7 @@ from trainer.batch import build_batch
 
 
 def test_tokens_align_with_next_token_logprobs():
-    a = Sample(
+    a = Sample.build(
         prompt_ids=[1, 5, 6],
         response_ids=[7, 2],
         loss_mask=[1, 1],
@@ -14,7 +14,7 @@ def test_tokens_align_with_next_token_logprobs():
         reward=1.0,
         finish_reason="stop",
     )
-    b = Sample(
+    b = Sample.build(
         prompt_ids=[1, 5],
         response_ids=[9, 8, 2],
         loss_mask=[1, 0, 1],
