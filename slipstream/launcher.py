@@ -46,28 +46,50 @@ def prepare_model(spec: JobSpec) -> None:
     path = Path(spec.model.path)
     if (path / "config.json").exists():
         return
-    if spec.model.build is None:
+    build = spec.model.build
+    if build is None:
         raise FileNotFoundError(f"model.path {path} has no config.json and model.build is not set")
-    from trainer.warmup import build_tiny_arith
+    log.info("building %s model at %s", build, path)
+    if build == "tiny-arith":
+        from trainer.warmup import build_tiny_arith
 
-    log.info(
-        "building %s model at %s (%d SFT warm-up steps)", spec.model.build, path, spec.model.warmup_steps
-    )
-    build_tiny_arith(
-        path,
-        max_operand=spec.dataset.max_operand,
-        warmup_steps=spec.model.warmup_steps,
-        seed=spec.dataset.seed,
-    )
+        build_tiny_arith(
+            path,
+            max_operand=spec.dataset.max_operand,
+            warmup_steps=spec.model.warmup_steps,
+            seed=spec.dataset.seed,
+        )
+    elif build == "tiny-tools":
+        from generator_fleet.tasks import build_task
+        from trainer.tool_model import build_tiny_tools
+
+        build_tiny_tools(
+            path,
+            build_task(spec.dataset).problems,
+            warmup_steps=spec.model.warmup_steps,
+            seed=spec.dataset.seed,
+        )
+    elif build == "smollm2-135m":
+        from trainer.pretrained import build_smollm2
+
+        build_smollm2(path)
+    else:
+        raise ValueError(f"unknown model.build {build!r}")
 
 
-def format_progress(r: dict, total_steps: int) -> str:
-    return (
+def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
+    line = (
         f"step {r['step']:>4}/{total_steps}  version {r['version']:>4}  reward {r['reward_mean']:.3f}  "
         f"staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
         f"loss {r['loss']:+.4f}  tok/s {r['tokens_per_s']:.0f}  step {r['step_s'] * 1e3:.0f} ms  "
         f"wait {r['wait_s'] * 1e3:.0f} ms  swap {r['pause_s'] * 1e3:.0f} ms"
     )
+    if agent:  # multi-turn jobs: how the episodes went
+        line += (
+            f"  turns {r['turns_mean']:.2f}  tool calls {r['tool_calls_mean']:.2f} (errors "
+            f"{r['tool_errors_mean']:.2f})  budget-out {r['finish_tool_budget']:.2f}"
+        )
+    return line
 
 
 def _raise_interrupt(signum, frame):

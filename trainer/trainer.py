@@ -29,6 +29,20 @@ from weight_bus import WeightBus
 log = logging.getLogger(__name__)
 
 
+def episode_stats(groups) -> dict[str, float]:
+    """Per-sample means of turns / tool calls / tool errors, and the finish-reason mix of a batch."""
+    samples = [s for g in groups for s in g.samples]
+    n = len(samples)
+    out = {
+        "turns_mean": sum(s.num_turns for s in samples) / n,
+        "tool_calls_mean": sum(s.tool_calls for s in samples) / n,
+        "tool_errors_mean": sum(s.tool_errors for s in samples) / n,
+    }
+    for reason in ("stop", "length", "tool_budget", "abort"):
+        out[f"finish_{reason}"] = sum(s.finish_reason == reason for s in samples) / n
+    return out
+
+
 class Trainer:
     def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None) -> None:
         self.spec = spec
@@ -147,6 +161,7 @@ class Trainer:
                 "publish_s": pub.transfer_s,
                 "pause_s": pub.pause_s,
                 "elapsed_s": time.monotonic() - t_start,
+                **episode_stats(groups),
                 **stats,
             }
             self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})

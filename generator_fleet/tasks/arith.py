@@ -9,16 +9,12 @@ from __future__ import annotations
 import random
 import re
 
-import msgspec
+from generator_fleet.tasks.problem import Problem
+
+__all__ = ["ALPHABET", "ArithTask", "Problem", "score"]
 
 ALPHABET = "0123456789+="
 _ANSWER = re.compile(r"^\d{1,4}$")
-
-
-class Problem(msgspec.Struct, frozen=True):
-    prompt_id: str
-    prompt: str
-    answer: int
 
 
 class ArithTask:

@@ -1,0 +1,116 @@
+"""Rewards over the final assistant text: math-verify correctness (on and off the main thread, never
+hanging), the agreed answer formats, and the registry."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from generator_fleet.rewards import (
+    REWARDS,
+    MathVerifier,
+    extract_final_number,
+    format_reward,
+    get_reward,
+    math_verify_reward,
+)
+
+HANGS_WITHOUT_TIMEOUT = "So the result is \\boxed{9^{9^{9^{9}}}}"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The answer is 42",
+        "So we get \\boxed{42}.",
+        "42.0",
+        "3 * 14 = 42\n#### 42",
+        "The answer is $42.",
+        "$42$",
+    ],
+)
+def test_math_verify_accepts_the_usual_ways_of_writing_42(text):
+    assert math_verify_reward(text, "42") == 1.0
+
+
+@pytest.mark.parametrize("text", ["The answer is 41", "\\boxed{24}", "I don't know", ""])
+def test_math_verify_rejects_wrong_or_missing_answers(text):
+    assert math_verify_reward(text, "42") == 0.0
+
+
+def test_math_verify_reads_thousands_separators():
+    assert math_verify_reward("They pay $10,063 in total. The answer is 10,063.", "10063") == 1.0
+
+
+def test_unparseable_gold_is_a_dataset_error():
+    with pytest.raises(ValueError, match="gold answer"):
+        math_verify_reward("The answer is 42", "")
+
+
+def test_math_verify_works_off_the_main_thread():
+    texts = ["The answer is 42", "\\boxed{42}", "The answer is 41", "#### 42"]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        assert list(pool.map(math_verify_reward, texts, ["42"] * 4)) == [1.0, 1.0, 0.0, 1.0]
+
+
+def test_runaway_answer_times_out_on_the_main_thread():
+    t0 = time.monotonic()
+    assert MathVerifier(timeout_s=1)(HANGS_WITHOUT_TIMEOUT, "42") == 0.0
+    assert time.monotonic() - t0 < 10
+
+
+def test_runaway_answer_is_killed_off_the_main_thread_and_the_verifier_recovers():
+    # math-verify's own limit (5 s) is longer than the hard one, so the helper process gets killed.
+    verifier = MathVerifier(timeout_s=5, hard_timeout_s=1.0)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            assert pool.submit(verifier, "The answer is 42", "42").result() == 1.0  # starts the helper
+            t0 = time.monotonic()
+            assert pool.submit(verifier, HANGS_WITHOUT_TIMEOUT, "42").result() == 0.0
+            assert time.monotonic() - t0 < 5
+            assert pool.submit(verifier, "\\boxed{42}", "42").result() == 1.0
+    finally:
+        verifier.close()
+
+
+@pytest.mark.parametrize(
+    "text, number",
+    [
+        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
+        ("#### 1,234", "1234"),
+        ("first \\boxed{3}, then \\boxed{17} and 99 more words", "17"),
+        ("She pays $12.50 for 3 pens", "3"),
+        ("It costs $12.50", "12.5"),
+        ("-7 degrees", "-7"),
+        ("42.0", "42"),
+        ("no numbers here", None),
+    ],
+)
+def test_extract_final_number(text, number):
+    assert extract_final_number(text) == number
+
+
+@pytest.mark.parametrize(
+    "text, reward",
+    [
+        ("so #### 42", 1.0),
+        ("Hence \\boxed{x+1}", 1.0),
+        ("The answer is 42.", 1.0),
+        ("the final answer is: -3.5", 1.0),
+        ("42", 0.0),
+        ("The answer is forty-two", 0.0),
+        ("\\boxed{}", 0.0),
+    ],
+)
+def test_format_reward(text, reward):
+    assert format_reward(text) == reward
+
+
+def test_registry():
+    assert set(REWARDS) == {"math_verify", "format"}
+    assert get_reward("math_verify")("The answer is 7", "7") == 1.0
+    assert get_reward("format")("#### 7", "7") == 1.0
+    with pytest.raises(ValueError, match="unknown reward 'exact'.*format.*math_verify"):
+        get_reward("exact")
