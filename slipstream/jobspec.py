@@ -42,6 +42,8 @@ class DatasetSpec(Spec):
     """Largest operand of the `arith` problems."""
     num_problems: Pos = 1000
     """Problems generated for `word_problems`."""
+    difficulty: Literal["easy", "medium", "hard"] = "medium"
+    """`word_problems`: operand sizes and steps (easy: 2-digit, one operation)."""
     path: str | None = None
     """File for `jsonl` (.jsonl or .parquet)."""
     question_field: str = "question"

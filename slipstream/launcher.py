@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 STOP_TIMEOUT_S = 30.0
+TOOLS_WARMUP_PROBLEMS = 4000
 
 
 class JobResult(msgspec.Struct):

@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import string
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from generator_fleet.agent.render import render_prompt
 from generator_fleet.tools.calculator import Calculator
 from trainer import tiny_model
-from trainer.logprobs import pad_batch
+from trainer.warmup import sft
 
 log = logging.getLogger(__name__)
 
@@ -91,43 +90,10 @@ def tokens_and_mask(tokenizer, messages: list[dict], tools: list[dict]) -> tuple
     return ids, mask
 
 
-def sft(
-    model,
-    examples: list[tuple[list[int], list[int]]],
-    steps: int,
-    pad_id: int,
-    batch_size: int = 32,
-    lr: float = 2e-3,
-    seed: int = 0,
-) -> list[float]:
-    rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
-    model.train()
-    losses, t0 = [], time.monotonic()
-    for step in range(steps):
-        batch = [rng.choice(examples) for _ in range(batch_size)]
-        ids, attn = pad_batch([b[0] for b in batch], pad_id)
-        labels = torch.full_like(ids, -100)
-        for i, (seq, mask) in enumerate(batch):
-            m = torch.tensor(mask, dtype=torch.bool)
-            labels[i, : len(seq)][m] = ids[i, : len(seq)][m]
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(float(loss))
-        if (step + 1) % 100 == 0 or step + 1 == steps:
-            log.info("tool sft step %d/%d loss %.3f (%.0fs)", step + 1, steps, loss, time.monotonic() - t0)
-    model.eval()
-    return losses
-
-
 def build_tiny_tools(path: str | Path, problems, warmup_steps: int = 600, seed: int = 0):
     """Build tokenizer + tiny model, warm it up on calculator conversations over `problems` (objects with
-    .prompt, .expression, .answer), save to `path`."""
+    .prompt, .expression, .answer), save to `path`. Pass many distinct problems: with few, the model
+    memorises them instead of learning to copy numbers from the question into the tool call."""
     tokenizer = build_tokenizer()
     cfg = tiny_model.tiny_config(
         len(tokenizer),
@@ -146,7 +112,6 @@ def build_tiny_tools(path: str | Path, problems, warmup_steps: int = 600, seed: 
     examples = [
         tokens_and_mask(tokenizer, conversation(p.prompt, p.expression, int(p.answer), rng), tools)
         for p in problems
-        for _ in range(2)
     ]
     log.info(
         "tiny-tools warm-up: %d conversations, longest %d tokens",
@@ -154,6 +119,17 @@ def build_tiny_tools(path: str | Path, problems, warmup_steps: int = 600, seed: 
         max(len(e[0]) for e in examples),
     )
     if warmup_steps:
-        sft(model, examples, warmup_steps, tokenizer.pad_token_id, seed=seed)
+        sft(
+            model,
+            examples,
+            warmup_steps,
+            tokenizer.pad_token_id,
+            batch_size=32,
+            lr=2e-3,
+            warmup=30,
+            max_grad_norm=1.0,
+            seed=seed,
+            name="tool sft",
+        )
     tiny_model.save(path, model, tokenizer)
     return model, tokenizer

@@ -29,6 +29,19 @@ from weight_bus import WeightBus
 log = logging.getLogger(__name__)
 
 
+def render_sample(tokenizer, sample) -> str:
+    """Prompt, then response segments labelled [model] (loss_mask 1, trained on) or [context] (0)."""
+    out = ["[prompt] " + tokenizer.decode(sample.view("prompt_ids").tolist(), skip_special_tokens=False)]
+    ids, mask = sample.view("response_ids").tolist(), sample.view("loss_mask").tolist()
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            label = "[model]" if mask[start] else "[context]"
+            out.append(f"{label} {tokenizer.decode(ids[start:i], skip_special_tokens=False)}")
+            start = i
+    return "\n".join(out)
+
+
 def episode_stats(groups) -> dict[str, float]:
     """Per-sample means of turns / tool calls / tool errors, and the finish-reason mix of a batch."""
     samples = [s for g in groups for s in g.samples]
@@ -165,9 +178,21 @@ class Trainer:
                 **stats,
             }
             self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
+            self._log_sample(version, groups[0].samples[0])
             metrics.observe_step(record)
         self.buffer.trim()
         return {"version": version, "elapsed_s": time.monotonic() - t_start}
+
+    def _log_sample(self, version: int, sample) -> None:
+        """Append one rendered trajectory per step to <output_dir>/samples.txt: what the model wrote and
+        what it was shown, told apart, so users can see what training is looking at."""
+        path = Path(self.spec.output_dir) / "samples.txt"
+        with path.open("a") as f:
+            f.write(
+                f"=== version {version} reward {sample.reward:.3f} finish {sample.finish_reason} "
+                f"turns {sample.num_turns} tool_calls {sample.tool_calls}\n"
+            )
+            f.write(render_sample(self.tokenizer, sample) + "\n")
 
     def save(self, path: str | Path) -> str:
         path = Path(path)

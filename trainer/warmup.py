@@ -36,41 +36,49 @@ def noisy_answer(answer: int, rng: random.Random) -> str:
 
 def sft(
     model,
-    tokenizer,
-    examples: list[tuple[str, str]],
+    examples: list[tuple[list[int], list[int]]],
     steps: int,
+    pad_id: int,
     batch_size: int = 64,
     lr: float = 3e-3,
+    warmup: int = 20,
+    max_grad_norm: float | None = None,
     seed: int = 0,
+    name: str = "sft",
 ) -> list[float]:
-    """Train on (prompt, answer) pairs with loss on the answer + EOS only; returns the loss per step."""
+    """Supervised warm-up on (token ids, loss mask) examples: next-token loss only where the mask is 1.
+    Linear LR warm-up over `warmup` steps; returns the loss per step."""
     rng = random.Random(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     model.train()
     losses, t0 = [], time.monotonic()
     for step in range(steps):
         batch = [rng.choice(examples) for _ in range(batch_size)]
-        seqs, starts = [], []
-        for prompt, answer in batch:
-            p = [tokenizer.bos_token_id] + tokenizer.encode(prompt)
-            seqs.append(p + tokenizer.encode(answer) + [tokenizer.eos_token_id])
-            starts.append(len(p))
-        ids, mask = pad_batch(seqs, tokenizer.pad_token_id)
-        labels = ids.clone()
-        labels[mask == 0] = -100
-        for i, s in enumerate(starts):
-            labels[i, :s] = -100
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ids, attn = pad_batch([seq for seq, _ in batch], pad_id)
+        labels = torch.full_like(ids, -100)
+        for i, (seq, mask) in enumerate(batch):
+            m = torch.tensor(mask, dtype=torch.bool)
+            labels[i, : len(seq)][m] = ids[i, : len(seq)][m]
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad()
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if (step + 1) % 100 == 0 or step + 1 == steps:
-            log.info("sft step %d/%d loss %.3f (%.0fs)", step + 1, steps, loss, time.monotonic() - t0)
+            log.info("%s step %d/%d loss %.3f (%.0fs)", name, step + 1, steps, loss, time.monotonic() - t0)
     model.eval()
     return losses
+
+
+def answer_example(tokenizer, prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """<bos> prompt answer <eos>, trained on the answer and <eos> only."""
+    p = [tokenizer.bos_token_id] + tokenizer.encode(prompt)
+    a = tokenizer.encode(answer) + [tokenizer.eos_token_id]
+    return p + a, [0] * len(p) + [1] * len(a)
 
 
 def build_tiny_arith(path: str | Path, max_operand: int = 19, warmup_steps: int = 300, seed: int = 0):
@@ -81,8 +89,12 @@ def build_tiny_arith(path: str | Path, max_operand: int = 19, warmup_steps: int 
     rng = random.Random(seed)
     # A fixed noisy dataset (several noisy answers per problem) rather than fresh noise each step, so
     # the warm-up converges to the noise distribution instead of averaging it away.
-    examples = [(p.prompt, noisy_answer(p.answer, rng)) for p in task.problems for _ in range(8)]
+    examples = [
+        answer_example(tokenizer, p.prompt, noisy_answer(p.answer, rng))
+        for p in task.problems
+        for _ in range(8)
+    ]
     if warmup_steps:
-        sft(model, tokenizer, examples, warmup_steps, seed=seed)
+        sft(model, examples, warmup_steps, tokenizer.pad_token_id, seed=seed)
     tiny_model.save(path, model, tokenizer)
     return model, tokenizer

@@ -12,7 +12,7 @@ def build_task(ds):
     if ds.name == "word_problems":
         from generator_fleet.tasks.word_problems import WordProblemTask
 
-        return WordProblemTask(num_problems=ds.num_problems, seed=ds.seed)
+        return WordProblemTask(num_problems=ds.num_problems, seed=ds.seed, difficulty=ds.difficulty)
     if ds.name == "jsonl":
         from generator_fleet.tasks.jsonl import QATask
 

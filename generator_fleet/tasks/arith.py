@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import re
 
-from generator_fleet.tasks.problem import Problem
+from generator_fleet.tasks.problem import Problem, ProblemSet
 
 __all__ = ["ALPHABET", "ArithTask", "Problem", "score"]
 
@@ -17,7 +17,7 @@ ALPHABET = "0123456789+="
 _ANSWER = re.compile(r"^\d{1,4}$")
 
 
-class ArithTask:
+class ArithTask(ProblemSet):
     """All problems a+b with 0 <= a, b <= max_operand, in a seeded order."""
 
     def __init__(self, max_operand: int = 19, seed: int = 0) -> None:
@@ -27,16 +27,7 @@ class ArithTask:
             for b in range(max_operand + 1)
         ]
         random.Random(seed).shuffle(self.problems)
-        self._by_id = {p.prompt_id: p for p in self.problems}
-
-    def __len__(self) -> int:
-        return len(self.problems)
-
-    def get(self, prompt_id: str) -> Problem:
-        return self._by_id[prompt_id]
-
-    def sample(self, rng: random.Random) -> Problem:
-        return rng.choice(self.problems)
+        self._index()
 
     def score(
         self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float

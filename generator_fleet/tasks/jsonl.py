@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from generator_fleet.rewards import format_reward, math_verify_reward
-from generator_fleet.tasks.problem import Problem
+from generator_fleet.tasks.problem import Problem, ProblemSet
 
 AnswerParser = Literal["gsm8k", "raw"]
 GSM8K_MARKER = "####"
@@ -82,7 +82,7 @@ def _read_parquet(path: Path, fields: list[str], limit: int | None) -> list[tupl
     return rows
 
 
-class QATask:
+class QATask(ProblemSet):
     """Problems read from `path` (.jsonl or .parquet), in a seeded order.
 
     `limit` keeps the first `limit` records of the file (the same subset for every seed). A problem's
@@ -126,16 +126,7 @@ class QATask:
                     raise ValueError(f"{path}: {where} {n}: field {answer_field!r}: {e}") from None
             self.problems.append(Problem(f"{path.stem}:{n}", str(record[question_field]), answer))
         random.Random(seed).shuffle(self.problems)
-        self._by_id = {p.prompt_id: p for p in self.problems}
-
-    def __len__(self) -> int:
-        return len(self.problems)
-
-    def get(self, prompt_id: str) -> Problem:
-        return self._by_id[prompt_id]
-
-    def sample(self, rng: random.Random) -> Problem:
-        return rng.choice(self.problems)
+        self._index()
 
     def score(
         self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 
 
@@ -14,3 +16,22 @@ class Problem(msgspec.Struct, frozen=True):
     """Gold answer: the exact sum (int) for `arith`; the answer as written (str) for text datasets."""
     expression: str | None = None
     """A calculator expression that evaluates to `answer` (generated word problems; for SFT warm-ups)."""
+
+
+class ProblemSet:
+    """What every task shares: an ordered list of problems, lookup by id (recycled prompts), sampling.
+    Subclasses fill `self.problems` and call `_index()`, and define `score(...)`."""
+
+    problems: list[Problem]
+
+    def _index(self) -> None:
+        self._by_id = {p.prompt_id: p for p in self.problems}
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def get(self, prompt_id: str) -> Problem:
+        return self._by_id[prompt_id]
+
+    def sample(self, rng: random.Random) -> Problem:
+        return rng.choice(self.problems)

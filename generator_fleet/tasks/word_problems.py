@@ -15,7 +15,7 @@ from typing import Literal
 import msgspec
 
 from generator_fleet.tasks.jsonl import score as qa_score
-from generator_fleet.tasks.problem import Problem
+from generator_fleet.tasks.problem import Problem, ProblemSet
 
 Difficulty = Literal["easy", "medium", "hard"]
 
@@ -175,7 +175,7 @@ LEVELS: dict[str, tuple[list[Template], Ranges]] = {
 """easy: one step, 2-digit x 2-digit; medium: one or two steps, 3-digit x 2-digit; hard: two or three."""
 
 
-class WordProblemTask:
+class WordProblemTask(ProblemSet):
     """`num_problems` distinct word problems, the same for the same (seed, difficulty)."""
 
     def __init__(self, num_problems: int = 1000, seed: int = 0, difficulty: Difficulty = "medium") -> None:
@@ -196,16 +196,7 @@ class WordProblemTask:
                 raise ValueError(f"could not generate {num_problems} distinct {difficulty} problems")
             seen.add(prompt)
             self.problems.append(Problem(f"wp-{seed}-{i}", prompt, str(answer), expression=expression))
-        self._by_id = {p.prompt_id: p for p in self.problems}
-
-    def __len__(self) -> int:
-        return len(self.problems)
-
-    def get(self, prompt_id: str) -> Problem:
-        return self._by_id[prompt_id]
-
-    def sample(self, rng: random.Random) -> Problem:
-        return rng.choice(self.problems)
+        self._index()
 
     def score(
         self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float
