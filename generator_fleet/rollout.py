@@ -63,10 +63,10 @@ class RolloutWorker:
         self._stop.set()
 
     async def run(self) -> dict:
-        from transformers import AutoTokenizer
+        from slipstream.tokenizers import load_tokenizer
 
         spec = self.spec
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.path)
+        self.tokenizer = load_tokenizer(spec.model.path)
         self.task = build_task(spec.dataset)
         self.agent = build_agent(spec, self.tokenizer) if spec.agent else None
         self.engines = EnginePool(self.engine_urls, self.api_key)

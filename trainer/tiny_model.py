@@ -75,8 +75,8 @@ def save(path: str | Path, model, tokenizer) -> None:
 
 def load(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from an HF directory, fp32, eval mode."""
-    from transformers import AutoTokenizer
+    from slipstream.tokenizers import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     return model, tokenizer

@@ -77,12 +77,14 @@ class Trainer:
         self._stop = False
 
     def setup(self) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from slipstream.tokenizers import load_tokenizer
 
         torch.manual_seed(self.spec.algorithm.seed)
         torch.set_num_threads(self.spec.trainer.torch_threads)
         self.device = torch.device(self.spec.trainer.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.spec.model.path)
+        self.tokenizer = load_tokenizer(self.spec.model.path)
         self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=torch.float32).to(
             self.device
         )
@@ -104,7 +106,8 @@ class Trainer:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         alg = self.spec.algorithm
         dev = self.device
-        logp = token_logprobs(self.model, batch.input_ids.to(dev), batch.attention_mask.to(dev))
+        temperature = self.spec.rollout.sampling.temperature or 1.0  # greedy rollouts: plain logits
+        logp = token_logprobs(self.model, batch.input_ids.to(dev), batch.attention_mask.to(dev), temperature)
         # One optimizer step per batch: pi_prox is the policy at batch time, i.e. these logprobs detached.
         prox = logp.detach()
         mask = batch.loss_mask.to(dev)

@@ -19,7 +19,9 @@ from typing import Any
 
 import msgspec
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
+
+from slipstream.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ class Completion(msgspec.Struct, kw_only=True):
     weight_version: str
     """Version of the last token (the server's version at finish when there are no tokens)."""
     output_logprobs: list[float]
-    """logprob of each output token under the raw fp32 logits (temperature 1), incl. a final EOS."""
+    """logprob of each output token under the temperature-scaled fp32 logits, incl. a final EOS."""
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     input_logprobs: list[float | None] | None = None
     """Prompt tokens from logprob_start_len on; the first prompt token has None."""
@@ -185,7 +187,7 @@ class Runner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.max_batch_size = max_batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -483,9 +485,19 @@ class Runner:
             r.input_logprobs = full[min(r.logprob_start_len, n) :]
 
     def _sample(self, rows: list[Request], logits: torch.Tensor, version: str) -> torch.Tensor:
-        """Pick each live row's next token, record it with its raw logprob and version, finish rows that
-        are done. Returns the next input token per row (pad for finished rows)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
+        """Pick each live row's next token, record it with its logprob and version, finish rows that
+        are done. Returns the next input token per row (pad for finished rows).
+
+        The logprob is under the temperature-scaled logits (the distribution sampled from before top-p/
+        top-k/min-p truncation), as SGLang reports by default; greedy rows use temperature 1. The trainer
+        divides its logits by the same temperature, so behaviour and policy logprobs compare like with like.
+        """
+        temps = torch.tensor(
+            [1.0 if r.params.greedy else r.params.temperature for r in rows],
+            dtype=logits.dtype,
+            device=logits.device,
+        )
+        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
         argmax = logits.argmax(dim=-1).tolist()
         chosen = [self.pad_token_id] * len(rows)
         live_rows = []

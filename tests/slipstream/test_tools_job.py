@@ -33,7 +33,11 @@ def test_tool_job_trains_on_multi_turn_episodes(tmp_path, tools_model_dir):
             "reward": {"name": "math_verify"},
             "agent": {"max_turns": 3, "max_total_tokens": 200, "tool_timeout_s": 5},
             "tools": [{"name": "calculator"}],
-            "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 80}},
+            "rollout": {
+                "group_size": 4,
+                "concurrency": 4,
+                "sampling": {"temperature": 0.6, "max_new_tokens": 120},
+            },
             "algorithm": {"groups_per_step": 2, "total_steps": 3},
             "buffer": {"max_staleness": 1},
         }

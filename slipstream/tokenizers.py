@@ -1,0 +1,23 @@
+"""Loading a model directory's tokenizer the way it was saved.
+
+transformers 5 picks the tokenizer class from the model config's `model_type` (Qwen2 -> Qwen2Tokenizer)
+and that class rebuilds its own byte-level pre-tokenizer, ignoring the saved tokenizer.json: our
+character-level tokenizers then silently drop every space and newline. A directory whose tokenizer was
+saved as a generic fast tokenizer is therefore loaded as exactly that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GENERIC_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg = Path(path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
