@@ -99,6 +99,17 @@ def _server_message(resp: httpx.Response) -> str:
     return resp.text.strip()
 
 
+def _generate_body(input_ids, sampling_params, return_logprob: bool, rid: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": sampling_params,
+        "return_logprob": return_logprob,
+    }
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
 class EngineClient:
     """Async client for one engine URL; shares one connection pool across all calls. Use `async with`
     or call `aclose()`."""
@@ -150,14 +161,9 @@ class EngineClient:
         rid: str | None = None,
     ) -> GenerateResult:
         """One sample for one prompt (use one call per sample: `n` > 1 gets rids you cannot abort)."""
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        resp = await self._request("POST", "/generate", body)
+        resp = await self._request(
+            "POST", "/generate", _generate_body(input_ids, sampling_params, return_logprob, rid)
+        )
         obj = resp.json()
         if isinstance(obj, list):  # only if sampling_params asked for n > 1; keep the first
             obj = obj[0]
@@ -175,14 +181,9 @@ class EngineClient:
         aborting `rid` (prefix match) aborts the whole batch."""
         if len(input_ids) != len(sampling_params):
             raise ValueError("input_ids and sampling_params must have the same length")
-        body: dict[str, Any] = {
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "return_logprob": return_logprob,
-        }
-        if rid is not None:
-            body["rid"] = rid
-        resp = await self._request("POST", "/generate", body)
+        resp = await self._request(
+            "POST", "/generate", _generate_body(input_ids, sampling_params, return_logprob, rid)
+        )
         objs = resp.json()
         if not isinstance(objs, list) or len(objs) != len(input_ids):
             raise EngineError(resp.status_code, f"expected a list of {len(input_ids)} results", self.base_url)
