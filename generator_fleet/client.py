@@ -4,7 +4,9 @@ behaviour logprobs and the weight version of every token."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -188,6 +190,36 @@ class EngineClient:
         if not isinstance(objs, list) or len(objs) != len(input_ids):
             raise EngineError(resp.status_code, f"expected a list of {len(input_ids)} results", self.base_url)
         return [parse_generate(o) for o in objs]
+
+    async def generate_stream(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        rid: str | None = None,
+    ) -> AsyncIterator[GenerateResult]:
+        """Stream one sample: yields a cumulative result per server event (finish_reason "" until the
+        last one). Leaving the loop early closes the connection, which aborts the request."""
+        body = {**_generate_body(input_ids, sampling_params, return_logprob, rid), "stream": True}
+        try:
+            async with self._http.stream("POST", "/generate", json=body) as resp:
+                if not resp.is_success:
+                    await resp.aread()
+                    raise EngineError(resp.status_code, _server_message(resp), f"{self.base_url}/generate")
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[len("data: ") :]
+                    if data == "[DONE]":
+                        return
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        raise EngineError(resp.status_code, str(obj["error"].get("message")), self.base_url)
+                    if not (obj.get("meta_info") or {}).get("finish_reason"):
+                        obj["meta_info"]["finish_reason"] = {"type": ""}
+                    yield parse_generate(obj)
+        except httpx.TransportError as e:
+            raise EngineError(None, f"{type(e).__name__}: {e}", f"{self.base_url}/generate") from e
 
     async def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """Abort by rid prefix, or everything; the aborted generate() calls return finish_reason "abort"."""

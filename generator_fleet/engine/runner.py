@@ -145,6 +145,8 @@ class Request:
         self.done = False
         self.generator: torch.Generator | None = None
         self.stop_max_len = max((len(s) for s in params.stop), default=0)
+        self.listener: Callable[[], None] | None = None
+        """Called from the generation thread after each new token and at finish (streaming)."""
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -517,7 +519,6 @@ class Runner:
             r = rows[i]
             if r.first_token_at is None:
                 r.first_token_at = now
-            r.output_ids.append(chosen[i])
             r.output_logprobs.append(picked[i])
             r.versions.append(version)
             if r.top_logprobs_num > 0:
@@ -525,10 +526,13 @@ class Runner:
                 r.output_top_logprobs.append(
                     list(zip(top.values.tolist(), top.indices.tolist(), strict=True))
                 )
+            r.output_ids.append(chosen[i])  # last: a concurrent progress() reads len(output_ids) first
             self.stats.generation_tokens_total += 1
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)
+            elif r.listener:
+                r.listener()
         return tokens
 
     def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
@@ -598,30 +602,39 @@ class Runner:
                 n += 1
         return n
 
+    def _completion(self, r: Request, reason: dict[str, Any], n: int) -> Completion:
+        spans = version_spans(r.versions[:n])
+        return Completion(
+            rid=r.rid,
+            prompt_tokens=len(r.prompt_ids),
+            output_ids=r.output_ids[:n],
+            finish_reason=reason,
+            weight_versions=spans,
+            weight_version=spans[-1]["version"] if spans else self._weight_version,
+            output_logprobs=r.output_logprobs[:n],
+            output_top_logprobs=r.output_top_logprobs[:n] if r.top_logprobs_num > 0 else None,
+            input_logprobs=r.input_logprobs,
+            e2e_latency=time.monotonic() - r.created,
+            time_to_first_token=None if r.first_token_at is None else r.first_token_at - r.created,
+        )
+
+    def progress(self, r: Request) -> Completion:
+        """What a running request has produced so far (finish_reason {}), safe to call from another
+        thread: the generation thread appends output_ids last, so its length bounds the other lists."""
+        return self._completion(r, {}, len(r.output_ids))
+
     def _finish(self, r: Request, reason: dict[str, Any]) -> None:
         if r.done:
             return
         r.done = True
-        now = time.monotonic()
-        spans = version_spans(r.versions)
-        completion = Completion(
-            rid=r.rid,
-            prompt_tokens=len(r.prompt_ids),
-            output_ids=r.output_ids,
-            finish_reason=reason,
-            weight_versions=spans,
-            weight_version=spans[-1]["version"] if spans else self._weight_version,
-            output_logprobs=r.output_logprobs,
-            output_top_logprobs=r.output_top_logprobs if r.top_logprobs_num > 0 else None,
-            input_logprobs=r.input_logprobs,
-            e2e_latency=now - r.created,
-            time_to_first_token=None if r.first_token_at is None else r.first_token_at - r.created,
-        )
+        completion = self._completion(r, reason, len(r.output_ids))
         with self._cv:
             self.stats.num_requests_total += 1
             if reason["type"] == "abort":
                 self.stats.num_aborted_requests_total += 1
         r.future.set_result(completion)
+        if r.listener:
+            r.listener()
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import msgspec
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from generator_fleet.engine.metrics import EngineMetrics
 from generator_fleet.engine.runner import Completion, Runner, SamplingParams
@@ -317,7 +317,7 @@ def _render(c: Completion, item: _Item, tokenizer, return_text_in_logprobs: bool
             text = text[:cut]
     meta: dict[str, Any] = {
         "id": c.rid,
-        "finish_reason": c.finish_reason,
+        "finish_reason": c.finish_reason or None,  # null in intermediate stream events
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": len(c.output_ids),
         "cached_tokens": 0,
@@ -416,8 +416,6 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body = await _decode(request, GenerateReqIn)
-        if body.stream:
-            raise BadRequest("stream not supported by the built-in engine")
         items, is_batch = _expand(body, runner)
         if not state.unpaused.is_set():
             state.waiting += 1
@@ -425,6 +423,8 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
                 await state.unpaused.wait()
             finally:
                 state.waiting -= 1
+        if body.stream:
+            return _stream(items, is_batch, body.return_text_in_logprobs)
         futures = [asyncio.wrap_future(runner.submit(it.req)) for it in items]
         try:
             completions = await asyncio.gather(*futures)
@@ -441,6 +441,41 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
             for c, it in zip(completions, items, strict=True)
         ]
         return _json(out if is_batch else out[0])
+
+    def _stream(items: list[_Item], is_batch: bool, text_in_logprobs: bool) -> StreamingResponse:
+        """SGLang's SSE framing: one cumulative `data: {json}` event per new token of any item (batch
+        events carry "index"), finish_reason null until the item ends, then `data: [DONE]`. A client
+        that disconnects aborts its requests."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        for it in items:
+            it.req.listener = lambda: loop.call_soon_threadsafe(wake.set)
+        futures = [runner.submit(it.req) for it in items]
+
+        async def events():
+            sent: list[int | None] = [-1] * len(items)  # tokens already sent per item; None = finished
+            try:
+                while any(n is not None for n in sent):
+                    await wake.wait()
+                    wake.clear()
+                    for i, (it, fut) in enumerate(zip(items, futures, strict=True)):
+                        if sent[i] is None:
+                            continue
+                        done = fut.done()
+                        c = fut.result() if done else runner.progress(it.req)
+                        if not done and len(c.output_ids) == sent[i]:
+                            continue
+                        obj = _render(c, it, runner.tokenizer, text_in_logprobs)
+                        if is_batch:
+                            obj["index"] = i
+                        yield b"data: " + msgspec.json.encode(obj) + b"\n\n"
+                        sent[i] = None if done else len(c.output_ids)
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not all(f.done() for f in futures):
+                    runner.abort_requests([it.req for it in items], "Client disconnected")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

@@ -303,7 +303,6 @@ def test_bad_requests_get_sglang_error_shapes(engine):
 
     value_error({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p")
     value_error({"input_ids": [1, 2], "text": "1+1="}, "Either text or input_ids")
-    value_error({"input_ids": [1, 2], "stream": True}, "stream not supported")
     value_error(
         {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH}}, "context length"
     )
