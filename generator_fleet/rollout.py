@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from generator_fleet import metrics
 from generator_fleet.agent import build_agent
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
+from generator_fleet.registry import live_engines
 from generator_fleet.rewards import format_reward, math_verify_reward
 from generator_fleet.tasks import build_task
 from generator_fleet.tools.base import ToolContext
@@ -26,6 +27,8 @@ from slipstream.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
 
+ENGINE_REFRESH_S = 2.0
+"""How often a worker re-reads the engine registry (seconds): joins and deaths take effect within this."""
 ADMISSION_POLL_S = 0.05
 """How often a worker blocked by admission control re-checks the version (seconds)."""
 MAX_ATTEMPTS = 5
@@ -33,18 +36,33 @@ MAX_ATTEMPTS = 5
 
 
 class EnginePool:
-    """Routes each request to the engine with the fewest outstanding requests."""
+    """Routes each request to the live engine with the fewest outstanding requests. Membership follows
+    the engine registry (`update`); a removed engine keeps its client until its in-flight calls end."""
 
     def __init__(self, urls: list[str], api_key: str | None) -> None:
-        self.clients = [EngineClient(u, api_key=api_key) for u in urls]
-        self.outstanding = [0] * len(self.clients)
+        self.api_key = api_key
+        self.clients: dict[str, EngineClient] = {}
+        self.outstanding: dict[str, int] = {}
+        self.routable: list[str] = []
+        self.update(urls)
 
-    def pick(self, exclude: set[int] = frozenset()) -> int:
-        choices = [i for i in range(len(self.clients)) if i not in exclude] or list(range(len(self.clients)))
-        return min(choices, key=lambda i: self.outstanding[i])
+    def update(self, urls: list[str]) -> None:
+        for u in urls:
+            if u not in self.clients:
+                self.clients[u] = EngineClient(u, api_key=self.api_key)
+                self.outstanding[u] = 0
+        if sorted(urls) != sorted(self.routable):
+            log.info("engines now %s (were %s)", sorted(urls), sorted(self.routable))
+        self.routable = list(urls)
+
+    def pick(self, exclude: set[str] = frozenset()) -> str:
+        choices = [u for u in self.routable if u not in exclude] or self.routable
+        if not choices:
+            raise EngineError(None, "no live engine", "engine registry")
+        return min(choices, key=lambda u: self.outstanding[u])
 
     async def aclose(self) -> None:
-        await asyncio.gather(*(c.aclose() for c in self.clients))
+        await asyncio.gather(*(c.aclose() for c in self.clients.values()))
 
 
 class RolloutWorker:
@@ -77,7 +95,9 @@ class RolloutWorker:
             r, spec.name, worker_id=name, lease_ms=int(spec.buffer.worker_lease_s * 1000)
         )
         self.produced = 0
+        self.redis = r
         heartbeat = asyncio.create_task(self._heartbeat())
+        registry = asyncio.create_task(self._follow_registry())
         log.info(
             "rollout worker %d: %d engines, concurrency %d",
             self.worker_id,
@@ -88,6 +108,7 @@ class RolloutWorker:
             await asyncio.gather(*(self._loop() for _ in range(spec.rollout.concurrency)))
         finally:
             heartbeat.cancel()
+            registry.cancel()
             released = await self.producer.leave()
             if released:
                 log.info("rollout worker %s released %d unfinished reservations", name, released)
@@ -132,22 +153,32 @@ class RolloutWorker:
 
     async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
         """One batched /generate on the least-loaded engine; an engine error retries the whole batch on
-        another engine (up to MAX_ATTEMPTS), so a dying engine loses no sample."""
-        failed: set[int] = set()
+        another engine (up to MAX_ATTEMPTS) from the same token prefix, so a dying engine loses no sample."""
+        failed: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            e = self.engines.pick(exclude=failed)
-            self.engines.outstanding[e] += len(input_ids)
+            url = self.engines.pick(exclude=failed)
+            self.engines.outstanding[url] += len(input_ids)
             try:
-                return await self.engines.clients[e].generate_batch(input_ids, params, return_logprob=True)
+                return await self.engines.clients[url].generate_batch(input_ids, params, return_logprob=True)
             except EngineError as err:
-                failed.add(e)
+                failed.add(url)
                 metrics.ENGINE_ERRORS.inc()
                 if attempt == MAX_ATTEMPTS:
                     raise
-                log.warning("engine %s failed (%s); retrying elsewhere", self.engine_urls[e], err)
+                log.warning("engine %s failed (%s); retrying elsewhere", url, err)
             finally:
-                self.engines.outstanding[e] -= len(input_ids)
+                self.engines.outstanding[url] -= len(input_ids)
         raise AssertionError("unreachable")
+
+    async def _follow_registry(self) -> None:
+        """Route to the engines whose registry lease is live; without registrations, keep the static list."""
+        while True:
+            try:
+                if live := await live_engines(self.redis, self.spec.name):
+                    self.engines.update(live)
+            except Exception as e:  # a Redis hiccup must not stop generation; try again next round
+                log.warning("engine registry refresh failed: %s", e)
+            await asyncio.sleep(ENGINE_REFRESH_S)
 
     async def _group(self, problem) -> list[Sample]:
         t0 = time.monotonic()

@@ -49,6 +49,7 @@ class EngineActor:
         from generator_fleet.engine import EngineServer
 
         _setup_process(spec, f"engine-{index}", redis_url, spec.generators.torch_threads)
+        self.redis_url, self.job = redis_url, spec.name
         self.server = EngineServer(
             spec.model.path,
             api_key=api_key,
@@ -58,10 +59,18 @@ class EngineActor:
         )
 
     def start(self) -> str:
+        import redis
+
+        from generator_fleet.registry import EngineRegistration
+
         self.server.start()
+        self.registration = EngineRegistration(
+            redis.Redis.from_url(self.redis_url), self.job, self.server.url
+        )
         return self.server.url
 
     def stop(self) -> None:
+        self.registration.close()
         self.server.stop()
 
 

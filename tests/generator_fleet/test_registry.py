@@ -1,0 +1,82 @@
+"""Engine registry on a real redis-server, and rollout routing that follows it with real engines: an
+engine that joins gets traffic, one whose lease lapses gets none, a dead engine's batch is retried
+elsewhere."""
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from generator_fleet.engine import EngineServer
+from generator_fleet.registry import EngineRegistration, engines_key, live_engines
+from generator_fleet.rollout import EnginePool, RolloutWorker
+from slipstream import jobspec
+
+KEY = "reg-key"
+
+
+def _live(redis_server, job):
+    async def go():
+        r = aioredis.Redis.from_url(redis_server.url)
+        try:
+            return await live_engines(r, job)
+        finally:
+            await r.aclose()
+
+    return asyncio.run(go())
+
+
+def test_registration_lease_and_deregistration(redis_server, redis_client, job_id):
+    a = EngineRegistration(redis_client, job_id, "http://a:1", lease_s=60)
+    b = EngineRegistration(redis_client, job_id, "http://b:2", lease_s=60)
+    assert _live(redis_server, job_id) == ["http://a:1", "http://b:2"]
+    b._stop.set()  # b stops renewing ...
+    redis_client.zadd(engines_key(job_id), {"http://b:2": 0})  # ... and its lease runs out
+    assert _live(redis_server, job_id) == ["http://a:1"]
+    a.close()
+    assert _live(redis_server, job_id) == []
+
+
+def test_pool_follows_membership_and_balances():
+    pool = EnginePool(["http://a:1"], None)
+    pool.outstanding["http://a:1"] = 3
+    pool.update(["http://a:1", "http://b:2"])
+    assert pool.pick() == "http://b:2"  # fewest outstanding
+    pool.update(["http://b:2"])
+    assert pool.pick(exclude={"http://b:2"}) == "http://b:2" and "http://a:1" in pool.clients
+
+
+def test_worker_routes_to_joined_engine_and_retries_a_dead_one(redis_server, tiny_model_dir, job_id):
+    spec = jobspec.from_dict({"name": job_id, "model": {"path": str(tiny_model_dir)}})
+    first = EngineServer(str(tiny_model_dir), api_key=KEY, torch_threads=1).start()
+    second = EngineServer(str(tiny_model_dir), api_key=KEY, torch_threads=1).start()
+    try:
+        worker = RolloutWorker(spec, redis_server.url, [first.url], KEY)
+
+        async def scenario():
+            worker.engines = EnginePool([first.url], KEY)
+            worker.redis = aioredis.Redis.from_url(redis_server.url)
+            reg = EngineRegistration(redis_server.client(), job_id, second.url, lease_s=60)
+            follow = asyncio.create_task(worker._follow_registry())
+            try:
+                deadline = asyncio.get_running_loop().time() + 30
+                while worker.engines.routable != [second.url]:  # the registry lists only `second`
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.05)
+                res = await worker._generate([[1, 5, 6]], [{"max_new_tokens": 3, "temperature": 0}])
+                assert len(res[0].output_ids) == 3
+                # A dead engine in the routable set: the batch is retried on a live one.
+                first.stop()
+                worker.engines.update([first.url, second.url])
+                worker.engines.outstanding[second.url] = 100  # make the dead one the first pick
+                res = await worker._generate([[1, 5, 6]], [{"max_new_tokens": 3, "temperature": 0}])
+                assert len(res[0].output_ids) == 3
+            finally:
+                follow.cancel()
+                reg.close()
+                await worker.engines.aclose()
+                await worker.redis.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        second.stop()
+        first.stop()
