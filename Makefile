@@ -39,9 +39,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-cluster-up cluster-down:
-	@echo "make $@: the persistent cluster (Redis, Ray head, Prometheus, control API) is not built yet (issue 9);"
-	@echo "use 'make demo' or '$(PY) -m slipstream run examples/demo.yaml', which bring up a private one per job."
+# The persistent cluster (Redis, Ray head, Prometheus, control API) is issue 9; until then every
+# `slipstream run` brings up a private Redis and a local Ray for its job.
+cluster-up:
+	@echo "make cluster-up: not built yet (issue 9); 'make demo' or 'slipstream run JOB.yaml' start a private stack per job"
+	@exit 1
+
+cluster-down:
+	@echo "make cluster-down: not built yet (issue 9); a job's private stack stops with the job (Ctrl-C included)"
 	@exit 1
 
 clean:
