@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import signal
 import threading
 import time
@@ -93,6 +94,21 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
     return line
 
 
+def reset_run_state(out: Path, managed_redis: bool) -> None:
+    """A new run of a job starts fresh: a previous run's private Redis (its AOF would bring back the old
+    version and stream, and the job would think it was already done) and its per-run outputs go.
+    The model directory and logs stay. Resuming a job is checkpoint work (issue 7), not this."""
+    stale = [out / "samples.txt", out / "progress.jsonl"]
+    if managed_redis:
+        stale.append(out / "redis")
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path)
+            log.info("removed the previous run's %s", path)
+        elif path.exists():
+            path.unlink()
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -115,6 +131,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     spec = resolve_paths(spec)
     out = Path(spec.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    reset_run_state(out, managed_redis=spec.redis.url is None)
     (out / "job.json").write_text(to_json(spec))
     prepare_model(spec)
 

@@ -56,3 +56,15 @@ def test_data_survives_a_restart_from_the_aof(tmp_path):
         r.client().xadd("slipstream:j:groups", {"d": b"kept"})
     with ManagedRedis(data_dir=tmp_path / "r", password="pw") as r:
         assert r.client().xrange("slipstream:j:groups")[0][1] == {b"d": b"kept"}
+
+
+def test_a_new_run_does_not_inherit_the_previous_runs_redis(tmp_path):
+    from slipstream.launcher import reset_run_state
+
+    with ManagedRedis(data_dir=tmp_path / "redis", password="pw") as r:
+        r.client().set("slipstream:demo:version", 200)  # the previous run finished at version 200
+    (tmp_path / "samples.txt").write_text("old")
+    reset_run_state(tmp_path, managed_redis=True)
+    assert not (tmp_path / "samples.txt").exists()
+    with ManagedRedis(data_dir=tmp_path / "redis", password="pw") as r:
+        assert r.client().get("slipstream:demo:version") is None
