@@ -378,12 +378,3 @@ class ReplayBuffer:
             **{k: raw.get(k, 0) for k in counters},
             "staleness": dict(sorted(hist.items())),
         }
-
-    def wait_for_version(self, at_least: int, timeout_s: float) -> int:
-        """Poll until the published version reaches `at_least` (driver/tests); returns the version."""
-        deadline = time.monotonic() + timeout_s
-        while (v := self.version()) < at_least:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"version {v} < {at_least} after {timeout_s}s")
-            time.sleep(0.05)
-        return v
