@@ -229,7 +229,8 @@ class EngineClient:
 
     async def pause(self, mode: str = "abort") -> None:
         """Pause generation. mode "abort" returns after in-flight requests have returned (aborted);
-        "in_place" parks them with their KV cache until continue_generation()."""
+        "retract" moves them back to the engine's queue and frees their KV cache (re-prefilled after
+        continue_generation()); "in_place" parks them with their KV cache until continue_generation()."""
         await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:

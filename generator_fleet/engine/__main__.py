@@ -21,6 +21,13 @@ def main(argv: list[str] | None = None) -> None:
         "--context-length", type=int, default=None, help="default: the config's max_position_embeddings"
     )
     p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA"
+    )
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="KV pool size (default: from free memory)"
+    )
+    p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -38,6 +45,9 @@ def main(argv: list[str] | None = None) -> None:
         weight_version=args.weight_version,
         context_length=args.context_length,
         served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        kv_cache_tokens=args.kv_cache_tokens,
+        cuda_graphs=not args.disable_cuda_graph,
     ).start()
 
     def shutdown(signum, frame) -> None:

@@ -40,7 +40,12 @@ class _SchedulerCollector(Collector):
                 "Generation throughput of the last decode step (tokens/s).",
                 stats.gen_throughput,
             ),
-            "max_total_num_tokens": ("Context length (no paged KV pool yet).", self.runner.context_length),
+            "max_total_num_tokens": ("Tokens the paged KV pool holds.", snap["max_total_num_tokens"]),
+            "num_used_tokens": (
+                "KV pool tokens held by running requests (whole blocks).",
+                snap["num_used_tokens"],
+            ),
+            "token_usage": ("Fraction of the KV pool in use.", snap["token_usage"]),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
@@ -51,6 +56,10 @@ class _SchedulerCollector(Collector):
             "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
             "num_requests": ("Finished requests (any finish reason).", stats.num_requests_total),
             "num_aborted_requests": ("Aborted requests.", stats.num_aborted_requests_total),
+            "num_retractions": (
+                "Requests retracted (KV freed, re-prefilled later).",
+                stats.num_retractions_total,
+            ),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])

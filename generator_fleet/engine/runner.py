@@ -1,16 +1,17 @@
-"""Generation core of the built-in engine: one thread batches queued requests and decodes them with the
-HF KV cache; pause, abort and weight swaps take effect at decode-step boundaries.
+"""Generation core of the built-in engine: continuous batching over a paged KV cache.
 
-Minimal version: a batch runs until its last request finishes (finished rows keep their slot) and requests
-arriving meanwhile wait for the next batch. Paged KV and continuous batching replace `_run_batch` later;
-the public surface (submit/abort/pause/resume/load_weights/snapshot) stays.
+One thread runs the scheduler. Every step it either prefills newly admitted requests (batched, up to a
+token budget) or decodes one token for every running request; requests join after any step and leave the
+moment they finish, freeing their KV blocks. When the pool runs out of blocks the newest request is
+retracted (its blocks freed, it goes back to the front of the queue and is re-prefilled from its prompt
+and the tokens it already has). Pause, abort and weight swaps take effect at step boundaries; a token
+carries the weight version of the step that produced it.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import inspect
 import logging
 import threading
 import time
@@ -21,6 +22,9 @@ import msgspec
 import torch
 from transformers import AutoModelForCausalLM
 
+from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache
+from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, blocks_for
+from generator_fleet.engine.sampler import sample, sample_row
 from slipstream.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,8 @@ class Completion(msgspec.Struct, kw_only=True):
     """Prompt tokens from logprob_start_len on; the first prompt token has None."""
     e2e_latency: float = 0.0
     time_to_first_token: float | None = None
+    num_retractions: int = 0
+    """Times the request was retracted (KV freed, re-prefilled later)."""
 
 
 class Request:
@@ -147,6 +153,11 @@ class Request:
         self.stop_max_len = max((len(s) for s in params.stop), default=0)
         self.listener: Callable[[], None] | None = None
         """Called from the generation thread after each new token and at finish (streaming)."""
+        self.blocks: list[int] = []
+        """KV pool blocks this request owns while running."""
+        self.kv_len = 0
+        """Tokens whose K/V are in the cache (all but the last sampled one while decoding)."""
+        self.num_retractions = 0
 
 
 def version_spans(versions: list[str]) -> list[dict[str, Any]]:
@@ -168,29 +179,46 @@ class RunnerStats:
         self.generation_tokens_total = 0
         self.num_requests_total = 0
         self.num_aborted_requests_total = 0
+        self.num_retractions_total = 0
+        self.num_prefill_steps_total = 0
+        self.num_decode_steps_total = 0
         self.gen_throughput = 0.0
         """Tokens/s of the last decode step; 0 while idle."""
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 class Runner:
-    """Owns the model, the request queue and the generation thread."""
+    """Owns the model, the KV cache, the request queue and the generation thread."""
 
     def __init__(
         self,
         model_path: str,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         max_batch_size: int = 256,
         weight_version: str = "0",
         context_length: int | None = None,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 16,
+        max_prefill_tokens: int | None = None,
+        cuda_graphs: bool = True,
+        mem_fraction: float = 0.5,
     ) -> None:
+        """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
+        loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
+        `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU)."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype or default_dtype(self.device)
         self.max_batch_size = max_batch_size
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        )
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
@@ -199,10 +227,30 @@ class Runner:
             (t for t in (self.tokenizer.pad_token_id, *sorted(self.eos_token_ids)) if t is not None), 0
         )
         # Live views of the parameters keyed by HF name (tied weights appear under both names), so a
-        # weight update is an in-place copy_ and never re-allocates what the forward pass uses.
+        # weight update is an in-place copy_ and never re-allocates what the forward pass (and the
+        # captured CUDA graphs) use.
         self._named_tensors = self.model.state_dict()
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction)
+        self.fwd = PagedForward(self.model, self.cache, self.context_length)
+        self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
+        max_blocks = blocks_for(self.context_length + 1, block_size)
+        self.graphs = (
+            DecodeGraphs(self.fwd, max_batch_size, max_blocks)
+            if cuda_graphs and self.device.type == "cuda"
+            else None
+        )
         self.stats = RunnerStats()
+        log.info(
+            "engine runner: %s on %s/%s, KV pool %d tokens (%.2f GiB, block %d), max batch %d, cuda graphs %s",
+            self.model_path,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            self.cache.capacity_blocks * block_size,
+            self.cache.bytes / 2**30,
+            block_size,
+            max_batch_size,
+            self.graphs is not None,
+        )
 
         # _cv guards everything below; the generation thread waits on it for work, for resume, and for
         # weight updates to finish; updaters wait on it for the step in flight to end.
@@ -212,12 +260,37 @@ class Runner:
         self._weight_version = str(weight_version)
         self._paused = False
         self._pause_mode: str | None = None
-        self._parked = False
         self._in_step = False
         self._updating = False
         self._stopping = False
+        self._last_was_prefill = False
         self._update_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+
+    def _build_cache(self, tokens: int | None, block_size: int, mem_fraction: float) -> PagedKVCache:
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per_token = PagedKVCache.bytes_per_token(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, self.dtype
+        )
+        useful = self.max_batch_size * (self.context_length + 1)
+        if tokens is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * mem_fraction)
+            else:
+                budget = 2 * 2**30
+            tokens = min(useful, max(budget // per_token, self.context_length + 1))
+        num_blocks = blocks_for(tokens, block_size) + 1  # + the scratch block
+        return PagedKVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -267,18 +340,28 @@ class Runner:
     # ---- pause / resume --------------------------------------------------------------------------
 
     def pause(self, mode: str = "abort") -> None:
-        """Stop starting steps. "abort": abort everything in flight and return once all have returned;
-        "in_place": running requests keep their KV cache and resume after `resume()`."""
-        if mode not in ("abort", "in_place"):
-            raise ValueError(f"pause mode {mode!r} is not supported by the built-in engine")
+        """Stop starting steps (SGLang's pause_generation modes):
+        "abort": abort everything queued or in flight; returns once all of them have returned.
+        "retract": running requests go back to the queue and free their KV; after `resume()` they are
+        re-prefilled from their tokens so far (under the weights of that moment) and go on.
+        "in_place": running requests keep their KV cache and go on after `resume()`."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause mode {mode!r} is not one of abort, retract, in_place")
         with self._cv:
             self._paused = True
             self._pause_mode = mode
+            self._cv.notify_all()
             if mode == "abort":
                 self._abort_matching(lambda r: True, "Abort by pause_generation")
                 self._cv.notify_all()
                 while self._running:
                     self._cv.wait()
+            elif mode == "retract":
+                while self._in_step:
+                    self._cv.wait()
+                for r in reversed(list(self._running)):
+                    self._retract(r)
+                log.info("pause(retract): %d requests back in the queue", len(self._queue))
 
     def resume(self) -> None:
         with self._cv:
@@ -348,17 +431,27 @@ class Runner:
         """Scheduler state for /server_info internal_states and the gauges of /metrics."""
         with self._cv:
             running = len(self._running)
+            used_blocks = self.cache.capacity_blocks - self.cache.free_blocks
             return {
                 "num_running_reqs": running,
                 "num_queue_reqs": len(self._queue),
-                "num_paused_reqs": running if self._parked else 0,
+                "num_paused_reqs": running if self._paused else 0,
                 "paused": self._paused,
                 "pause_mode": self._pause_mode,
                 "weight_version": self._weight_version,
                 "last_gen_throughput": self.stats.gen_throughput,
                 "generation_tokens_total": self.stats.generation_tokens_total,
                 "num_requests_total": self.stats.num_requests_total,
+                "num_retractions_total": self.stats.num_retractions_total,
+                "max_total_num_tokens": self.max_total_num_tokens,
+                "num_used_tokens": used_blocks * self.cache.block_size,
+                "token_usage": used_blocks / self.cache.capacity_blocks,
             }
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        """Tokens the KV pool holds (SGLang's max_total_num_tokens)."""
+        return self.cache.capacity_blocks * self.cache.block_size
 
     # ---- generation thread -----------------------------------------------------------------------
 
@@ -366,208 +459,206 @@ class Runner:
         with torch.inference_mode():
             while True:
                 with self._cv:
-                    while not self._stopping and (self._paused or self._updating or not self._queue):
+                    while True:
+                        self._reap_aborted()
+                        if self._stopping:
+                            self._abort_matching(lambda r: True, "Engine is shutting down")
+                            self._reap_aborted()
+                            return
+                        if not (self._paused or self._updating) and (self._running or self._queue):
+                            break
+                        self.stats.gen_throughput = 0.0
                         self._cv.wait()
-                    if self._stopping:
-                        return
-                    n = min(len(self._queue), self.max_batch_size)
-                    self._running = [self._queue.popleft() for _ in range(n)]
-                    batch = self._running
+                    admitted = self._admit()
+                    self._in_step = True
+                    version = self._weight_version
                 try:
-                    self._run_batch(batch)
+                    if admitted:
+                        self._prefill(admitted, version)
+                    elif self._running:
+                        self._decode(version)
                 except Exception as exc:
-                    log.exception("generation batch of %d failed", len(batch))
+                    log.exception("generation step failed; failing %d running requests", len(self._running))
                     with self._cv:
-                        for r in batch:
+                        for r in list(self._running):
+                            self._drop(r)
                             if not r.done:
                                 r.done = True
                                 r.future.set_exception(exc)
                 finally:
                     with self._cv:
-                        self._running = []
-                        self._parked = False
                         self._in_step = False
-                        self.stats.gen_throughput = 0.0
                         self._cv.notify_all()
 
-    def _begin_step(self, live: list[Request]) -> str | None:
-        """Wait at a step boundary while paused or a weight update runs, reaping aborts meanwhile.
-        Returns the weight version the step runs under, or None when no live request is left."""
-        with self._cv:
-            while True:
-                if self._stopping:
-                    self._abort_matching(lambda r: True, "Engine is shutting down")
-                if any(r.abort_message is not None for r in live):
-                    for r in live:
-                        if r.abort_message is not None:
-                            self._finish(r, _abort_reason(r.abort_message))
-                    live[:] = [r for r in live if not r.done]
-                if not live:
-                    return None
-                if not self._paused and not self._updating:
-                    break
-                self._parked = self._paused
-                self._cv.wait()
-            self._parked = False
-            self._in_step = True
-            return self._weight_version
+    def _reap_aborted(self) -> None:
+        """Finish running requests that were asked to abort (caller holds _cv, no step in flight)."""
+        for r in [r for r in self._running if r.abort_message is not None]:
+            self._finish(r, _abort_reason(r.abort_message))
 
-    def _end_step(self) -> None:
-        with self._cv:
-            self._in_step = False
-            self._cv.notify_all()
-
-    def _run_batch(self, live: list[Request]) -> None:
-        version = self._begin_step(live)
-        if version is None:
-            return
-        rows = list(live)  # row i of every tensor below is rows[i] for the whole batch
-        try:
-            ids, mask = self._left_pad([r.prompt_ids for r in rows])
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)
-            want_input_lp = any(r.return_logprob and r.logprob_start_len >= 0 for r in rows)
-            kw = {"logits_to_keep": 1} if self._logits_to_keep and not want_input_lp else {}
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
-            if want_input_lp:
-                self._input_logprobs(rows, out.logits, ids)
-            logits = out.logits[:, -1].float()
-            cache = out.past_key_values
-            self.stats.prompt_tokens_total += sum(len(r.prompt_ids) for r in rows)
-        finally:
-            self._end_step()
-        # max_new_tokens == 0 is prefill only
-        for r in rows:
-            if r.params.max_new_tokens == 0:
-                self._finish(r, {"type": "length", "length": 0})
-        next_pos = pos[:, -1:] + 1
-        while True:
-            t0 = time.monotonic()
-            tokens = self._sample(rows, logits, version)
-            with self._cv:
-                live[:] = [r for r in live if not r.done]
-            sample_s = time.monotonic() - t0
-            version = self._begin_step(live)
-            if version is None:
-                return
-            t0 = time.monotonic()  # the wait at the boundary (pause, update) is not decode time
-            try:
-                mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-                out = self.model(
-                    input_ids=tokens[:, None],
-                    attention_mask=mask,
-                    position_ids=next_pos,
-                    past_key_values=cache,
-                    use_cache=True,
+    def _admit(self) -> list[Request]:
+        """Move queued requests into the running set for one prefill step (caller holds _cv): FIFO, while
+        the batch has room, the padded prefill fits the token budget and the pool has blocks for the
+        prompt plus the first decoded token. Prefill and decode steps alternate while both have work."""
+        if not self._queue or (self._last_was_prefill and self._running):
+            self._last_was_prefill = False
+            return []
+        admitted: list[Request] = []
+        width = 0
+        while self._queue and len(self._running) < self.max_batch_size:
+            r = self._queue[0]
+            n = len(_fill_tokens(r))
+            w = max(width, n)
+            if admitted and w * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            need = blocks_for(n + 1, self.cache.block_size)
+            if need > self.cache.capacity_blocks:
+                self._queue.popleft()
+                self._finish(
+                    r,
+                    _abort_reason(
+                        f"request needs {n + 1} KV slots; the engine's pool holds {self.max_total_num_tokens}"
+                    ),
                 )
-                cache = out.past_key_values
-                logits = out.logits[:, -1].float()
-                next_pos = next_pos + 1
-            finally:
-                self._end_step()
-            self.stats.gen_throughput = len(live) / max(time.monotonic() - t0 + sample_s, 1e-9)
-
-    def _left_pad(self, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-            mask[i, width - len(s) :] = 1
-        return ids.to(self.device), mask.to(self.device)
-
-    def _input_logprobs(self, rows: list[Request], logits: torch.Tensor, ids: torch.Tensor) -> None:
-        width = ids.shape[1]
-        for i, r in enumerate(rows):
-            if not (r.return_logprob and r.logprob_start_len >= 0):
                 continue
-            n, off = len(r.prompt_ids), width - len(r.prompt_ids)
-            lp = torch.log_softmax(logits[i, off : width - 1].float(), dim=-1)
-            got = lp.gather(1, ids[i, off + 1 : width, None]).squeeze(1).tolist()
+            if need > self.cache.free_blocks:
+                break  # waits for running requests to free blocks
+            self._queue.popleft()
+            r.blocks = self.cache.allocate(need)
+            self._running.append(r)
+            admitted.append(r)
+            width = w
+        self._last_was_prefill = bool(admitted)
+        return admitted
+
+    def _prefill(self, rows: list[Request], version: str) -> None:
+        t0 = time.monotonic()
+        fills = [_fill_tokens(r) for r in rows]
+        slots = [s for r, f in zip(rows, fills, strict=True) for s in self.cache.slots(r.blocks, 0, len(f))]
+        hidden = self.fwd.prefill(fills, torch.tensor(slots, dtype=torch.long, device=self.device))
+        ends = torch.tensor([len(f) for f in fills], device=self.device).cumsum(0)
+        for r, f in zip(rows, fills, strict=True):
+            r.kv_len = len(f)
+        self.stats.prompt_tokens_total += len(slots)
+        self.stats.num_prefill_steps_total += 1
+        fresh = [i for i, r in enumerate(rows) if not r.output_ids]
+        if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):
+            self._input_logprobs(rows, fills, hidden, ends.tolist())
+        for i in fresh:
+            if rows[i].params.max_new_tokens == 0:  # prefill only
+                self._finish(rows[i], {"type": "length", "length": 0})
+        to_sample = [i for i in fresh if not rows[i].done]
+        if to_sample:
+            last = (ends - 1)[torch.tensor(to_sample, device=self.device)]
+            logits = self.fwd.logits(hidden[last]).float()
+            self._record(
+                [rows[i] for i in to_sample],
+                logits,
+                version,
+                len(to_sample) / max(time.monotonic() - t0, 1e-9),
+            )
+
+    def _input_logprobs(
+        self, rows: list[Request], fills: list[list[int]], hidden: torch.Tensor, ends: list[int]
+    ) -> None:
+        for r, f, end in zip(rows, fills, ends, strict=True):
+            if r.output_ids or not (r.return_logprob and r.logprob_start_len >= 0):
+                continue
+            n = len(f)
+            lp = torch.log_softmax(self.fwd.logits(hidden[end - n : end - 1]).float(), dim=-1)
+            nxt = torch.tensor(f[1:], dtype=torch.long, device=self.device)
+            got = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
             full: list[float | None] = [None, *got]
             r.input_logprobs = full[min(r.logprob_start_len, n) :]
 
-    def _sample(self, rows: list[Request], logits: torch.Tensor, version: str) -> torch.Tensor:
-        """Pick each live row's next token, record it with its logprob and version, finish rows that
-        are done. Returns the next input token per row (pad for finished rows).
-
-        The logprob is under the temperature-scaled logits (the distribution sampled from before top-p/
-        top-k/min-p truncation), as SGLang reports by default; greedy rows use temperature 1. The trainer
-        divides its logits by the same temperature, so behaviour and policy logprobs compare like with like.
-        """
-        temps = torch.tensor(
-            [1.0 if r.params.greedy else r.params.temperature for r in rows],
-            dtype=logits.dtype,
-            device=logits.device,
+    def _decode(self, version: str) -> None:
+        t0 = time.monotonic()
+        bs = self.cache.block_size
+        rows = self._grow_blocks()
+        if not rows:
+            return
+        width = max(len(r.blocks) for r in rows)
+        scratch = self.cache.scratch_block
+        tables = [r.blocks + [scratch] * (width - len(r.blocks)) for r in rows]
+        dev = self.device
+        x = DecodeInputs(
+            input_ids=torch.tensor([r.output_ids[-1] for r in rows], dtype=torch.long, device=dev),
+            positions=torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=dev),
+            slots=torch.tensor(
+                [r.blocks[r.kv_len // bs] * bs + r.kv_len % bs for r in rows], dtype=torch.long, device=dev
+            ),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            seq_lens=torch.tensor([r.kv_len + 1 for r in rows], dtype=torch.long, device=dev),
         )
-        logprobs = torch.log_softmax(logits / temps[:, None], dim=-1)
-        argmax = logits.argmax(dim=-1).tolist()
-        chosen = [self.pad_token_id] * len(rows)
-        live_rows = []
-        for i, r in enumerate(rows):
-            if r.done:
-                continue
-            p = r.params
-            if p.greedy and p.plain and len(r.output_ids) >= p.min_new_tokens:
-                chosen[i] = argmax[i]
-            else:
-                chosen[i] = self._sample_one(r, logits[i])
-            live_rows.append(i)
-        tokens = torch.tensor(chosen, dtype=torch.long, device=logits.device)
-        picked = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        logits = self.graphs.run(x) if self.graphs is not None else self.fwd.decode(x)
+        for r in rows:
+            r.kv_len += 1
+        self.stats.num_decode_steps_total += 1
+        self._record(rows, logits, version, None, t0)
+
+    def _grow_blocks(self) -> list[Request]:
+        """Give every running request room for one more token, retracting the newest ones while the
+        pool is short. Returns the requests that decode this step."""
+        bs = self.cache.block_size
+        with self._cv:
+            retracted: set[int] = set()
+            for r in list(self._running):
+                if id(r) in retracted:
+                    continue  # retracted below to make room for an older request
+                while len(r.blocks) < blocks_for(r.kv_len + 1, bs):
+                    try:
+                        r.blocks.extend(self.cache.allocate(1))
+                    except OutOfBlocks:
+                        victim = self._running[-1]
+                        self._retract(victim)
+                        retracted.add(id(victim))
+                        if victim is r:
+                            break
+            return list(self._running)
+
+    def _retract(self, r: Request) -> None:
+        """Free `r`'s KV and put it back at the head of the queue (caller holds _cv, no step in flight)."""
+        self._drop(r)
+        self._queue.appendleft(r)
+        r.num_retractions += 1
+        self.stats.num_retractions_total += 1
+        log.info("retracted %s (%d tokens so far) to free KV blocks", r.rid, len(r.output_ids))
+
+    def _drop(self, r: Request) -> None:
+        if r in self._running:
+            self._running.remove(r)
+        self.cache.release(r.blocks)
+        r.kv_len = 0
+
+    def _record(
+        self,
+        rows: list[Request],
+        logits: torch.Tensor,
+        version: str,
+        throughput: float | None,
+        t0: float | None = None,
+    ) -> None:
+        """Sample each row's next token, record it with its logprob and version, finish rows that are done."""
+        choice = sample(rows, logits, self.eos_token_ids)
         now = time.monotonic()
-        for i in live_rows:
-            r = rows[i]
+        for i, r in enumerate(rows):
             if r.first_token_at is None:
                 r.first_token_at = now
-            r.output_logprobs.append(picked[i])
+            r.output_logprobs.append(choice.logprobs[i])
             r.versions.append(version)
             if r.top_logprobs_num > 0:
-                top = torch.topk(logprobs[i], min(r.top_logprobs_num, logprobs.shape[-1]))
-                r.output_top_logprobs.append(
-                    list(zip(top.values.tolist(), top.indices.tolist(), strict=True))
-                )
-            r.output_ids.append(chosen[i])  # last: a concurrent progress() reads len(output_ids) first
+                r.output_top_logprobs.append(choice.top[i] or [])
+            r.output_ids.append(choice.tokens[i])  # last: a concurrent progress() reads len(output_ids) first
             self.stats.generation_tokens_total += 1
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)
             elif r.listener:
                 r.listener()
-        return tokens
+        if t0 is not None:
+            self.stats.gen_throughput = len(rows) / max(time.monotonic() - t0, 1e-9)
 
     def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
-        p = r.params
-        x = logits.clone()
-        if not p.plain:
-            if p.logit_bias:
-                for tok, bias in p.logit_bias.items():
-                    if 0 <= tok < x.shape[0]:
-                        x[tok] += bias
-            if r.output_ids:
-                out = torch.tensor(r.output_ids, device=x.device)
-                counts = torch.bincount(out, minlength=x.shape[0]).to(x.dtype)
-                seen = counts > 0
-                if p.repetition_penalty != 1.0:
-                    x = torch.where(seen & (x > 0), x / p.repetition_penalty, x)
-                    x = torch.where(seen & (x <= 0), x * p.repetition_penalty, x)
-                x = x - p.frequency_penalty * counts - p.presence_penalty * seen.to(x.dtype)
-        if len(r.output_ids) < p.min_new_tokens:
-            banned = [t for t in (*self.eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[0]]
-            x[banned] = float("-inf")
-        if p.greedy:
-            return int(x.argmax())
-        x = x / p.temperature
-        if 0 < p.top_k < x.shape[0]:
-            kth = torch.topk(x, p.top_k).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        probs = torch.softmax(x, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
-            drop = (sorted_p.cumsum(-1) - sorted_p) > p.top_p  # keep the smallest prefix reaching top_p
-            probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-        if p.min_p > 0.0:
-            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=r.generator))
+        return sample_row(r, logits, self.eos_token_ids)
 
     def _check_finished(self, r: Request) -> dict[str, Any] | None:
         """SGLang's order: length first, then EOS/stop tokens (skipped with ignore_eos), then stop strings."""
@@ -591,7 +682,8 @@ class Runner:
         kept: collections.deque[Request] = collections.deque()
         for r in self._queue:
             if pred(r):
-                self._finish(r, _abort_reason(ABORT_QUEUED))
+                # a retracted request keeps what it generated; one that never ran gets SGLang's message
+                self._finish(r, _abort_reason(message if r.output_ids else ABORT_QUEUED))
                 n += 1
             else:
                 kept.append(r)
@@ -616,6 +708,7 @@ class Runner:
             input_logprobs=r.input_logprobs,
             e2e_latency=time.monotonic() - r.created,
             time_to_first_token=None if r.first_token_at is None else r.first_token_at - r.created,
+            num_retractions=r.num_retractions,
         )
 
     def progress(self, r: Request) -> Completion:
@@ -629,12 +722,19 @@ class Runner:
         r.done = True
         completion = self._completion(r, reason, len(r.output_ids))
         with self._cv:
+            self._drop(r)
             self.stats.num_requests_total += 1
             if reason["type"] == "abort":
                 self.stats.num_aborted_requests_total += 1
         r.future.set_result(completion)
         if r.listener:
             r.listener()
+
+
+def _fill_tokens(r: Request) -> list[int]:
+    """Tokens a prefill computes K/V for: the prompt of a new request; for a retracted one, the prompt and
+    all its output but the last token (which the next decode step feeds)."""
+    return r.prompt_ids + r.output_ids[:-1] if r.output_ids else r.prompt_ids
 
 
 def _abort_reason(message: str) -> dict[str, Any]:

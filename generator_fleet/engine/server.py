@@ -323,7 +323,7 @@ def _render(c: Completion, item: _Item, tokenizer, return_text_in_logprobs: bool
         "cached_tokens": 0,
         "reasoning_tokens": 0,
         "weight_version": c.weight_version,
-        "num_retractions": 0,
+        "num_retractions": c.num_retractions,
     }
     if len(c.weight_versions) > 1:
         meta["weight_versions"] = c.weight_versions
@@ -490,12 +490,12 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
     @app.post("/pause_generation")
     async def pause_generation(request: Request) -> Response:
         body = await _decode(request, PauseGeneration)
-        if body.mode not in ("abort", "in_place"):
-            return _control(False, f"pause mode {body.mode!r} is not supported by the built-in engine")
+        if body.mode not in ("abort", "retract", "in_place"):
+            return _control(False, f"pause mode {body.mode!r} is not one of abort, retract, in_place")
         state.unpaused.clear()
         if state.paused_at is None:
             state.paused_at = time.monotonic()
-        await asyncio.to_thread(runner.pause, body.mode)  # "abort" returns once aborted calls have returned
+        await asyncio.to_thread(runner.pause, body.mode)  # returns once aborted calls returned / KV freed
         log.info("generation paused (mode=%s)", body.mode)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -641,7 +641,7 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
             "max_batch_size": runner.max_batch_size,
             "max_running_requests": runner.max_batch_size,
             "context_length": runner.context_length,
-            "max_total_num_tokens": runner.context_length,
+            "max_total_num_tokens": runner.max_total_num_tokens,
             "max_req_input_len": runner.context_length - 1,
             "tp_size": 1,
             "dp_size": 1,
@@ -698,8 +698,16 @@ class EngineServer:
         weight_version: str = "0",
         context_length: int | None = None,
         served_model_name: str | None = None,
+        dtype: str | None = None,
+        kv_cache_tokens: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
+        """`dtype`: "bfloat16", "float16", "float32" or None (bf16 on CUDA, fp32 on CPU); `kv_cache_tokens`:
+        KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA."""
         self.model_path = str(model_path)
+        self.dtype = dtype
+        self.kv_cache_tokens = kv_cache_tokens
+        self.cuda_graphs = cuda_graphs
         self.api_key = api_key
         self.host = host
         self.port = port
@@ -728,6 +736,9 @@ class EngineServer:
             max_batch_size=self.max_batch_size,
             weight_version=self.weight_version,
             context_length=self.context_length,
+            dtype=getattr(torch, self.dtype) if self.dtype else None,
+            kv_cache_tokens=self.kv_cache_tokens,
+            cuda_graphs=self.cuda_graphs,
         )
         self.runner.start()
         self.app = build_app(self.runner, api_key=self.api_key, served_model_name=self.served_model_name)

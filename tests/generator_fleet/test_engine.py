@@ -321,8 +321,8 @@ def test_bad_requests_get_sglang_error_shapes(engine):
         == 200
     )
 
-    r = post(engine, "/pause_generation", {"mode": "retract"})
-    assert r.status_code == 400 and r.json()["success"] is False
+    r = post(engine, "/pause_generation", {"mode": "sideways"})
+    assert r.status_code == 400 and r.json()["success"] is False and "sideways" in r.json()["message"]
     r = post(
         engine, "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}
     )

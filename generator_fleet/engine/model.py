@@ -1,0 +1,241 @@
+"""The engine's forward passes over a paged KV cache, for Llama-family decoders (Qwen2, Qwen3, Llama,
+Mistral): the HF model keeps the weights (so weight updates stay in-place copies by HF name), and these
+functions walk its modules in a packed token layout instead of calling its forward.
+
+- `prefill`: several sequences at once, padded to one [N, L] batch for causal SDPA; K/V are written to
+  the pool at each token's slot.
+- `decode`: one new token for each of B sequences; K/V gathered from the pool through block tables,
+  attention as SDPA with a length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length)
+  bucket so a step is one graph replay instead of hundreds of kernel launches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from generator_fleet.engine.kv_cache import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+
+def check_supported(config) -> None:
+    """Raise ValueError unless the engine's forward covers this architecture exactly."""
+    mt = getattr(config, "model_type", None)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"the built-in engine supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; got {mt!r} "
+            "(serve it with engine: sglang instead)"
+        )
+    if getattr(config, "use_sliding_window", False) or (
+        mt == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        raise ValueError("the built-in engine does not implement sliding-window attention")
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step for B sequences (row i = sequence i)."""
+
+    input_ids: torch.Tensor
+    """[B] the last sampled token of each sequence (its K/V is not cached yet)."""
+    positions: torch.Tensor
+    """[B] that token's position (= KV length before the step)."""
+    slots: torch.Tensor
+    """[B] pool slot its K/V is written to."""
+    block_tables: torch.Tensor
+    """[B, MB] pool blocks of each sequence (unused columns: any valid block)."""
+    seq_lens: torch.Tensor
+    """[B] KV length after the step (positions + 1)."""
+
+
+class PagedForward:
+    """Forward passes of one HF Llama-family model over a `PagedKVCache`."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, context_length: int) -> None:
+        check_supported(model.config)
+        self.model = model
+        self.decoder = model.model
+        self.cache = cache
+        cfg = model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.group = self.num_heads // self.num_kv_heads
+        dev = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        # cos/sin for every position once, through the model's own rotary module (rope scaling included).
+        with torch.no_grad():
+            pos = torch.arange(context_length + 1, device=dev)[None]
+            probe = torch.zeros(1, device=dev, dtype=dtype)
+            cos, sin = self.decoder.rotary_emb(probe, pos)
+        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [positions, head_dim]
+
+    # ---- shared pieces -----------------------------------------------------------------------------
+
+    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor):
+        """h [T, hidden] → q [T, H, D], k/v [T, KV, D] with RoPE applied (and Qwen3's q/k norms)."""
+        attn = layer.self_attn
+        T = h.shape[0]
+        q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)
+        k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        return q, k, v
+
+    def _layer_tail(self, layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        h = residual + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self.decoder.norm(hidden))
+
+    # ---- prefill -----------------------------------------------------------------------------------
+
+    def prefill(self, seqs: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+        """Run `seqs` (token lists) from position 0, writing K/V at `slots` (flat, in sequence order).
+        Returns the final hidden states [sum(len), hidden] (before the last norm)."""
+        dev = slots.device
+        lens = [len(s) for s in seqs]
+        n, width, total = len(seqs), max(lens), sum(lens)
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
+        positions = torch.cat([torch.arange(n_, device=dev) for n_ in lens])
+        # Flat token index of every (row, column) of the padded batch; pads point at token 0 (masked out
+        # by causality: a real query never sees a later column, and pad rows are dropped afterwards).
+        starts = torch.tensor([0, *lens[:-1]], device=dev).cumsum(0)
+        col = torch.arange(width, device=dev)
+        valid = col[None] < torch.tensor(lens, device=dev)[:, None]
+        pad_index = torch.where(valid, starts[:, None] + col[None], 0)
+        flat_valid = valid.reshape(-1)
+        h = self.decoder.embed_tokens(ids)
+        for i, layer in enumerate(self.decoder.layers):
+            residual = h
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), positions)
+            self.cache.write(i, slots, k, v)
+            qp, kp, vp = (x[pad_index].transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
+            if self.group > 1:
+                kp = kp.repeat_interleave(self.group, dim=1)
+                vp = vp.repeat_interleave(self.group, dim=1)
+            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)
+            o = o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
+            h = self._layer_tail(layer, residual, o)
+            del q, k, v, qp, kp, vp
+        assert h.shape[0] == total
+        return h
+
+    # ---- decode ------------------------------------------------------------------------------------
+
+    def decode(self, x: DecodeInputs) -> torch.Tensor:
+        """One token per sequence; returns fp32 logits [B, vocab]."""
+        B, MB = x.block_tables.shape
+        L = MB * self.cache.block_size
+        mask = (torch.arange(L, device=x.seq_lens.device)[None] < x.seq_lens[:, None])[:, None, None]
+        h = self.decoder.embed_tokens(x.input_ids)
+        for i, layer in enumerate(self.decoder.layers):
+            residual = h
+            q, k, v = self._qkv(layer, layer.input_layernorm(h), x.positions)
+            self.cache.write(i, x.slots, k, v)
+            kc, vc = self.cache.gather(i, x.block_tables)  # [B, L, KV, D]
+            # GQA without repeating K/V: the `group` query heads of one KV head act as query rows.
+            qg = q.view(B, self.num_kv_heads, self.group, self.head_dim)
+            o = F.scaled_dot_product_attention(
+                qg, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=self.scaling
+            )
+            h = self._layer_tail(layer, residual, o.reshape(B, -1))
+        return self.logits(h).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecodeGraphs:
+    """CUDA graphs of `PagedForward.decode`, one per (batch bucket, block-table width bucket), captured on
+    first use into one shared memory pool. Inputs are copied into static buffers; padding rows write to
+    the cache's scratch slot and attend to it alone."""
+
+    def __init__(self, fwd: PagedForward, max_batch: int, max_blocks: int) -> None:
+        self.fwd = fwd
+        self.batch_buckets = _buckets(
+            max_batch, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+        )
+        self.block_buckets = _buckets(max_blocks, [2**i for i in range(4, 20)])
+        dev = fwd.cache.device
+        scratch = fwd.cache.scratch_block
+        B, MB = self.batch_buckets[-1], self.block_buckets[-1]
+        self.static = DecodeInputs(
+            input_ids=torch.zeros(B, dtype=torch.long, device=dev),
+            positions=torch.zeros(B, dtype=torch.long, device=dev),
+            slots=torch.full((B,), scratch * fwd.cache.block_size, dtype=torch.long, device=dev),
+            block_tables=torch.full((B, MB), scratch, dtype=torch.long, device=dev),
+            seq_lens=torch.ones(B, dtype=torch.long, device=dev),
+        )
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _view(self, b: int, mb: int) -> DecodeInputs:
+        s = self.static
+        return DecodeInputs(
+            s.input_ids[:b], s.positions[:b], s.slots[:b], s.block_tables[:b, :mb], s.seq_lens[:b]
+        )
+
+    def run(self, x: DecodeInputs) -> torch.Tensor:
+        B, MB = x.block_tables.shape
+        b = next((v for v in self.batch_buckets if v >= B), None)
+        mb = next((v for v in self.block_buckets if v >= MB), None)
+        if b is None or mb is None:
+            return self.fwd.decode(x)
+        s, scratch = self.static, self.fwd.cache.scratch_block
+        s.input_ids[:B].copy_(x.input_ids, non_blocking=True)
+        s.positions[:B].copy_(x.positions, non_blocking=True)
+        s.slots[:B].copy_(x.slots, non_blocking=True)
+        s.seq_lens[:B].copy_(x.seq_lens, non_blocking=True)
+        s.block_tables[:B, :MB].copy_(x.block_tables, non_blocking=True)
+        s.block_tables[:B, MB:mb].fill_(scratch)
+        if b > B:  # padding rows: scratch slot, attend to one key
+            s.input_ids[B:b].zero_()
+            s.positions[B:b].zero_()
+            s.slots[B:b].fill_(scratch * self.fwd.cache.block_size)
+            s.seq_lens[B:b].fill_(1)
+            s.block_tables[B:b, :mb].fill_(scratch)
+        key = (b, mb)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(b, mb)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out[:B]
+
+    def _capture(self, b: int, mb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        view = self._view(b, mb)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graph (lazy init, cuBLAS workspaces)
+                self.fwd.decode(view)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fwd.decode(view)
+        log.info("captured decode graph batch=%d kv_len=%d", b, mb * self.fwd.cache.block_size)
+        return graph, out
+
+
+def _buckets(limit: int, candidates: list[int]) -> list[int]:
+    out = [c for c in candidates if c < limit]
+    return [*out, limit]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)

@@ -1,0 +1,34 @@
+"""The tiny model the engine tests serve, and the reference decoding its output must equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from generator_fleet.tasks.arith import ALPHABET, ArithTask
+from trainer.tiny_model import build, save
+
+NOISE_STD = 0.5
+
+
+def build_noisy_model(path: Path, seed: int):
+    """A tiny model with large random weights: a freshly initialised one (tied embeddings, std 0.02) just
+    echoes its last token, which would make greedy outputs and weight swaps indistinguishable."""
+    corpus = [f"{p.prompt}{p.answer}" for p in ArithTask().problems]
+    model, tok = build(path, ALPHABET, corpus, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * NOISE_STD)
+    save(path, model, tok)
+    return model.eval(), tok
+
+
+def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding without a cache or batching: what the engine must reproduce."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
