@@ -1,0 +1,591 @@
+"""Built-in engine benchmark: decode tokens/s and time-to-first-token of generator_fleet's Runner against HF
+`generate` on the same prompts, same model, dtype and device, side by side in one run.
+
+The model is random-weight with a real shape (Qwen2.5-0.5B by default: speed does not depend on the weight
+values), built with transformers and saved to a temporary directory with a small tokenizer; prompts are
+sent as token ids, so the tokenizer only has to load. Every request is greedy with ignore_eos (HF:
+min_new_tokens = max_new_tokens), so both sides generate exactly `max_new_tokens` per request.
+
+Per concurrency c, after an untimed warm-up at the same c on other prompts (CUDA graph capture, allocator,
+and no prefix-cache hits for the timed prompts):
+
+- engine: c requests submitted at once (the runner is paused while they are queued, so all c arrive at one
+  step boundary), wall time until the last finishes. tokens/s = c * max_new_tokens / wall (prefill
+  included). TTFT p50/p90 from the completions (time from Request creation to its first token).
+- HF: `model.generate` on the same c prompts as one left-padded batch (SDPA attention). tokens/s = c * N /
+  wall. TTFT = wall time of the same generate with max_new_tokens=1 (every row gets its first token then).
+
+Roofline: HBM bandwidth is measured once with a large device-to-device copy (read + write bytes). A decode
+step reads every weight once (the tied embedding counted once: the lm_head reads the whole matrix, the
+input lookup only c rows), so weight_bytes_per_step / bandwidth bounds the step time from below. The
+engine's step time at concurrency c is taken as c / tokens_per_s (c tokens per step), and
+roofline_fraction_c{c} = bound / step time. KV bytes read per step are reported alongside (and a bound
+counting them), since at high concurrency they are no longer small next to the weights.
+
+Both sides stay loaded and take turns at each concurrency (engine then HF, HF then engine at the next), so
+drifting load on a shared host falls on both alike. HF is loaded first: the engine sizes its KV pool from
+the memory left, capped by max_batch_size x context_length (context_length defaults to the longest prompt +
+max_new_tokens here, so the pool is small and HF's transient memory fits beside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+import torch
+
+VOCAB = 151_936
+"""Qwen2.5's vocabulary: the lm_head matmul and sampling over it are a large part of a small model's step."""
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b-shape": dict(
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+    ),
+    "qwen2.5-1.5b-shape": dict(
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+    ),
+    # CPU smoke: the real vocabulary and GQA layout, a few layers of a narrow width.
+    "tiny": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=256,
+    ),
+}
+COMMON_SHAPE = dict(
+    vocab_size=VOCAB,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
+TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
+"""A throwaway character-level tokenizer (prompts go in as ids); the model keeps the full vocabulary."""
+FIRST_PROMPT_ID = 3
+"""Prompt ids are drawn from [FIRST_PROMPT_ID, VOCAB): above the tokenizer's pad/bos/eos ids."""
+PROMPT_LEN_SPREAD = 0.25
+"""Prompt lengths are uniform in prompt_len * (1 ± this): left padding costs HF something, as in practice."""
+WARMUP_NEW_TOKENS = 16
+"""New tokens per request in each warm-up run (capped at max_new_tokens)."""
+HF_TTFT_REPEATS = 3
+"""HF TTFT is the median of this many max_new_tokens=1 generates."""
+BANDWIDTH_BYTES = {"cuda": 1 << 30, "cpu": 1 << 28}
+"""Size of the buffer copied to measure memory bandwidth (well above any cache)."""
+BANDWIDTH_ITERS = {"cuda": 20, "cpu": 5}
+
+DEFAULTS = {
+    "model": "qwen2.5-0.5b-shape",
+    "concurrency": "1,16,64,256",
+    "max_new_tokens": 256,
+    "prompt_len": 128,
+}
+QUICK = {"model": "tiny", "concurrency": "1,4", "max_new_tokens": 8, "prompt_len": 32}
+
+
+def log(msg: str) -> None:
+    print(f"[engine-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --- model and prompts ----------------------------------------------------------------------------
+
+
+def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> dict:
+    """Random-weight Qwen2 model of `shape` + a tokenizer the Runner loads, saved to `path` in `dtype`.
+    Returns the config as saved."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from trainer.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
+    cfg = Qwen2Config(
+        **COMMON_SHAPE,
+        **SHAPES[shape],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # on the CPU: seconds for 0.5B parameters
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    assert model.get_output_embeddings().weight.shape[0] == VOCAB
+    return cfg.to_dict()
+
+
+def make_prompts(n: int, prompt_len: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lo = max(1, round(prompt_len * (1 - PROMPT_LEN_SPREAD)))
+    hi = max(lo, round(prompt_len * (1 + PROMPT_LEN_SPREAD)))
+    lens = rng.integers(lo, hi + 1, n)
+    return [rng.integers(FIRST_PROMPT_ID, VOCAB, int(k)).tolist() for k in lens]
+
+
+def left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# --- measurements ---------------------------------------------------------------------------------
+
+
+def memory_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a large copy, counting the read and the write."""
+    n, iters = BANDWIDTH_BYTES[device.type], BANDWIDTH_ITERS[device.type]
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(2):
+        dst.copy_(src)
+    _sync(device)
+    t0 = perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    _sync(device)
+    seconds = perf_counter() - t0
+    del src, dst
+    _free(device)
+    return 2 * n * iters / seconds
+
+
+class HFSide:
+    """HF `generate` on one left-padded batch of the c prompts (SDPA attention, the model's defaults)."""
+
+    name = "hf"
+
+    def __init__(self, model_dir: Path, dtype: torch.dtype, device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+        self.model = model.to(device).eval()
+        self.device = device
+        self.pad = model.config.pad_token_id
+
+    def generate(self, batch: list[list[int]], n: int) -> tuple[float, torch.Tensor]:
+        ids, mask = left_pad(batch, self.pad, self.device)
+        _sync(self.device)
+        t0 = perf_counter()
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=self.pad,
+        )
+        _sync(self.device)
+        return perf_counter() - t0, out[:, ids.shape[1] :]
+
+    def measure(self, prompts: list[list[int]], warm_prompts: list[list[int]], n_new: int) -> dict[str, Any]:
+        c = len(prompts)
+        self.generate(warm_prompts, min(WARMUP_NEW_TOKENS, n_new))
+        ttft = statistics.median(self.generate(prompts, 1)[0] for _ in range(HF_TTFT_REPEATS))
+        wall, new = self.generate(prompts, n_new)
+        if tuple(new.shape) != (c, n_new):
+            raise RuntimeError(f"HF generated shape {tuple(new.shape)}, expected {(c, n_new)}")
+        return {
+            "tokens_per_s": c * n_new / wall,
+            "wall_s": wall,
+            "ttft_s": ttft,
+            "decode_step_s": (wall - ttft) / (n_new - 1) if n_new > 1 else None,
+        }
+
+    def close(self) -> None:
+        del self.model
+
+
+class EngineSide:
+    """The built-in engine's Runner, driven in-process as the HTTP server drives it."""
+
+    name = "engine"
+
+    def __init__(
+        self, model_dir: Path, dtype: torch.dtype, device: torch.device, runner_kwargs: dict[str, Any]
+    ) -> None:
+        from generator_fleet.engine.runner import Request, Runner, SamplingParams
+
+        self.Request, self.SamplingParams = Request, SamplingParams
+        self.device = device
+        self.runner = Runner(str(model_dir), device=str(device), dtype=dtype, **runner_kwargs)
+        self.runner.start()
+
+    def run_batch(self, tag: str, batch: list[list[int]], n: int) -> tuple[float, list]:
+        params = self.SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        _sync(self.device)
+        # Paused while queueing, so all requests reach the generation thread at one step boundary instead
+        # of the first one starting alone while the others are still being submitted.
+        self.runner.pause("in_place")
+        try:
+            t0 = perf_counter()
+            futures = [self.runner.submit(self.Request(f"{tag}-{i}", p, params)) for i, p in enumerate(batch)]
+        finally:
+            self.runner.resume()
+        completions = [f.result() for f in futures]
+        _sync(self.device)
+        return perf_counter() - t0, completions
+
+    def measure(self, prompts: list[list[int]], warm_prompts: list[list[int]], n_new: int) -> dict[str, Any]:
+        c = len(prompts)
+        self.run_batch(f"warm{c}", warm_prompts, min(WARMUP_NEW_TOKENS, n_new))
+        wall, done = self.run_batch(f"c{c}", prompts, n_new)
+        lens = [len(d.output_ids) for d in done]
+        ttfts = [d.time_to_first_token for d in done if d.time_to_first_token is not None]
+        m: dict[str, Any] = {
+            "tokens_per_s": sum(lens) / wall,
+            "wall_s": wall,
+            "output_tokens_min": min(lens),
+            "output_tokens_max": max(lens),
+            "finish_types": sorted({d.finish_reason.get("type", "?") for d in done}),
+            "ttft_p50_s": float(np.percentile(ttfts, 50)) if ttfts else None,
+            "ttft_p90_s": float(np.percentile(ttfts, 90)) if ttfts else None,
+            "ttft_max_s": max(ttfts) if ttfts else None,
+            "e2e_p50_s": float(np.percentile([d.e2e_latency for d in done], 50)),
+        }
+        # Once the last request has its first token every request is decoding: the rest of the wall time
+        # over the remaining steps is the decode step with no prefill in it.
+        m["decode_step_s"] = (wall - m["ttft_max_s"]) / (n_new - 1) if n_new > 1 and ttfts else None
+        if min(lens) != n_new or max(lens) != n_new:
+            raise MeasureError(f"engine produced {min(lens)}..{max(lens)} tokens, expected {n_new}", m)
+        return m
+
+    def close(self) -> None:
+        self.runner.stop()
+        del self.runner
+
+
+class MeasureError(RuntimeError):
+    """A measurement that ran but is wrong; the numbers are still recorded next to the error."""
+
+    def __init__(self, message: str, metrics: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.metrics = metrics
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def weight_bytes(cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
+    """(all parameter bytes, bytes one decode step reads): parameters counted once, tied or not; an
+    untied input embedding is left out of the per-step figure (the lookup reads c rows of it)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**cfg), dtype=dtype)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # parameters() dedups tied
+    step = total
+    if not cfg["tie_word_embeddings"]:
+        emb = model.get_input_embeddings().weight
+        step -= emb.numel() * emb.element_size()
+    return total, step
+
+
+def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * elem
+
+
+def runner_kwargs_for(args: argparse.Namespace, device: torch.device, context_length: int) -> dict[str, Any]:
+    """Only the keywords this Runner has: the script runs against the runner before and after its rewrite."""
+    from generator_fleet.engine.runner import Runner
+
+    params = inspect.signature(Runner).parameters
+    want: dict[str, Any] = {
+        "max_batch_size": args.max_batch_size,
+        "context_length": args.context_length or context_length,
+        "kv_cache_tokens": args.kv_cache_tokens,
+        "cuda_graphs": device.type == "cuda" and not args.no_cuda_graphs,
+    }
+    kw = {k: v for k, v in want.items() if k in params}
+    if kw.get("kv_cache_tokens", 0) is None:
+        del kw["kv_cache_tokens"]  # the engine's own default
+    return kw
+
+
+def env_info(device: torch.device) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "host_load_1m": os.getloadavg()[0],
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info |= {
+            "device_name": torch.cuda.get_device_name(device),
+            "cuda": torch.version.cuda,
+            "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        }
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    """The whole benchmark; `result` is written to disk after every measurement and on every way out."""
+    device = torch.device(args.device)
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    n_new = args.max_new_tokens
+    today = datetime.date.today()
+    out_path = args.out_dir / f"engine-{args.device_kind}-{today:%Y%m%d}.json"
+    prompts = make_prompts(max(concurrencies), args.prompt_len, args.seed)
+    warm_prompts = make_prompts(max(concurrencies), args.prompt_len, args.seed + 1)
+    prompt_lens = [len(p) for p in prompts]
+    context_length = max(map(len, prompts + warm_prompts)) + n_new
+
+    result: dict[str, Any] = {
+        "benchmark": "engine",
+        "device": args.device_kind,
+        "date": today.isoformat(),
+        "command": shlex.join(["python", "benchmarks/engine.py", *argv]),
+        "config": {
+            "model": args.model,
+            "device": str(device),
+            "dtype": args.dtype,
+            "concurrency": concurrencies,
+            "max_new_tokens": n_new,
+            "prompt_len": args.prompt_len,
+            "prompt_len_min": min(prompt_lens),
+            "prompt_len_max": max(prompt_lens),
+            "prompt_len_mean": statistics.fmean(prompt_lens),
+            "warmup_new_tokens": min(WARMUP_NEW_TOKENS, n_new),
+            "seed": args.seed,
+            "env": env_info(device),
+        },
+        "metrics": {},
+        "ratios": {},
+        "errors": [],
+    }
+    m, r = result["metrics"], result["ratios"]
+    sides: dict[tuple[int, str], dict] = {}
+
+    def save() -> None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+
+    def record(c: int, side: str, metrics: dict[str, Any]) -> None:
+        sides[c, side] = metrics
+        m.update({f"{side}_{k}_c{c}": v for k, v in metrics.items()})
+        derive(c)
+        save()
+        ttft = metrics.get("ttft_p50_s", metrics.get("ttft_s"))
+        ttft_ms = "-" if ttft is None else f"{ttft * 1e3:.1f}"
+        log(f"{side} c={c}: {metrics['tokens_per_s']:,.0f} tok/s, TTFT {ttft_ms} ms")
+
+    def error(c: int | None, side: str, exc: BaseException) -> None:
+        log(f"{side} c={c} FAILED: {exc!r}")
+        tb = traceback.format_exception(exc)[-3:]
+        result["errors"].append({"concurrency": c, "side": side, "error": repr(exc), "traceback": tb})
+        save()
+
+    def derive(c: int) -> None:
+        eng, hf = sides.get((c, "engine")), sides.get((c, "hf"))
+        if eng and hf:
+            r[f"vs_hf_generate_c{c}"] = eng["tokens_per_s"] / hf["tokens_per_s"]
+        kv = c * m["kv_bytes_per_token"] * (statistics.fmean(prompt_lens[:c]) + n_new / 2)
+        m[f"kv_bytes_per_step_c{c}"] = kv
+        if eng and m.get("memory_bandwidth_bytes_per_s"):
+            step = c / eng["tokens_per_s"]
+            m[f"engine_step_s_c{c}"] = step
+            m[f"roofline_fraction_c{c}"] = m["weight_bound_step_s"] / step
+            bw = m["memory_bandwidth_bytes_per_s"]
+            m[f"roofline_fraction_weights_kv_c{c}"] = (m["weight_bytes_per_step"] + kv) / bw / step
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
+            model_dir = Path(tmp)
+            t0 = perf_counter()
+            cfg = build_model_dir(model_dir, args.model, dtype, args.seed)
+            log(f"built {args.model} ({dtype}) in {perf_counter() - t0:.1f}s")
+            keys = [*COMMON_SHAPE, *SHAPES[args.model], "rope_parameters"]  # transformers 5 nests rope_theta
+            result["config"]["model_config"] = {k: cfg[k] for k in keys if k in cfg}
+            total, per_step = weight_bytes(cfg, dtype)
+            m |= {"weight_bytes": total, "weight_bytes_per_step": per_step}
+            m["kv_bytes_per_token"] = kv_bytes_per_token(cfg, dtype)
+            bw = memory_bandwidth(device)
+            m["memory_bandwidth_bytes_per_s"] = bw
+            m["weight_bound_step_s"] = per_step / bw
+            log(f"memory bandwidth {bw / 1e9:,.0f} GB/s; weights {per_step / 1e6:,.0f} MB per step")
+            save()
+
+            kw = runner_kwargs_for(args, device, context_length)
+            result["config"]["runner_kwargs"] = kw
+            live: list[HFSide | EngineSide] = []
+            try:
+                # HF first: the engine sizes its KV pool from the memory left (capped by context_length).
+                for name, make in (
+                    ("hf", lambda: HFSide(model_dir, dtype, device)),
+                    ("engine", lambda: EngineSide(model_dir, dtype, device, kw)),
+                ):
+                    log(f"loading {name}" + (f": Runner({kw})" if name == "engine" else ""))
+                    try:
+                        live.append(make())
+                    except Exception as exc:  # noqa: BLE001 - the other side still runs
+                        error(None, name, exc)
+                for i, c in enumerate(concurrencies):
+                    # engine, HF at one concurrency, HF, engine at the next: drift in the host's load (a
+                    # shared CPU box) falls on both sides alike.
+                    for side in sorted(live, key=lambda s: s.name, reverse=i % 2 == 1):
+                        log(f"{side.name} c={c}: warm-up, then {c} x {n_new} tokens")
+                        try:
+                            record(c, side.name, side.measure(prompts[:c], warm_prompts[:c], n_new))
+                        except MeasureError as exc:
+                            record(c, side.name, exc.metrics)
+                            error(c, side.name, exc)
+                        except Exception as exc:  # noqa: BLE001 - recorded; the next one still runs
+                            error(c, side.name, exc)
+                            _free(device)
+            finally:
+                for side in live:
+                    side.close()
+                _free(device)
+    except BaseException as exc:  # incl. KeyboardInterrupt: what was measured is still written
+        error(None, "setup", exc)
+        if not isinstance(exc, Exception):
+            raise
+    finally:
+        result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
+        save()
+        log(f"wrote {out_path}")
+    return result
+
+
+def report(result: dict) -> str:
+    m, r, cfg = result["metrics"], result["ratios"], result["config"]
+
+    def f(key: str, scale: float = 1.0, fmt: str = ".1f", src: dict = m) -> str:
+        v = src.get(key)
+        return "-" if v is None else format(v * scale, fmt)
+
+    lines = [
+        f"{cfg['model']} {cfg['dtype']} on {result['device']} ({cfg['env']['device_name']}), prompts "
+        f"{cfg['prompt_len_min']}-{cfg['prompt_len_max']} tokens, {cfg['max_new_tokens']} new tokens, greedy; "
+        f"bandwidth {f('memory_bandwidth_bytes_per_s', 1e-9, ',.0f')} GB/s, weights/step "
+        f"{f('weight_bytes_per_step', 1e-6, ',.0f')} MB, bound {f('weight_bound_step_s', 1e3, '.3f')} ms/step",
+        f"{'c':>4} {'engine tok/s':>13} {'HF tok/s':>10} {'x HF':>6} {'eng TTFT p50/p90 ms':>20} "
+        f"{'HF TTFT ms':>10} {'eng step ms':>11} {'eng/HF decode ms':>17} {'roofline':>8} {'KV MB/step':>10}",
+    ]
+    for c in cfg["concurrency"]:
+        ttft = f"{f(f'engine_ttft_p50_s_c{c}', 1e3)}/{f(f'engine_ttft_p90_s_c{c}', 1e3)}"
+        dec = f"{f(f'engine_decode_step_s_c{c}', 1e3, '.2f')}/{f(f'hf_decode_step_s_c{c}', 1e3, '.2f')}"
+        lines.append(
+            f"{c:>4} {f(f'engine_tokens_per_s_c{c}', 1, ',.0f'):>13} {f(f'hf_tokens_per_s_c{c}', 1, ',.0f'):>10} "
+            f"{f(f'vs_hf_generate_c{c}', 1, '.2f', r):>6} {ttft:>20} {f(f'hf_ttft_s_c{c}', 1e3):>10} "
+            f"{f(f'engine_step_s_c{c}', 1e3, '.2f'):>11} {dec:>17} {f(f'roofline_fraction_c{c}', 1, '.3f'):>8} "
+            f"{f(f'kv_bytes_per_step_c{c}', 1e-6, ',.1f'):>10}"
+        )
+    for e in result["errors"]:
+        lines.append(f"ERROR {e['side']} c={e['concurrency']}: {e['error']}")
+    # Headline last (BENCHMARKS.md names); c=64 when it ran, else the largest concurrency measured.
+    head = 64 if 64 in cfg["concurrency"] else max(cfg["concurrency"])
+    lines.append(
+        f"engine vs_hf_generate_c{head}={f(f'vs_hf_generate_c{head}', 1, '.2f', r)} "
+        f"roofline_fraction_c{head}={f(f'roofline_fraction_c{head}', 1, '.3f')} "
+        f"engine_tokens_per_s_c{head}={f(f'engine_tokens_per_s_c{head}', 1, '.0f')} (device={result['device']})"
+    )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(SHAPES), help=f"model shape (default {DEFAULTS['model']})")
+    p.add_argument("--concurrency", help=f"comma-separated (default {DEFAULTS['concurrency']})")
+    p.add_argument("--max-new-tokens", type=int, help=f"per request (default {DEFAULTS['max_new_tokens']})")
+    p.add_argument(
+        "--prompt-len", type=int, help=f"mean prompt tokens, ±25%% (default {DEFAULTS['prompt_len']})"
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="CPU smoke: " + ", ".join(f"{k}={v}" for k, v in QUICK.items())
+    )
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 on cuda, else float32"
+    )
+    p.add_argument(
+        "--device-kind", help="device named in the result file (nvidia-h100-x1, nvidia-h200, cpu ...)"
+    )
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument(
+        "--context-length", type=int, default=0, help="Runner context_length (0: longest prompt + new)"
+    )
+    p.add_argument(
+        "--kv-cache-tokens", type=int, default=None, help="Runner kv_cache_tokens (default: the engine's)"
+    )
+    p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    for k, v in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.device_kind is None:
+        if args.device.startswith("cuda"):
+            args.device_kind = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+        else:
+            args.device_kind = "cpu"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generate()'s notes and the load/save progress bars would bury
+    hf_logging.disable_progress_bar()  # the progress lines
+    result = run(args, argv)
+    print(report(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
