@@ -1,7 +1,10 @@
-"""Turn group records into padded training tensors (pure: records in, tensors out).
+"""Turn group records into training inputs (pure: records in, tensors out).
+
+`build_samples` gives the trainer's packed path one `TrainSample` per sample, with advantages and loss
+aggregation weights computed over the whole step's batch. `build_batch` gives one right-padded batch.
 
 Response token j of a sample sits at sequence index len(prompt) + j and is predicted from position
-len(prompt) + j - 1, so every per-token tensor here is aligned with `token_logprobs` output [B, T-1].
+len(prompt) + j - 1, so every per-token array here is aligned with the next-token logprobs.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import numpy as np
 import torch
 
 from replay_buffer.schema import GroupRecord
-from trainer.losses import grpo_advantages
+from trainer.advantages import GROUP_ESTIMATORS, group_advantages, reinforce_pp_advantages
+from trainer.losses import agg_weights, grpo_advantages
+from trainer.packing import TrainSample
 
 
 class TrainBatch(msgspec.Struct):
@@ -58,3 +63,40 @@ def build_batch(groups: list[GroupRecord], pad_id: int) -> TrainBatch:
         adv_t[i, sl] = advs[i]
         n_tokens += n
     return TrainBatch(ids, attn, loss_mask, behav_lp * loss_mask, adv_t, torch.cat(rewards), n_tokens)
+
+
+def build_samples(
+    groups: list[GroupRecord], advantage: str = "grpo", loss_agg: str = "token-mean"
+) -> list[TrainSample]:
+    """One TrainSample per sample of every group, in order. Advantages: a group estimator (grpo |
+    dr_grpo | rloo) per group, reinforce_pp over the whole batch, gae 0 (the trainer fills it in with
+    its critic). Weights: `agg_weights` over the whole batch, so any split sums to the batch's loss."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    counts = [int(s.view("loss_mask").sum()) for s in samples]
+    if advantage in GROUP_ESTIMATORS:
+        advs = torch.cat(
+            [
+                group_advantages(torch.tensor([s.reward for s in g.samples], dtype=torch.float32), advantage)
+                for g in groups
+            ]
+        )
+    elif advantage == "reinforce_pp":
+        advs = reinforce_pp_advantages(rewards, counts)
+    elif advantage == "gae":
+        advs = torch.zeros_like(rewards)
+    else:
+        raise ValueError(f"unknown advantage estimator {advantage!r}")
+    weights = agg_weights(counts, loss_agg)
+    out = []
+    for s, adv, w in zip(samples, advs.tolist(), weights, strict=True):
+        p = s.view("prompt_ids").astype(np.int64)
+        r = s.view("response_ids").astype(np.int64)
+        n = len(p) + len(r)
+        mask = np.zeros(n, np.float32)
+        behav = np.zeros(n, np.float32)
+        sl = slice(len(p) - 1, len(p) - 1 + len(r))
+        mask[sl] = s.view("loss_mask")
+        behav[sl] = s.view("behavior_logprobs")
+        out.append(TrainSample(np.concatenate([p, r]), mask, behav * mask, float(adv), w, float(s.reward)))
+    return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.losses import entropy_from_logits
+
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [B, T], attention_mask [B, T]) right-padded to the longest sequence."""
@@ -42,3 +44,51 @@ def response_logprobs(
     ids, mask = pad_batch([prompt_ids + response_ids], pad_id=0)
     lp = token_logprobs(model, ids, mask, temperature)[0]
     return lp[len(prompt_ids) - 1 :]
+
+
+ENTROPY_CHUNK_TOKENS = 1024
+"""Entropy is computed over the vocabulary in chunks of this many positions when it needs no gradient,
+so a [8k, 152k] softmax never materialises at once."""
+
+
+def packed_forward_kwargs(mb) -> dict:
+    """Keyword arguments that make a transformers model run a packed micro-batch (trainer/attention.py)."""
+    return {
+        "input_ids": mb.input_ids,
+        "position_ids": mb.position_ids,
+        "cu_seq_lens_q": mb.cu_seqlens,
+        "cu_seq_lens_k": mb.cu_seqlens,
+        "max_length_q": mb.max_seqlen,
+        "max_length_k": mb.max_seqlen,
+        "use_cache": False,
+    }
+
+
+def packed_logprobs(
+    model, mb, temperature: float = 1.0, entropy: str = "none"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logprob of each target [T] fp32, entropy [T] or None) for a packed micro-batch.
+
+    Logits are computed only at trained positions (loss_mask > 0; at least one, so every parameter is in
+    the graph): prompt and tool-result positions never reach the vocabulary projection. Elsewhere the
+    outputs are 0. entropy: "none", "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
+    """
+    keep = mb.loss_mask.nonzero().squeeze(-1)
+    if keep.numel() == 0:
+        keep = torch.zeros(1, dtype=torch.long, device=mb.loss_mask.device)
+    logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0].float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lp = -F.cross_entropy(logits, mb.targets[keep], reduction="none")
+    ent = None
+    if entropy == "grad":
+        ent = entropy_from_logits(logits)
+    elif entropy == "no_grad":
+        with torch.no_grad():
+            ent = torch.cat([entropy_from_logits(c) for c in logits.detach().split(ENTROPY_CHUNK_TOKENS)])
+    elif entropy != "none":
+        raise ValueError(f"entropy must be none, no_grad or grad, not {entropy!r}")
+    full = logits.new_zeros(mb.num_tokens).index_copy(0, keep, lp)
+    if ent is not None:
+        ent = logits.new_zeros(mb.num_tokens).index_copy(0, keep, ent)
+    return full, ent

@@ -1,0 +1,131 @@
+"""Sequence packing: layout, the rank/micro-batch plan, and packed logprobs equal unpacked ones."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from replay_buffer import Sample, make_group
+from trainer import attention
+from trainer.batch import build_batch, build_samples
+from trainer.logprobs import packed_logprobs, token_logprobs
+from trainer.packing import TrainSample, first_fit_decreasing, pack, plan_step
+
+
+def _sample(ids, mask, behav=None, adv=0.0, w=1.0):
+    n = len(ids)
+    behav = behav if behav is not None else [-0.5] * n
+    return TrainSample(
+        np.array(ids, np.int64), np.array(mask, np.float32), np.array(behav, np.float32), adv, w, 0.0
+    )
+
+
+def test_pack_layout_hand_checked():
+    a = _sample([1, 5, 6, 7], [0, 1, 1, 0], adv=2.0, w=0.5)
+    b = _sample([1, 9, 8], [1, 1, 0], adv=-1.0, w=0.25)
+    mb = pack([a, b])
+    assert mb.input_ids.tolist() == [[1, 5, 6, 7, 1, 9, 8]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2]]
+    assert mb.cu_seqlens.tolist() == [0, 4, 7] and mb.max_seqlen == 4
+    # targets shift within a sample; the last position of each sample predicts nothing
+    assert mb.targets.tolist() == [5, 6, 7, 0, 9, 8, 0]
+    assert mb.loss_mask.tolist() == [0, 1, 1, 0, 1, 1, 0]
+    assert mb.advantages.tolist() == [2, 2, 2, 2, -1, -1, -1]
+    assert mb.token_weights.tolist() == [0, 0.5, 0.5, 0, 0.25, 0.25, 0]
+    assert mb.behav_logprobs.tolist() == [0, -0.5, -0.5, 0, -0.5, -0.5, 0]
+    empty = pack([])
+    assert empty.num_tokens == 1 and empty.token_weights.sum() == 0
+
+
+def test_build_samples_align_with_padded_batch():
+    a = Sample.build(
+        prompt_ids=[1, 5, 6],
+        response_ids=[7, 2],
+        loss_mask=[1, 1],
+        behavior_logprobs=[-0.5, -0.25],
+        token_versions=[0, 0],
+        reward=1.0,
+        finish_reason="stop",
+    )
+    b = Sample.build(
+        prompt_ids=[1, 5],
+        response_ids=[9, 8, 2],
+        loss_mask=[1, 0, 1],
+        behavior_logprobs=[-1.0, 0.0, -2.0],
+        token_versions=[0, -1, 0],
+        reward=0.0,
+        finish_reason="stop",
+    )
+    groups = [make_group("j", "p", [a, b])]
+    padded = build_batch(groups, pad_id=0)
+    samples = build_samples(groups, "grpo", "token-mean")
+    for i, s in enumerate(samples):
+        n = len(s)
+        assert s.input_ids.tolist() == padded.input_ids[i, :n].tolist()
+        assert s.loss_mask[: n - 1].tolist() == padded.loss_mask[i, : n - 1].tolist()
+        assert s.behav_logprobs[: n - 1].tolist() == padded.behav_logprobs[i, : n - 1].tolist()
+        assert s.advantage == pytest.approx(float(padded.advantages[i][padded.loss_mask[i] > 0][0]))
+        assert s.weight == pytest.approx(1 / 4)  # token-mean over the batch's 4 model tokens
+
+
+def test_plan_step_covers_every_sample_once_and_balances_ranks():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(10, 300, size=37).tolist()
+    plan = plan_step(lengths, world=3, budget=600)
+    seen = sorted(i for rank in plan for mb in rank for i in mb)
+    assert seen == list(range(37))
+    assert len({len(rank) for rank in plan}) == 1  # same number of micro-batches on every rank
+    for rank in plan:
+        for mb in rank:
+            assert sum(lengths[i] for i in mb) <= 600
+    loads = [sum(lengths[i] for mb in rank for i in mb) for rank in plan]
+    assert max(loads) - min(loads) <= max(lengths)
+    # a sample longer than the budget still gets a micro-batch of its own
+    assert first_fit_decreasing([50, 900, 40], 100) == [[1], [0, 2]]
+    # fewer samples than ranks: the idle rank gets empty micro-batches
+    idle = plan_step([5], world=2, budget=100)
+    assert sorted(len(mb) for rank in idle for mb in rank) == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    cfg = Qwen2Config(
+        vocab_size=40,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def test_packed_logprobs_equal_unpacked(gqa_model):
+    rng = np.random.default_rng(1)
+    samples = []
+    for n in (7, 12, 3, 20):
+        mask = (rng.random(n) > 0.3).astype(np.float32)
+        samples.append(_sample(rng.integers(3, 40, size=n).tolist(), mask.tolist()))
+    mb = pack(samples)
+    attention.register()
+    gqa_model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    try:
+        with torch.no_grad():
+            packed, ent = packed_logprobs(gqa_model, mb, temperature=0.7, entropy="no_grad")
+    finally:
+        gqa_model.set_attn_implementation("sdpa")
+    start = 0
+    for s in samples:
+        n = len(s)
+        ids = torch.from_numpy(s.input_ids).unsqueeze(0)
+        with torch.no_grad():
+            ref = token_logprobs(gqa_model, ids, torch.ones_like(ids), temperature=0.7)[0]
+        m = torch.from_numpy(s.loss_mask[: n - 1]) > 0
+        got = packed[start : start + n - 1]
+        torch.testing.assert_close(got[m], ref[m], rtol=0, atol=1e-5)
+        assert (got[~m] == 0).all()
+        start += n
+    assert ent is not None and (ent[mb.loss_mask > 0] > 0).all()

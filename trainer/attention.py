@@ -1,0 +1,110 @@
+"""Packed-sequence attention for transformers models: one row holds several samples, and each token attends
+only to earlier tokens of its own sample.
+
+Registered with transformers as attn_implementation `slipstream_packed`. Because the name is not one of
+transformers' mask implementations, the model builds no [T, T] mask at all; the sample boundaries come
+in as `cu_seq_lens_q` / `max_length_q` keyword arguments (the names flash-attention uses), which the model
+forwards to every attention layer. On CUDA the kernel is torch's varlen flash attention
+(`torch.nn.attention.varlen.varlen_attn`): no work on masked-out blocks. Elsewhere (CPU, or a torch
+without it) each sample runs through SDPA with `is_causal=True` in turn. Without boundaries (a plain
+`model(input_ids)` call, e.g. from generation code) the whole row is one causal sequence.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "slipstream_packed"
+
+try:  # torch >= 2.10 on CUDA builds; the CPU wheel has the module but no kernel
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn, _VARLEN_PARAMS = None, set()
+
+_kernel_logged: set[str] = set()
+
+
+def _log_kernel(name: str) -> None:
+    if name not in _kernel_logged:
+        _kernel_logged.add(name)
+        log.info("packed attention kernel: %s", name)
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int, head_dim: int = 1) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=head_dim)
+
+
+def varlen_flash(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
+) -> torch.Tensor:
+    """Causal varlen flash attention over [T, H, D] tensors, whichever causal/GQA spelling this torch has."""
+    kw: dict = {"scale": scale}
+    if "is_causal" in _VARLEN_PARAMS:  # torch 2.10/2.11
+        kw["is_causal"] = True
+    else:  # torch >= 2.12: causal is a (left, right) = (-1, 0) window
+        kw["window_size"] = (-1, 0)
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kw["enable_gqa"] = True
+        else:
+            n_rep = q.shape[1] // k.shape[1]
+            k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
+    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None), transformers' contract."""
+    if attention_mask is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION} attention takes sample boundaries, not an attention mask")
+    if query.shape[0] != 1 and cu_seq_lens_q is not None:
+        raise ValueError("packed attention expects one packed row (batch size 1)")
+    t = query.shape[2]
+    if cu_seq_lens_q is None:
+        cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
+        max_length_q = t
+    if query.is_cuda and _varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
+        _log_kernel("varlen flash attention")
+        # [1, H, T, D] -> [T, H, D]
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+        out = varlen_flash(q, k, v, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling)
+        return out.unsqueeze(0), None
+    _log_kernel("SDPA per sample")
+    n_rep = query.shape[1] // key.shape[1]
+    key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
+    bounds = cu_seq_lens_q.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling, is_causal=True
+        )
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
+        if e > s
+    ]
+    return torch.cat(outs, dim=2).transpose(1, 2), None
+
+
+def register() -> str:
+    """Make `slipstream_packed` a valid attn_implementation (idempotent); returns the name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    return ATTN_IMPLEMENTATION
