@@ -108,12 +108,37 @@ class GeneratorsSpec(Spec):
 
 
 class AlgorithmSpec(Spec):
-    advantage: Literal["grpo"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"] = "grpo"
+    """`grpo`: (r - group mean) / group std; `dr_grpo`: r - group mean (pair it with `loss_agg:
+    seq-mean-token-sum`); `rloo`: r - mean of the group's other samples; `reinforce_pp`: REINFORCE++,
+    rewards whitened over every model token of the step; `gae`: GAE (`gamma`, `lam`) with a critic (a
+    value head on a copy of `critic_model_path`, clipped value loss), whitened over the step."""
     loss: Literal["decoupled_ppo", "ppo", "tis"] = "decoupled_ppo"
-    """`decoupled_ppo`: PPO-clip on pi/pi_prox times min(pi_prox/pi_behav, is_cap) (AReaL)."""
+    """`decoupled_ppo`: PPO-clip on pi/pi_prox times min(pi_prox/pi_behav, is_cap) (AReaL); `ppo`:
+    PPO-clip on pi/pi_behav; `tis`: REINFORCE with the truncated weight min(pi/pi_behav, is_cap)."""
     clip_eps: Annotated[float, msgspec.Meta(gt=0.0)] = 0.2
     is_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
     """Truncation C of the behaviour importance weight."""
+    dual_clip_c: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
+    """Dual clip (ppo, decoupled_ppo): a negative-advantage token's loss is at most -A * c; null = off."""
+    kl: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """Per-token estimator of KL(pi || ref) for the penalty; `low_var_kl` is k3 clamped to [-10, 10]."""
+    kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Weight of the KL penalty to a frozen reference model; 0 = no reference model is loaded."""
+    ref_model_path: str | None = None
+    """Reference model (HF directory); null = `model.path`, the policy the job started from."""
+    entropy_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Weight of the entropy bonus (loss -= coef * token entropy); entropy is logged either way."""
+    gamma: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    """GAE discount per token (`advantage: gae`)."""
+    lam: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 1.0
+    """GAE lambda (`advantage: gae`)."""
+    critic_model_path: str | None = None
+    """Critic backbone (HF directory; its LM head is dropped, a zero-initialised value head added);
+    null = `model.path`."""
+    critic_lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
+    value_clip_eps: Annotated[float, msgspec.Meta(gt=0.0)] | None = 0.2
+    """Clip of the critic's move from its batch-time values in the value loss; null = unclipped."""
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
@@ -139,10 +164,49 @@ class BufferSpec(Spec):
 
 
 class TrainerSpec(Spec):
-    num_trainers: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
-    """Trainer ranks (this release: 1)."""
+    num_trainers: Pos = 1
+    """Trainer ranks: one process each (one GPU each on cuda), one FSDP2 group (NCCL on cuda, gloo on
+    cpu). Rank 0 reads the buffer and publishes weights; a step's samples are split across ranks by
+    tokens."""
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: Pos = 1
+    fsdp: bool = True
+    """Shard the policy (and reference, critic) with FSDP2, per decoder layer and at the root; false =
+    one plain process-local model (then num_trainers must be 1)."""
+    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    """Compute dtype on cuda; master weights, optimizer state and gradient reduction stay fp32. CPU
+    runs are fp32 whatever this says."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward (less memory, about 1/3 more compute)."""
+    offload_optimizer: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and the
+    optimizer step runs on the CPU (needs fsdp)."""
+    micro_batch_tokens: Pos = 8192
+    """Token budget of one packed micro-batch (samples are packed without padding; one longer sample
+    gets a micro-batch of its own); gradients accumulate over a step's micro-batches."""
+    compile: bool = False
+    """torch.compile each decoder layer."""
+    checkpoint_every: NonNeg = 0
+    """Write a checkpoint (torch.distributed.checkpoint: weights, optimizer, version) every this many
+    optimizer steps and after the last; 0 = never."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; null = <output_dir>/checkpoints."""
+    keep_checkpoints: Pos = 2
+    """Newest checkpoints kept; older ones are deleted."""
+    resume_from: str | None = None
+    """Checkpoint directory, or `latest` (the newest under checkpoint_dir), to resume: weights, optimizer
+    state and weight version are restored, with any number of ranks (resharded), and engines get the
+    restored weights before rollouts start."""
+    export_hf: bool = True
+    """Write the final policy as an HF directory (config + safetensors + tokenizer) to
+    <output_dir>/final_model, loadable by transformers and SGLang."""
+
+    def __post_init__(self) -> None:
+        # Reported at the key's path by from_dict, like GeneratorsSpec's checks.
+        if self.num_trainers > 1 and not self.fsdp:
+            raise ValueError("more than one trainer rank needs fsdp: true - at `.num_trainers`")
+        if self.offload_optimizer and not self.fsdp:
+            raise ValueError("CPU offload is FSDP2's: needs fsdp: true - at `.offload_optimizer`")
 
 
 class BusSpec(Spec):

@@ -78,14 +78,15 @@ def gae(
     rewards [T] per token (outcome reward: 0 except the last token), values [T] = V(state before token t).
     delta_t = r_t + gamma V_{t+1} - V_t (V_T = 0), A_t = delta_t + gamma lam A_{t+1}; returns = A + V.
     """
-    adv = torch.zeros_like(values)
-    last = values.new_zeros(())
-    for t in range(values.numel() - 1, -1, -1):
-        next_v = values[t + 1] if t + 1 < values.numel() else values.new_zeros(())
-        delta = rewards[t] + gamma * next_v - values[t]
-        last = delta + gamma * lam * last
+    r, v = rewards.tolist(), values.tolist()  # a Python loop over floats: ~100x faster than tensor indexing
+    adv = [0.0] * len(v)
+    last = 0.0
+    for t in range(len(v) - 1, -1, -1):
+        next_v = v[t + 1] if t + 1 < len(v) else 0.0
+        last = r[t] + gamma * next_v - v[t] + gamma * lam * last
         adv[t] = last
-    return adv, adv + values
+    a = torch.tensor(adv, dtype=values.dtype)
+    return a, a + values.cpu()
 
 
 def whiten(values: torch.Tensor, total: float, total_sq: float, count: float) -> torch.Tensor:

@@ -1,0 +1,147 @@
+"""The trainer pool's process group and FSDP2 sharding.
+
+Every trainer rank is one process (a Ray actor, or a torchrun / spawned process in benchmarks and tests).
+Ranks join one default group (NCCL on CUDA, gloo on CPU, same code) for FSDP's all-gathers and
+reduce-scatters, plus a gloo group for small Python objects (the step plan rank 0 sends out), so object
+traffic never touches the GPU stream. Models are sharded with FSDP2 `fully_shard` per decoder layer and
+at the root (embeddings, final norm and a tied LM head share the root's group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import msgspec
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+"""Collective timeout: generous, since rank 0 may wait this long for a batch while the others block."""
+
+
+class DistInfo(msgspec.Struct, frozen=True):
+    """Where this process sits in the trainer pool."""
+
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    """TCP port of rank 0's rendezvous store; 0 = no process group (single process, FSDP off)."""
+
+
+class Pool:
+    """This rank's handles: the default group (collectives of the model) and a gloo group for objects."""
+
+    def __init__(self, info: DistInfo, device: torch.device) -> None:
+        self.rank = info.rank
+        self.world_size = info.world_size
+        self.device = device
+        self.enabled = info.master_port > 0
+        self.objects = None
+        if not self.enabled:
+            if info.world_size != 1:
+                raise ValueError("more than one trainer rank needs a rendezvous port")
+            return
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            kw = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                rank=info.rank,
+                world_size=info.world_size,
+                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+                **kw,
+            )
+        self.objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        log.info("trainer rank %d/%d joined (%s)", info.rank, info.world_size, backend)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def scatter(self, per_rank: list | None):
+        """Rank 0 passes one object per rank; every rank gets its own (rank 0 included)."""
+        if not self.enabled:
+            return per_rank[0]
+        out = [None]
+        dist.scatter_object_list(out, per_rank if self.is_main else None, src=0, group=self.objects)
+        return out[0]
+
+    def broadcast(self, obj=None):
+        """Rank 0's object to every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.objects)
+        return box[0]
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.enabled and self.world_size > 1:
+            dist.all_reduce(t, op=op)
+        return t
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier(group=self.objects)
+
+    def close(self) -> None:
+        if self.enabled and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of a transformers model (causal LM or bare backbone)."""
+    for owner in (getattr(model, "model", None), model, getattr(model, "backbone", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def shard(
+    model: nn.Module,
+    *,
+    mixed_precision: bool,
+    cpu_offload: bool = False,
+    layers: nn.ModuleList | None = None,
+) -> nn.Module:
+    """FSDP2: `fully_shard` every decoder layer, then the root. bf16 compute with fp32 master weights and
+    fp32 gradient reduction when `mixed_precision`; parameters, gradients and optimizer state on the CPU
+    when `cpu_offload` (the optimizer step then runs there)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed_precision
+        else MixedPrecisionPolicy()
+    )
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    blocks = layers if layers is not None else decoder_layers(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again right away by backward: keep them gathered.
+        fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded DTensor gathered to a plain tensor (a collective: every rank calls it); plain tensors pass."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shard, GPU mesh: gather on the GPU
+        local = t.to_local().to(t.device_mesh.device_type)
+        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
+
+
+def grad_norm_clip(params, max_norm: float) -> float:
+    """clip_grad_norm_ over (possibly sharded) parameters; returns the total norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm)
+    return float(full_tensor(norm))

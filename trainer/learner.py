@@ -1,0 +1,277 @@
+"""One trainer rank's models and optimizer step: the compute half of the trainer, free of Redis and HTTP.
+
+Every rank of the pool holds a `Learner`. Per optimizer step each rank gets its share of the step's
+samples as packed micro-batches (trainer/packing.py), runs forward/backward on each, and the gradients
+accumulate; then one clipped optimizer step. Loss normalisation is global: each token's loss is scaled by
+its sample's aggregation weight computed over the whole step (losses.agg_weights), so the per-micro-batch
+losses of all ranks add up to the loss of the whole batch on one rank. FSDP averages gradients over
+ranks; the backward pass therefore scales by world_size to turn that average into the sum.
+
+pi_prox (decoupled PPO) is the policy at batch time: with one optimizer step per batch, the logprobs of
+the current forward pass, detached, are exactly the proximal logprobs, so no extra pass is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from slipstream.jobspec import JobSpec
+from trainer import attention, flops
+from trainer.advantages import whiten
+from trainer.critic import Critic, gae_targets
+from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
+from trainer.logprobs import packed_logprobs
+from trainer.losses import kl_penalty, policy_loss_terms, value_loss
+from trainer.packing import MicroBatch, TrainSample, pack, plan_step
+
+log = logging.getLogger(__name__)
+
+SUM_STATS = (
+    "loss",
+    "pg_loss",
+    "kl_ref",
+    "value_loss",
+    "tokens",
+    "entropy_sum",
+    "clip_sum",
+    "dual_clip_sum",
+    "is_weight_sum",
+    "truncated_sum",
+    "behav_k3_sum",
+    "behav_absdiff_sum",
+)
+MAX_STATS = ("is_weight_max",)
+
+
+class Learner:
+    def __init__(self, spec: JobSpec, pool: Pool) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.device = pool.device
+        tr = spec.trainer
+        self.fsdp = tr.fsdp and pool.enabled
+        self.bf16 = self.device.type == "cuda" and tr.mixed_precision == "bf16"
+        self.model: nn.Module | None = None
+        self.ref: nn.Module | None = None
+        self.critic: Critic | None = None
+        self.critic_opt = None
+
+    # --- building -----------------------------------------------------------------------------------
+    def _prepare(self, model: nn.Module, layers: nn.ModuleList, *, trainable: bool) -> nn.Module:
+        tr = self.spec.trainer
+        if trainable and tr.activation_checkpointing:
+            target = model.backbone if isinstance(model, Critic) else model
+            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if tr.compile:
+            for block in layers:
+                block.compile()  # in place: parameter names stay the HF ones
+        if self.fsdp:
+            shard(
+                model,
+                mixed_precision=self.bf16,
+                cpu_offload=tr.offload_optimizer and trainable,
+                layers=layers,
+            )
+        else:
+            model.to(self.device)
+        if not trainable:
+            model.requires_grad_(False)
+            model.eval()
+        else:
+            model.train()
+        return model
+
+    def setup(self) -> None:
+        from transformers import AutoModelForCausalLM
+
+        alg, tr = self.spec.algorithm, self.spec.trainer
+        attn = attention.register()
+        torch.manual_seed(alg.seed)
+
+        def load(path: str) -> nn.Module:
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
+
+        model = load(self.spec.model.path)
+        self.config = model.config
+        self.model = self._prepare(model, model.model.layers, trainable=True)
+        self.opt = self._optimizer(self.model, alg.lr)
+        if alg.kl_coef > 0:
+            ref = load(alg.ref_model_path or self.spec.model.path)
+            self.ref = self._prepare(ref, ref.model.layers, trainable=False)
+        if alg.advantage == "gae":
+            critic = Critic.from_pretrained(alg.critic_model_path or self.spec.model.path, attn)
+            self.critic = self._prepare(critic, critic.backbone.layers, trainable=True)
+            self.critic_opt = self._optimizer(self.critic, alg.critic_lr)
+        log.info(
+            "learner rank %d/%d on %s: fsdp %s, bf16 %s, activation checkpointing %s, cpu offload %s, "
+            "ref %s, critic %s",
+            self.pool.rank,
+            self.pool.world_size,
+            self.device,
+            self.fsdp,
+            self.bf16,
+            tr.activation_checkpointing,
+            tr.offload_optimizer,
+            self.ref is not None,
+            self.critic is not None,
+        )
+
+    def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        wd = self.spec.algorithm.weight_decay
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+
+    def _autocast(self):
+        # FSDP's MixedPrecisionPolicy casts per module; without FSDP bf16 comes from autocast.
+        on = self.bf16 and not self.fsdp
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=on)
+
+    # --- one optimizer step -------------------------------------------------------------------------
+    def distribute(self, samples: list[TrainSample] | None) -> list[MicroBatch]:
+        """Rank 0 passes the step's samples, the others None; every rank gets its packed micro-batches:
+        samples split across ranks balanced by tokens, each share packed into the same number of
+        micro-batches of at most trainer.micro_batch_tokens tokens (plan_step)."""
+        per_rank = None
+        if self.pool.is_main:
+            plan = plan_step(
+                [len(s) for s in samples], self.pool.world_size, self.spec.trainer.micro_batch_tokens
+            )
+            per_rank = [[pack([samples[i] for i in mb]) for mb in rank] for rank in plan]
+        return self.pool.scatter(per_rank)
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
+        """Forward/backward over this rank's micro-batches, then one optimizer step (a collective: every
+        rank calls it with the same number of micro-batches). Returns step-wide stats (all ranks)."""
+        alg = self.spec.algorithm
+        temperature = self.spec.rollout.sampling.temperature or 1.0  # greedy rollouts: plain logits
+        world = self.pool.world_size if self.fsdp else 1
+        mbs = [mb.to(self.device) for mb in micro_batches]
+        returns = self._gae(mbs) if self.critic is not None else None
+        acc = {k: torch.zeros((), device=self.device, dtype=torch.float64) for k in SUM_STATS + MAX_STATS}
+        entropy_mode = "grad" if alg.entropy_coef > 0 else "no_grad"
+        for i, mb in enumerate(mbs):
+            with self._autocast():
+                logp, ent = packed_logprobs(self.model, mb, temperature, entropy=entropy_mode)
+            mask, w = mb.loss_mask, mb.token_weights
+            terms = policy_loss_terms(
+                logp,
+                logp.detach(),
+                mb.behav_logprobs,
+                mb.advantages,
+                alg.loss,
+                alg.clip_eps,
+                alg.is_cap,
+                alg.dual_clip_c,
+            )
+            per_token = terms.loss
+            pg = (terms.loss * w).sum()
+            if self.ref is not None:
+                with torch.no_grad(), self._autocast():
+                    ref_lp, _ = packed_logprobs(self.ref, mb, temperature)
+                kl = kl_penalty(logp, ref_lp, alg.kl)
+                per_token = per_token + alg.kl_coef * kl
+                acc["kl_ref"] += (kl.detach() * w).sum()
+            if alg.entropy_coef > 0:
+                per_token = per_token - alg.entropy_coef * ent
+            loss = (per_token * w).sum()
+            total = loss
+            if self.critic is not None:
+                with self._autocast():
+                    v = self.critic.values(mb)
+                vl = (value_loss(v, returns[i][0], returns[i][1], alg.value_clip_eps) * w).sum()
+                acc["value_loss"] += vl.detach()
+                total = loss + vl  # separate models and optimizers: one backward serves both
+            (total * world).backward()
+            with torch.no_grad():
+                lp = logp.detach()
+                acc["loss"] += loss.detach()
+                acc["pg_loss"] += pg.detach()
+                acc["tokens"] += mask.sum()
+                acc["entropy_sum"] += (ent * mask).sum()
+                acc["clip_sum"] += (terms.clipped * mask).sum()
+                acc["dual_clip_sum"] += (terms.dual_clipped * mask).sum()
+                acc["is_weight_sum"] += (terms.is_weight * mask).sum()
+                acc["truncated_sum"] += (terms.truncated * mask).sum()
+                acc["is_weight_max"] = torch.maximum(acc["is_weight_max"], (terms.is_weight * mask).max())
+                log_ratio = mb.behav_logprobs - lp  # rollout (engine) vs trainer logprobs of the same tokens
+                acc["behav_k3_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()
+                acc["behav_absdiff_sum"] += (log_ratio.abs() * mask).sum()
+        grad_norm = grad_norm_clip(self.model.parameters(), alg.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        stats = self._reduce(acc)
+        stats["grad_norm"] = grad_norm
+        if self.critic is not None:
+            stats["critic_grad_norm"] = grad_norm_clip(self.critic.parameters(), alg.max_grad_norm)
+            self.critic_opt.step()
+            self.critic_opt.zero_grad(set_to_none=True)
+        stats["flops"] = self._flops(micro_batches)
+        return stats
+
+    def _gae(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Old values (critic at batch time), GAE advantages whitened over the whole step (all ranks),
+        written into each micro-batch's `advantages`; returns [(old_values, returns)] per micro-batch."""
+        alg = self.spec.algorithm
+        out, advs = [], []
+        with torch.no_grad(), self._autocast():
+            old = [self.critic.values(mb).float() for mb in mbs]
+        sums = torch.zeros(3, dtype=torch.float64)
+        for mb, v in zip(mbs, old, strict=True):
+            adv, ret = gae_targets(v, mb, alg.gamma, alg.lam)
+            m = mb.loss_mask.cpu() > 0
+            sums += torch.tensor([adv[m].sum(), adv[m].square().sum(), m.sum()], dtype=torch.float64)
+            advs.append(adv)
+            out.append((v, ret.to(self.device)))
+        sums = self.pool.all_reduce(sums.to(self.device)).cpu()
+        for mb, adv in zip(mbs, advs, strict=True):
+            white = whiten(adv, float(sums[0]), float(sums[1]), float(sums[2]))
+            mb.advantages = (white * (mb.loss_mask.cpu() > 0)).to(self.device)
+        return out
+
+    def _reduce(self, acc: dict[str, torch.Tensor]) -> dict[str, float]:
+        sums = torch.stack([acc[k] for k in SUM_STATS])
+        maxes = torch.stack([acc[k] for k in MAX_STATS])
+        self.pool.all_reduce(sums)
+        self.pool.all_reduce(maxes, torch.distributed.ReduceOp.MAX)
+        s = dict(zip(SUM_STATS, sums.tolist(), strict=True))
+        n = max(s["tokens"], 1.0)
+        out = {
+            "loss": s["loss"],
+            "pg_loss": s["pg_loss"],
+            "entropy": s["entropy_sum"] / n,
+            "clip_fraction": s["clip_sum"] / n,
+            "dual_clip_fraction": s["dual_clip_sum"] / n,
+            "is_weight_mean": s["is_weight_sum"] / n,
+            "is_weight_max": float(maxes[0]),
+            "is_truncated_fraction": s["truncated_sum"] / n,
+            "behav_kl": s["behav_k3_sum"] / n,
+            "logprob_diff_mean": s["behav_absdiff_sum"] / n,
+            "trained_tokens": s["tokens"],
+        }
+        if self.ref is not None:
+            out["kl_ref"] = s["kl_ref"]
+        if self.critic is not None:
+            out["value_loss"] = s["value_loss"]
+        return out
+
+    def _flops(self, micro_batches: list[MicroBatch]) -> float:
+        """Model FLOPs of this step over all ranks (trainer/flops.py): policy fwd+bwd, reference fwd,
+        critic fwd (old values) + fwd+bwd."""
+        seq_lens = [n for mb in micro_batches for n in mb.seq_lens]
+        logit_tokens = sum(max(int((mb.loss_mask > 0).sum()), 1) for mb in micro_batches)
+        total = flops.step_flops(self.config, seq_lens, logit_tokens, passes=3)
+        if self.ref is not None:
+            total += flops.step_flops(self.config, seq_lens, logit_tokens, passes=1)
+        if self.critic is not None:
+            total += flops.step_flops(self.critic.config, seq_lens, 0, passes=4)
+        return float(self.pool.all_reduce(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
+
+    # --- weights out ---------------------------------------------------------------------------------
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) of every policy parameter, gathered from the shards: a collective, so
+        every rank must drain the iterator; only rank 0 needs the tensors. Tied weights appear once."""
+        for name, p in self.model.named_parameters():
+            yield name, full_tensor(p.detach())
