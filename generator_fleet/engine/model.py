@@ -76,11 +76,19 @@ class PagedForward:
             pos = torch.arange(context_length + 1, device=dev)[None]
             probe = torch.zeros(1, device=dev, dtype=dtype)
             cos, sin = self.decoder.rotary_emb(probe, pos)
-        self.cos, self.sin = cos[0].to(dtype), sin[0].to(dtype)  # [positions, head_dim]
+        half = self.head_dim // 2
+        # rotate_half(x)·sin == roll(x, half)·sin_signed: one roll instead of split, negate and cat
+        sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+        self.cos, self.sin = cos[0].to(dtype), sin_signed.to(dtype)  # [positions, head_dim]
+        self.half = half
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for `positions`, shaped to broadcast over heads (looked up once per forward)."""
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
     # ---- shared pieces -----------------------------------------------------------------------------
 
-    def _qkv(self, layer, h: torch.Tensor, positions: torch.Tensor):
+    def _qkv(self, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
         """h [T, hidden] → q [T, H, D], k/v [T, KV, D] with RoPE applied (and Qwen3's q/k norms)."""
         attn = layer.self_attn
         T = h.shape[0]
@@ -88,18 +96,18 @@ class PagedForward:
         k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
         v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+            q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
+        cos, sin = rope
+        q = torch.addcmul(q * cos, q.roll(self.half, -1), sin)
+        k = torch.addcmul(k * cos, k.roll(self.half, -1), sin)
         return q, k, v
 
     def _layer_tail(self, layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         h = residual + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self.decoder.norm(hidden))
+        return self.model.lm_head(_rms_norm(self.decoder.norm, hidden))
 
     # ---- prefill -----------------------------------------------------------------------------------
 
@@ -119,9 +127,10 @@ class PagedForward:
         pad_index = torch.where(valid, starts[:, None] + col[None], 0)
         flat_valid = valid.reshape(-1)
         h = self.decoder.embed_tokens(ids)
+        rope = self.rope(positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), positions)
+            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope)
             self.cache.write(i, slots, k, v)
             qp, kp, vp = (x[pad_index].transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
             if self.group > 1:
@@ -142,9 +151,10 @@ class PagedForward:
         L = MB * self.cache.block_size
         mask = (torch.arange(L, device=x.seq_lens.device)[None] < x.seq_lens[:, None])[:, None, None]
         h = self.decoder.embed_tokens(x.input_ids)
+        rope = self.rope(x.positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
-            q, k, v = self._qkv(layer, layer.input_layernorm(h), x.positions)
+            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope)
             self.cache.write(i, x.slots, k, v)
             kc, vc = self.cache.gather(i, x.block_tables)  # [B, L, KV, D]
             # GQA without repeating K/V: the `group` query heads of one KV head act as query rows.
@@ -156,15 +166,20 @@ class PagedForward:
         return self.logits(h).float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The HF RMSNorm module's function as one fused op (HF's forward is several kernels)."""
+    return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
 class DecodeGraphs:
-    """CUDA graphs of `PagedForward.decode`, one per (batch bucket, block-table width bucket), captured on
-    first use into one shared memory pool. Inputs are copied into static buffers; padding rows write to
-    the cache's scratch slot and attend to it alone."""
+    """CUDA graphs of one decode step, one per (batch bucket, block-table width bucket), captured on first
+    use into one shared memory pool. A step is one host→device copy of a pinned int64 block holding every
+    input, one replay, and one device→host copy of the chosen tokens and their logprobs: the graph also
+    samples (greedy, or temperature through the exponential race) for rows with plain sampling settings.
+    Padding rows write to the cache's scratch slot and attend to it alone."""
+
+    COLS = 4
+    """input_ids, positions, slots, seq_lens; block tables follow."""
 
     def __init__(self, fwd: PagedForward, max_batch: int, max_blocks: int) -> None:
         self.fwd = fwd
@@ -173,63 +188,82 @@ class DecodeGraphs:
         )
         self.block_buckets = _buckets(max_blocks, [2**i for i in range(4, 20)])
         dev = fwd.cache.device
-        scratch = fwd.cache.scratch_block
         B, MB = self.batch_buckets[-1], self.block_buckets[-1]
-        self.static = DecodeInputs(
-            input_ids=torch.zeros(B, dtype=torch.long, device=dev),
-            positions=torch.zeros(B, dtype=torch.long, device=dev),
-            slots=torch.full((B,), scratch * fwd.cache.block_size, dtype=torch.long, device=dev),
-            block_tables=torch.full((B, MB), scratch, dtype=torch.long, device=dev),
-            seq_lens=torch.ones(B, dtype=torch.long, device=dev),
-        )
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.host = torch.zeros((B, self.COLS + MB), dtype=torch.long, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.inputs = torch.zeros((B, self.COLS + MB), dtype=torch.long, device=dev)
+        self.host_temps = torch.zeros(B, dtype=torch.float32, pin_memory=True)
+        self.host_temps_np = self.host_temps.numpy()
+        self.temps = torch.zeros(B, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
     def _view(self, b: int, mb: int) -> DecodeInputs:
-        s = self.static
-        return DecodeInputs(
-            s.input_ids[:b], s.positions[:b], s.slots[:b], s.block_tables[:b, :mb], s.seq_lens[:b]
-        )
+        x = self.inputs[:b]
+        return DecodeInputs(x[:, 0], x[:, 1], x[:, 2], x[:, self.COLS : self.COLS + mb], x[:, 3])
 
-    def run(self, x: DecodeInputs) -> torch.Tensor:
-        B, MB = x.block_tables.shape
-        b = next((v for v in self.batch_buckets if v >= B), None)
-        mb = next((v for v in self.block_buckets if v >= MB), None)
-        if b is None or mb is None:
-            return self.fwd.decode(x)
-        s, scratch = self.static, self.fwd.cache.scratch_block
-        s.input_ids[:B].copy_(x.input_ids, non_blocking=True)
-        s.positions[:B].copy_(x.positions, non_blocking=True)
-        s.slots[:B].copy_(x.slots, non_blocking=True)
-        s.seq_lens[:B].copy_(x.seq_lens, non_blocking=True)
-        s.block_tables[:B, :MB].copy_(x.block_tables, non_blocking=True)
-        s.block_tables[:B, MB:mb].fill_(scratch)
-        if b > B:  # padding rows: scratch slot, attend to one key
-            s.input_ids[B:b].zero_()
-            s.positions[B:b].zero_()
-            s.slots[B:b].fill_(scratch * self.fwd.cache.block_size)
-            s.seq_lens[B:b].fill_(1)
-            s.block_tables[B:b, :mb].fill_(scratch)
+    def _step(self, b: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.fwd.decode(self._view(b, mb))
+        temps = self.temps[:b]
+        greedy = temps <= 0
+        lp_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
+        race = lp_all - torch.empty_like(lp_all).exponential_().log()  # argmax p/E, E ~ Exp(1)
+        tok = torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
+        lp = lp_all.gather(1, tok[:, None]).squeeze(1)
+        return logits, torch.stack([tok.to(torch.float64), lp.to(torch.float64)], dim=1)
+
+    def run(
+        self,
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        temps: list[float] | None,
+    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None]:
+        """Decode one token for each row. Returns the fp32 logits [B, vocab] and, when `temps` is given
+        (0 = greedy), the tokens the graph sampled with their logprobs."""
+        B = len(ids)
+        MB = max(len(t) for t in tables)
+        b = next(v for v in self.batch_buckets if v >= B)
+        mb = next(v for v in self.block_buckets if v >= MB)
+        scratch, bs = self.fwd.cache.scratch_block, self.fwd.cache.block_size
+        h = self.host_np
+        h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, slots
+        h[:B, 3] = h[:B, 1] + 1
+        tab = h[:b, self.COLS : self.COLS + mb]
+        tab.fill(scratch)
+        for i, t in enumerate(tables):
+            tab[i, : len(t)] = t
+        if b > B:  # padding rows
+            h[B:b, 0:2] = 0
+            h[B:b, 2] = scratch * bs
+            h[B:b, 3] = 1
+        self.host_temps_np[:B] = temps if temps is not None else 0.0
+        self.host_temps_np[B:b] = 0.0
+        self.inputs[:b, : self.COLS + mb].copy_(self.host[:b, : self.COLS + mb], non_blocking=True)
+        self.temps[:b].copy_(self.host_temps[:b], non_blocking=True)
         key = (b, mb)
         if key not in self.graphs:
             self.graphs[key] = self._capture(b, mb)
-        graph, out = self.graphs[key]
+        graph, logits, picked = self.graphs[key]
         graph.replay()
-        return out[:B]
+        if temps is None:
+            return logits[:B], None
+        res = picked[:B].cpu()  # the step's one sync
+        return logits[:B], (res[:, 0].long().tolist(), res[:, 1].tolist())
 
-    def _capture(self, b: int, mb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        view = self._view(b, mb)
+    def _capture(self, b: int, mb: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (lazy init, cuBLAS workspaces)
-                self.fwd.decode(view)
+                self._step(b, mb)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fwd.decode(view)
+            logits, picked = self._step(b, mb)
         log.info("captured decode graph batch=%d kv_len=%d", b, mb * self.fwd.cache.block_size)
-        return graph, out
+        return graph, logits, picked
 
 
 def _buckets(limit: int, candidates: list[int]) -> list[int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, blocks_for
-from generator_fleet.engine.sampler import sample, sample_row
+from generator_fleet.engine.sampler import Choice, sample, sample_row
 from slipstream.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -531,31 +532,26 @@ class Runner:
         return admitted
 
     def _prefill(self, rows: list[Request], version: str) -> None:
-        t0 = time.monotonic()
         fills = [_fill_tokens(r) for r in rows]
         slots = [s for r, f in zip(rows, fills, strict=True) for s in self.cache.slots(r.blocks, 0, len(f))]
         hidden = self.fwd.prefill(fills, torch.tensor(slots, dtype=torch.long, device=self.device))
-        ends = torch.tensor([len(f) for f in fills], device=self.device).cumsum(0)
+        ends = list(itertools.accumulate(len(f) for f in fills))
         for r, f in zip(rows, fills, strict=True):
             r.kv_len = len(f)
         self.stats.prompt_tokens_total += len(slots)
         self.stats.num_prefill_steps_total += 1
         fresh = [i for i, r in enumerate(rows) if not r.output_ids]
         if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):
-            self._input_logprobs(rows, fills, hidden, ends.tolist())
+            self._input_logprobs(rows, fills, hidden, ends)
         for i in fresh:
             if rows[i].params.max_new_tokens == 0:  # prefill only
                 self._finish(rows[i], {"type": "length", "length": 0})
         to_sample = [i for i in fresh if not rows[i].done]
         if to_sample:
-            last = (ends - 1)[torch.tensor(to_sample, device=self.device)]
+            last = torch.tensor([ends[i] - 1 for i in to_sample], device=self.device)
             logits = self.fwd.logits(hidden[last]).float()
-            self._record(
-                [rows[i] for i in to_sample],
-                logits,
-                version,
-                len(to_sample) / max(time.monotonic() - t0, 1e-9),
-            )
+            picked = [rows[i] for i in to_sample]
+            self._record(picked, sample(picked, logits, self.eos_token_ids), version)
 
     def _input_logprobs(
         self, rows: list[Request], fills: list[list[int]], hidden: torch.Tensor, ends: list[int]
@@ -576,24 +572,37 @@ class Runner:
         rows = self._grow_blocks()
         if not rows:
             return
-        width = max(len(r.blocks) for r in rows)
-        scratch = self.cache.scratch_block
-        tables = [r.blocks + [scratch] * (width - len(r.blocks)) for r in rows]
-        dev = self.device
-        x = DecodeInputs(
-            input_ids=torch.tensor([r.output_ids[-1] for r in rows], dtype=torch.long, device=dev),
-            positions=torch.tensor([r.kv_len for r in rows], dtype=torch.long, device=dev),
-            slots=torch.tensor(
-                [r.blocks[r.kv_len // bs] * bs + r.kv_len % bs for r in rows], dtype=torch.long, device=dev
-            ),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor([r.kv_len + 1 for r in rows], dtype=torch.long, device=dev),
-        )
-        logits = self.graphs.run(x) if self.graphs is not None else self.fwd.decode(x)
+        ids = [r.output_ids[-1] for r in rows]
+        positions = [r.kv_len for r in rows]
+        slots = [r.blocks[r.kv_len // bs] * bs + r.kv_len % bs for r in rows]
+        choice = None
+        if self.graphs is not None:
+            in_graph = all(_graph_sampleable(r, self.vocab_size) for r in rows)
+            temps = [0.0 if r.params.greedy else r.params.temperature for r in rows] if in_graph else None
+            logits, picked = self.graphs.run(ids, positions, slots, [r.blocks for r in rows], temps)
+            if picked is not None:
+                choice = Choice(picked[0], picked[1], [None] * len(rows))
+        else:
+            width = max(len(r.blocks) for r in rows)
+            scratch = self.cache.scratch_block
+            dev = self.device
+            x = DecodeInputs(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+                positions=torch.tensor(positions, dtype=torch.long, device=dev),
+                slots=torch.tensor(slots, dtype=torch.long, device=dev),
+                block_tables=torch.tensor(
+                    [r.blocks + [scratch] * (width - len(r.blocks)) for r in rows],
+                    dtype=torch.long,
+                    device=dev,
+                ),
+                seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.long, device=dev),
+            )
+            logits = self.fwd.decode(x)
         for r in rows:
             r.kv_len += 1
         self.stats.num_decode_steps_total += 1
-        self._record(rows, logits, version, None, t0)
+        self._record(rows, choice or sample(rows, logits, self.eos_token_ids), version)
+        self.stats.gen_throughput = len(rows) / max(time.monotonic() - t0, 1e-9)
 
     def _grow_blocks(self) -> list[Request]:
         """Give every running request room for one more token, retracting the newest ones while the
@@ -629,16 +638,8 @@ class Runner:
         self.cache.release(r.blocks)
         r.kv_len = 0
 
-    def _record(
-        self,
-        rows: list[Request],
-        logits: torch.Tensor,
-        version: str,
-        throughput: float | None,
-        t0: float | None = None,
-    ) -> None:
-        """Sample each row's next token, record it with its logprob and version, finish rows that are done."""
-        choice = sample(rows, logits, self.eos_token_ids)
+    def _record(self, rows: list[Request], choice: Choice, version: str) -> None:
+        """Record each row's chosen token with its logprob and version, finish rows that are done."""
         now = time.monotonic()
         for i, r in enumerate(rows):
             if r.first_token_at is None:
@@ -654,8 +655,6 @@ class Runner:
                 self._finish(r, reason)
             elif r.listener:
                 r.listener()
-        if t0 is not None:
-            self.stats.gen_throughput = len(rows) / max(time.monotonic() - t0, 1e-9)
 
     def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
         return sample_row(r, logits, self.eos_token_ids)
@@ -729,6 +728,20 @@ class Runner:
         r.future.set_result(completion)
         if r.listener:
             r.listener()
+
+
+def _graph_sampleable(r: Request, vocab_size: int) -> bool:
+    """Greedy or plain temperature sampling: what the decode graph samples itself."""
+    p = r.params
+    return (
+        p.plain
+        and r.generator is None
+        and r.top_logprobs_num == 0
+        and len(r.output_ids) >= p.min_new_tokens
+        and (p.top_k == -1 or p.top_k >= vocab_size)
+        and p.top_p >= 1.0
+        and p.min_p <= 0.0
+    )
 
 
 def _fill_tokens(r: Request) -> list[int]:
