@@ -4,6 +4,7 @@ behaviour logprobs and the weight version of every token."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
@@ -178,18 +179,35 @@ class EngineClient:
         return_logprob: bool = True,
         rid: str | None = None,
     ) -> list[GenerateResult]:
-        """One sample for each of several prompts in ONE request (results in input order). A group's G
-        samples go this way: one HTTP round trip instead of G; `rid` becomes "{rid}_{i}" per item, so
-        aborting `rid` (prefix match) aborts the whole batch."""
+        """One sample for each of several prompts (results in input order). Items with the same sampling
+        params go in ONE request with one params object (a group's G samples: one HTTP round trip instead
+        of G), which is also the only batch an sglang-router accepts: its GenerateRequest takes a single
+        `sampling_params` object and a single `rid` string. Items whose params differ (resumed samples
+        with less budget left) go as one request per distinct params, concurrently. The engine names the
+        items "{rid}_{i}" ("{rid}_{k}_{i}" in the k-th of several requests), so aborting `rid` (prefix
+        match) aborts them all."""
         if len(input_ids) != len(sampling_params):
             raise ValueError("input_ids and sampling_params must have the same length")
-        resp = await self._request(
-            "POST", "/generate", _generate_body(input_ids, sampling_params, return_logprob, rid)
-        )
-        objs = resp.json()
-        if not isinstance(objs, list) or len(objs) != len(input_ids):
-            raise EngineError(resp.status_code, f"expected a list of {len(input_ids)} results", self.base_url)
-        return [parse_generate(o) for o in objs]
+        parts: dict[str, list[int]] = {}
+        for i, sp in enumerate(sampling_params):
+            parts.setdefault(json.dumps(sp, sort_keys=True), []).append(i)
+
+        async def request(k: int, idx: list[int]) -> list[dict[str, Any]]:
+            sub_rid = f"{rid}_{k}" if rid is not None and len(parts) > 1 else rid
+            prompts = [input_ids[i] for i in idx]
+            body = _generate_body(prompts, sampling_params[idx[0]], return_logprob, sub_rid)
+            resp = await self._request("POST", "/generate", body)
+            objs = resp.json()
+            if not isinstance(objs, list) or len(objs) != len(idx):
+                raise EngineError(resp.status_code, f"expected a list of {len(idx)} results", self.base_url)
+            return objs
+
+        answers = await asyncio.gather(*(request(k, idx) for k, idx in enumerate(parts.values())))
+        out: list[GenerateResult | None] = [None] * len(input_ids)
+        for idx, objs in zip(parts.values(), answers, strict=True):
+            for i, obj in zip(idx, objs, strict=True):
+                out[i] = parse_generate(obj)
+        return out
 
     async def generate_stream(
         self,

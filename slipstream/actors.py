@@ -75,6 +75,78 @@ class EngineActor:
 
 
 @ray.remote(num_cpus=0)
+class SGLangEngineActor:
+    """One real SGLang server (`engine: sglang`), a subprocess of this actor logging to
+    `<output_dir>/logs/sglang-<index>.log`. The launcher reserves its GPUs (`.options(num_gpus=...)`);
+    Ray sets this actor's CUDA_VISIBLE_DEVICES to them and the server inherits it. The engine joins the
+    registry itself, or the job's sglang-router when there is one (rollout requests then go there)."""
+
+    def __init__(self, spec: JobSpec, redis_url: str, api_key: str, index: int) -> None:
+        from generator_fleet.launch import SGLangServer
+
+        _setup_process(spec, f"engine-{index}", redis_url, 1)
+        self.redis_url, self.job, self.router_url = redis_url, spec.name, spec.generators.router_url
+        self.api_key = api_key
+        self.server = SGLangServer(
+            spec.model.path,
+            spec.generators.sglang,
+            log_path=Path(spec.output_dir) / "logs" / f"sglang-{index}.log",
+            api_key=api_key,
+        )
+        self.registration = None
+
+    def start(self) -> str:
+        import redis
+
+        from generator_fleet.launch import HealthCheckedRegistration, router_add_worker
+
+        self.server.start()
+        if self.router_url:
+            router_add_worker(self.router_url, self.server.url, self.api_key)
+        else:
+            self.registration = HealthCheckedRegistration(
+                redis.Redis.from_url(self.redis_url),
+                self.job,
+                self.server.url,
+                api_key=self.api_key,
+                alive=self.server.alive,
+            )
+        return self.server.url
+
+    def stop(self) -> None:
+        from generator_fleet.launch import router_remove_worker
+
+        if self.registration is not None:
+            self.registration.close()
+        if self.router_url and self.server.alive():
+            router_remove_worker(self.router_url, self.server.url, self.api_key)
+        self.server.stop()
+
+
+@ray.remote(num_cpus=0)
+class ExternalEnginesActor:
+    """Engines someone else runs (`engine: external`) and/or a job's sglang-router: checks they answer
+    /health and holds their registry leases, renewed only while they keep answering."""
+
+    def __init__(
+        self, spec: JobSpec, redis_url: str, api_key: str | None, urls: list[str], router_url: str | None
+    ) -> None:
+        from generator_fleet.launch import ExternalEngines
+
+        _setup_process(spec, "external-engines", redis_url, 1)
+        self.redis_url, self.job = redis_url, spec.name
+        self.engines = ExternalEngines(urls, router_url, api_key)
+
+    def attach(self) -> list[str]:
+        import redis
+
+        return self.engines.attach(redis.Redis.from_url(self.redis_url), self.job)
+
+    def stop(self) -> None:
+        self.engines.detach()
+
+
+@ray.remote(num_cpus=0)
 class RolloutActor:
     def __init__(
         self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str, index: int

@@ -96,15 +96,86 @@ class RolloutSpec(Spec):
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
 
 
+def _bad(key: str, msg: str) -> ValueError:
+    """A section's own check (`__post_init__`) failed on `key`; from_dict reports it at the key's path."""
+    return ValueError(f"{msg} - at `.{key}`")
+
+
+class SGLangSpec(Spec):
+    """How the fleet launches real SGLang servers (`generators.engine: sglang`). Each option is the
+    `python -m sglang.launch_server` flag of the same name (SGLang's python/sglang/srt/server_args.py);
+    the fleet itself sets --model-path, --host, --port, --api-key and --weight-version."""
+
+    python: str | None = None
+    """Interpreter that has `sglang` installed (SGLang often lives in its own venv or image); null = the
+    one running Slipstream."""
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    """--dtype. `auto` is SGLang's rule: FP16 for FP32/FP16 checkpoints, BF16 for BF16 ones."""
+    tp_size: Pos = 1
+    """--tp-size: tensor-parallel GPUs per engine; each one is a rank of the weight-update group."""
+    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
+    """--mem-fraction-static: share of GPU memory for weights + KV cache; null = SGLang picks."""
+    context_length: Pos | None = None
+    """--context-length (tokens); null = the model config's."""
+    served_model_name: str | None = None
+    """--served-model-name (the `model_name` label of its metrics); null = the model path."""
+    skip_server_warmup: bool = False
+    """--skip-server-warmup: report healthy without the warm-up request."""
+    enable_metrics: bool = True
+    """--enable-metrics: serve the sglang:* Prometheus metrics on GET /metrics (SGLang's default is off)."""
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    """Further launch_server arguments, passed as given (e.g. ["--attention-backend", "triton"])."""
+    gpus_per_engine: NonNeg | None = None
+    """GPUs Ray reserves per engine (they become its CUDA_VISIBLE_DEVICES); null = tp_size, 0 = none
+    (a CPU build of SGLang)."""
+    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs)."""
+
+
 class GeneratorsSpec(Spec):
-    engine: Literal["builtin"] = "builtin"
-    """`builtin`: Slipstream's SGLang-compatible engine."""
+    engine: Literal["builtin", "sglang", "external"] = "builtin"
+    """`builtin`: `num_engines` of Slipstream's SGLang-compatible engines; `sglang`: the fleet launches
+    `num_engines` real SGLang servers (section `sglang`); `external`: attach to engines someone else
+    runs (`urls`, or the workers of `router_url`)."""
     num_engines: Pos = 1
+    """Engines the fleet starts (`builtin`, `sglang`); `external` engines are the `urls`."""
     num_workers: Pos = 1
     """Rollout worker processes (asyncio); each drives every engine."""
     max_batch_size: Pos = 256
     """Most requests an engine decodes together."""
     torch_threads: Pos = 1
+    sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
+    urls: list[str] = msgspec.field(default_factory=list)
+    """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or
+    Slipstream's engine; empty with `router_url` = the router's workers (GET /list_workers)."""
+    router_url: str | None = None
+    """An sglang-router in front of `sglang` or `external` engines: rollout requests go to the router;
+    pause and weight updates go to each worker, which the router does not forward. Launched `sglang`
+    engines are added to it (POST /add_worker) and removed when the job ends."""
+    api_key_env: str | None = None
+    """`external`: name of the environment variable (where `slipstream run` runs) that holds the
+    engines' API key, so the key stays out of the spec and its saved copy; null = no key."""
+
+    def __post_init__(self) -> None:
+        if self.engine == "external" and not self.urls and self.router_url is None:
+            raise _bad("urls", "engine `external` needs `urls` (or `router_url` to take its workers from)")
+        if self.engine != "external":
+            for key in ("urls", "api_key_env"):
+                if getattr(self, key):
+                    raise _bad(key, f"only for engine `external` (engine is `{self.engine}`)")
+        elif self.num_engines != 1:
+            raise _bad("num_engines", "engine `external`: the engines are the `urls`")
+        if self.engine != "sglang" and self.sglang != SGLangSpec():
+            raise _bad("sglang", f"only for engine `sglang` (engine is `{self.engine}`)")
+        if self.router_url is not None and self.engine == "builtin":
+            raise _bad("router_url", "a router fronts `sglang` or `external` engines")
+        for i, url in enumerate(self.urls):
+            if not url.startswith(("http://", "https://")):
+                raise _bad(f"urls[{i}]", f"expected an http(s):// base URL, got {url!r}")
+            if url.rstrip("/") in (u.rstrip("/") for u in self.urls[:i]):
+                raise _bad(f"urls[{i}]", f"{url!r} is listed twice")
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            raise _bad("router_url", f"expected an http(s):// base URL, got {self.router_url!r}")
 
 
 class AlgorithmSpec(Spec):
@@ -265,6 +336,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `(?P<at>[^`]+)`)?")
+_NESTED = re.compile(r"(?P<msg>.*) - at `(?P<key>\.[^`]+)` - at `(?P<at>[^`]+)`", re.S)
 
 
 def from_dict(raw: Any) -> JobSpec:
@@ -275,6 +347,8 @@ def from_dict(raw: Any) -> JobSpec:
         msg = str(e)
         if m := _UNKNOWN.fullmatch(msg):  # point at the bad key itself, not its parent
             msg = f"unknown key - at `{m['at'] or '$'}.{m['key']}`"
+        elif m := _NESTED.fullmatch(msg):  # a section's own check (`_bad`) names its key
+            msg = f"{m['msg']} - at `{m['at']}{m['key']}`"
         raise JobSpecError(f"invalid job spec: {msg}") from e
 
 

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import redis
@@ -122,11 +123,60 @@ def _interrupt_on_signals() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
+class EngineURLs(NamedTuple):
+    workers: list[str]
+    """Every engine; the weight bus pauses and updates each of them."""
+    rollout: list[str]
+    """Where rollout requests go: the sglang-router when there is one, else the engines."""
+    api_key: str | None
+    """The key every engine (and router) takes."""
+
+
+def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
+    """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
+    `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
+    engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
+    import ray
+
+    from slipstream.actors import EngineActor, ExternalEnginesActor, SGLangEngineActor
+
+    g = spec.generators
+    if g.engine == "external":
+        api_key = None
+        if g.api_key_env is not None:
+            api_key = os.environ.get(g.api_key_env)
+            if not api_key:
+                raise RuntimeError(f"generators.api_key_env: environment variable {g.api_key_env} is not set")
+        attach = ExternalEnginesActor.remote(spec, redis_url, api_key, g.urls, g.router_url)
+        engine_actors.append(attach)
+        workers = ray.get(attach.attach.remote())
+    else:
+        actor_cls = EngineActor
+        if g.engine == "sglang":
+            gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
+            have = ray.cluster_resources().get("GPU", 0)
+            if gpus * g.num_engines > have:  # Ray would wait for them forever
+                raise RuntimeError(
+                    f"engine sglang: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
+                    "(generators.sglang.gpus_per_engine: 0 for a CPU build of SGLang)"
+                )
+            actor_cls = SGLangEngineActor.options(num_gpus=gpus)
+        started = [actor_cls.remote(spec, redis_url, api_key, i) for i in range(g.num_engines)]
+        engine_actors += started
+        workers = ray.get([e.start.remote() for e in started])
+        if g.router_url:  # the engines joined the router; the router joins the registry
+            attach = ExternalEnginesActor.remote(spec, redis_url, api_key, workers, g.router_url)
+            engine_actors.append(attach)
+            ray.get(attach.attach.remote())
+    rollout = [g.router_url.rstrip("/")] if g.router_url else workers
+    return EngineURLs(workers, rollout, api_key)
+
+
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
     """Run `spec` to completion on a fresh local Ray instance; returns the summary."""
     import ray
 
-    from slipstream.actors import EngineActor, RolloutActor, TrainerActor
+    from slipstream.actors import RolloutActor, TrainerActor
 
     spec = resolve_paths(spec)
     out = Path(spec.output_dir)
@@ -147,6 +197,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     keys = JobKeys(spec.name)
     api_key = secrets.token_hex(16)  # every engine's control surface requires it
     actors: list = []
+    engine_actors: list = []
     progress: list[dict] = []
     t0 = time.monotonic()
     try:
@@ -169,17 +220,14 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         buffer.ensure_group()
         if buffer.r.get(keys.version) is None:
             buffer.set_version(0)
-        engines = [
-            EngineActor.remote(spec, redis_url, api_key, i) for i in range(spec.generators.num_engines)
-        ]
-        actors += engines
-        urls = ray.get([e.start.remote() for e in engines])
-        log.info("engines up: %s", urls)
+        urls, rollout_urls, api_key = start_engines(spec, redis_url, api_key, engine_actors)
+        log.info("engines up: %s (rollout requests go to %s)", urls, rollout_urls)
         trainer = TrainerActor.remote(spec, redis_url, urls, api_key)
         actors.append(trainer)
         ray.get(trainer.setup.remote())
         workers = [
-            RolloutActor.remote(spec, redis_url, urls, api_key, i) for i in range(spec.generators.num_workers)
+            RolloutActor.remote(spec, redis_url, rollout_urls, api_key, i)
+            for i in range(spec.generators.num_workers)
         ]
         actors += workers
         worker_runs = [w.run.remote() for w in workers]
@@ -212,7 +260,12 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
         return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
     finally:
-        for a in actors:
+        if engine_actors and ray.is_initialized():
+            # Engines first and politely: an SGLang server is a process of its own, which ray.kill (a
+            # SIGKILL of the actor) would leave to the kernel's parent-death signal.
+            stops = [e.stop.remote() for e in engine_actors]
+            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+        for a in engine_actors + actors:
             try:
                 ray.kill(a)
             except Exception:  # already dead

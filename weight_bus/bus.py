@@ -59,6 +59,16 @@ def flatten(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
 
 
+def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
+    """Each engine's first rank in the update group, and the group's size: the trainer is rank 0 and
+    engine i's TP ranks follow the previous engines' (slime: rank_offset = 1 + GPUs before it)."""
+    offsets, next_rank = [], 1
+    for tp in tp_sizes:
+        offsets.append(next_rank)
+        next_rank += tp
+    return offsets, next_rank
+
+
 class WeightBus:
     """Connects to engines over HTTP, hosts rank 0 of the update group, publishes weights."""
 
@@ -114,11 +124,12 @@ class WeightBus:
         self._collect(self._fire(path, lambda i: body))
 
     # --- protocol ----------------------------------------------------------------------------------
-    def _preflight(self) -> None:
+    def _preflight(self) -> list[int]:
         """Every engine reachable and accepting our token, before anyone blocks in a collective: a bad
-        token or a dead engine fails in milliseconds instead of after the group-setup timeout."""
-        futures = [self.pool.submit(self.http.get, url + "/get_model_info") for url in self.engine_urls]
-        errors = []
+        token or a dead engine fails in milliseconds instead of after the group-setup timeout. Returns
+        each engine's tensor-parallel size: every TP rank of an SGLang engine joins the group."""
+        futures = [self.pool.submit(self.http.get, url + "/get_server_info") for url in self.engine_urls]
+        errors, tp_sizes = [], []
         for url, f in zip(self.engine_urls, futures, strict=True):
             try:
                 resp = f.result()
@@ -126,23 +137,29 @@ class WeightBus:
                 errors.append(f"{url}: unreachable: {e}")
                 continue
             if resp.status_code != 200:
-                errors.append(f"{url}/get_model_info: HTTP {resp.status_code}: {resp.text[:200]}")
+                errors.append(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
+                continue
+            info = resp.json()
+            # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
+            if int(info.get("pp_size", 1)) != 1:
+                errors.append(f"{url}: pipeline-parallel engines (pp_size {info['pp_size']}) are unsupported")
+            tp_sizes.append(int(info.get("tp_size", 1)))
         if errors:
             raise BusError("; ".join(errors))
+        return tp_sizes
 
     def connect(self) -> None:
         """Create the update group: announce to every engine (not awaited), host rank 0, then await."""
         from slipstream.redis_server import free_port  # a free TCP port for the group's store
 
-        self._preflight()
+        offsets, world = rank_offsets(self._preflight())
         port = free_port(self.master_address)
-        world = 1 + len(self.engine_urls)
         futures = self._fire(
             "/init_weights_update_group",
             lambda i: InitWeightsUpdateGroup(
                 master_address=self.master_address,
                 master_port=port,
-                rank_offset=1 + i,
+                rank_offset=offsets[i],
                 world_size=world,
                 group_name=self.group_name,
                 backend=self.backend,

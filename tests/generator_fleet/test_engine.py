@@ -64,8 +64,9 @@ def models(tmp_path_factory) -> Models:
 
 
 @pytest.fixture(scope="module")
-def engine(models) -> EngineServer:
-    server = EngineServer(str(models.path_a), api_key=API_KEY, context_length=CONTEXT_LENGTH).start()
+def engine(models, engine_kind, start_engine) -> EngineServer:
+    """The engine under contract: the built-in one, and real SGLang when installed (conftest.py)."""
+    server = start_engine(engine_kind, models.path_a, API_KEY, CONTEXT_LENGTH)
     yield server
     server.stop()
 
@@ -276,6 +277,7 @@ def test_auth(engine):
     assert post(engine, "/generate", body).status_code == 200
 
 
+@pytest.mark.builtin_only
 def test_bad_requests_get_sglang_error_shapes(engine):
     def validation(body: object, where: str) -> None:
         r = post(engine, "/generate", body)
@@ -333,6 +335,7 @@ def test_bad_requests_get_sglang_error_shapes(engine):
     )
 
 
+@pytest.mark.builtin_only
 def test_info_routes(engine, models):
     for path in ("/model_info", "/get_model_info"):
         info = get(engine, path).json()
@@ -360,6 +363,7 @@ def test_info_routes(engine, models):
 # ---- pause, abort, continue (through the client) -------------------------------------------------
 
 
+@pytest.mark.builtin_only
 def test_pause_abort_returns_partial_and_holds_new_requests(engine, models):
     prompt = prompt_ids(models, "6+6=")
 
@@ -410,6 +414,7 @@ def test_pause_abort_returns_partial_and_holds_new_requests(engine, models):
     assert metric(engine, "slipstream_engine_pause_seconds_count") >= 1
 
 
+@pytest.mark.builtin_only
 def test_pause_in_place_keeps_requests_and_versions_span(engine, models):
     prompt = prompt_ids(models, "9+1=")
     n_new = 200
@@ -451,6 +456,7 @@ def test_pause_in_place_keeps_requests_and_versions_span(engine, models):
     asyncio.run(scenario())
 
 
+@pytest.mark.builtin_only
 def test_requests_return_when_they_finish_not_when_their_batch_ends(engine, models):
     prompt = prompt_ids(models, "2+5=")
 

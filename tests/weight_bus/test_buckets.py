@@ -63,3 +63,11 @@ def test_per_tensor_round_trip():
     named = [("w", torch.randn(7)), ("v", torch.randn(2, 3))]
     got = _send_and_receive(named, None)
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(named, got, strict=True))
+
+
+def test_rank_offsets_give_every_tp_rank_its_own_rank():
+    from weight_bus.bus import rank_offsets
+
+    # trainer = rank 0; engines with TP 1, 2, 1 take ranks 1 | 2 3 | 4 (SGLang: rank_offset + tp_rank)
+    assert rank_offsets([1, 2, 1]) == ([1, 2, 4], 5)
+    assert rank_offsets([1, 1]) == ([1, 2], 3)
