@@ -166,18 +166,35 @@ class RolloutActor:
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through
 class TrainerActor:
-    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str) -> None:
+    """One rank of the trainer pool (one GPU with device cuda: the launcher reserves it)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        redis_url: str,
+        engine_urls: list[str],
+        api_key: str,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         from trainer.trainer import Trainer
 
-        _setup_process(spec, "trainer-0", redis_url, spec.trainer.torch_threads)
-        self.trainer = Trainer(spec, redis_url, engine_urls, api_key)
+        _setup_process(spec, f"trainer-{rank}", redis_url, spec.trainer.torch_threads)
+        self.trainer = Trainer(spec, redis_url, engine_urls, api_key, rank, world_size)
 
-    def setup(self) -> None:
-        self.trainer.setup()
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: this node's address and a free port there, for the trainer group's store."""
+        from slipstream.redis_server import free_port
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def setup(self, master: tuple[str, int] | None = None) -> None:
+        """Every rank at once: joining the group blocks until all ranks have."""
+        self.trainer.setup(master)
 
     def run(self) -> dict:
-        result = self.trainer.run()
-        result["final_model"] = self.trainer.save(Path(self.trainer.spec.output_dir) / "final_model")
+        result = self.trainer.run()  # ends with the HF export of the final policy to <output_dir>/final_model
         self.trainer.close()
         return result
 

@@ -222,23 +222,28 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
             buffer.set_version(0)
         urls, rollout_urls, api_key = start_engines(spec, redis_url, api_key, engine_actors)
         log.info("engines up: %s (rollout requests go to %s)", urls, rollout_urls)
-        trainer = TrainerActor.remote(spec, redis_url, urls, api_key)
-        actors.append(trainer)
-        ray.get(trainer.setup.remote())
+        n_ranks = spec.trainer.num_trainers
+        rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
+        trainers = [rank_cls.remote(spec, redis_url, urls, api_key, r, n_ranks) for r in range(n_ranks)]
+        actors += trainers
+        trainer = trainers[0]  # rank 0 reads the buffer and publishes; the others only compute
+        master = ray.get(trainer.rendezvous.remote()) if n_ranks > 1 else None
+        ray.get([t.setup.remote(master) for t in trainers])
         workers = [
             RolloutActor.remote(spec, redis_url, rollout_urls, api_key, i)
             for i in range(spec.generators.num_workers)
         ]
         actors += workers
         worker_runs = [w.run.remote() for w in workers]
-        train_run = trainer.run.remote()
+        train_runs = [t.run.remote() for t in trainers]
+        train_run = train_runs[0]
         last_id = "0"
         gen_tokens = 0
         while True:
-            done, _ = ray.wait([train_run, *worker_runs], num_returns=1, timeout=0)
+            done, _ = ray.wait([*train_runs, *worker_runs], num_returns=1, timeout=0)
             for ref in done:
                 ray.get(ref)  # re-raises an actor's failure here
-                if ref is not train_run:
+                if not any(ref is t for t in train_runs):
                     raise RuntimeError("a rollout worker exited before the trainer finished")
             resp = r.xread({keys.progress: last_id}, block=500, count=100)
             for _, entries in resp or []:

@@ -13,6 +13,21 @@ REWARD = Gauge("slipstream_trainer_reward_mean", "Mean reward of the last batch"
 VERSION = Gauge("slipstream_trainer_weight_version", "Policy version after the last published step")
 CLIP = Gauge("slipstream_trainer_clip_fraction", "Fraction of tokens whose PPO ratio was clipped")
 KL = Gauge("slipstream_trainer_behav_kl", "k3 KL between trainer and behaviour policy on the batch")
+LOGPROB_DIFF = Gauge(
+    "slipstream_trainer_logprob_abs_diff", "Mean |trainer - rollout| logprob of the trained tokens"
+)
+IS_WEIGHT_MEAN = Gauge("slipstream_trainer_is_weight_mean", "Mean behaviour importance weight (truncated)")
+IS_WEIGHT_MAX = Gauge("slipstream_trainer_is_weight_max", "Largest behaviour importance weight (truncated)")
+IS_TRUNCATED = Gauge(
+    "slipstream_trainer_is_truncated_fraction", "Fraction of tokens whose importance weight was truncated"
+)
+ENTROPY = Gauge("slipstream_trainer_entropy", "Mean token entropy of the policy on the batch (nats)")
+KL_REF = Gauge("slipstream_trainer_kl_ref", "KL penalty to the reference model (aggregated like the loss)")
+GRAD_NORM = Gauge("slipstream_trainer_grad_norm", "Gradient norm before clipping")
+TRAIN_TOKENS_PER_S = Gauge(
+    "slipstream_trainer_train_tokens_per_second", "Sequence tokens (prompt + response) per second of step"
+)
+MFU = Gauge("slipstream_trainer_mfu", "Model FLOPs utilisation of the last step (bf16 peak; GPU only)")
 
 
 def observe_step(r: dict) -> None:
@@ -25,3 +40,14 @@ def observe_step(r: dict) -> None:
     VERSION.set(r["version"])
     CLIP.set(r["clip_fraction"])
     KL.set(r["behav_kl"])
+    LOGPROB_DIFF.set(r["logprob_diff_mean"])
+    IS_WEIGHT_MEAN.set(r["is_weight_mean"])
+    IS_WEIGHT_MAX.set(r["is_weight_max"])
+    IS_TRUNCATED.set(r["is_truncated_fraction"])
+    ENTROPY.set(r["entropy"])
+    GRAD_NORM.set(r["grad_norm"])
+    TRAIN_TOKENS_PER_S.set(r["train_tokens_per_s"])
+    if r.get("kl_ref") is not None:
+        KL_REF.set(r["kl_ref"])
+    if r.get("mfu") is not None:
+        MFU.set(r["mfu"])

@@ -1,11 +1,15 @@
 """The trainer loop: take a staleness-bounded batch, one importance-corrected policy step, commit, publish.
 
 Each step, in order (the order is the durability contract, DESIGN.md §3):
-  1. take_batch   — groups read from the stream, still pending (unacked)
-  2. optimizer step
+  1. take_batch   — groups read from the stream, still pending (unacked)            (rank 0)
+  2. optimizer step over packed micro-batches, split across the trainer ranks        (every rank)
   3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
-  4. publish      — weights over the bus to every engine; only when all acknowledged:
+  4. publish      — full weights gathered from the FSDP shards, sent over the bus to every engine;
+                    only when all acknowledged:
   5. version      — bump `version` in Redis; rollout admission and staleness follow it
+
+Every rank runs `Trainer.run`; rank 0 owns the buffer and the bus and tells the others, once per step,
+whether there is a step (the group leaves the loop together), then sends each rank its micro-batches.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ import torch
 
 from replay_buffer import ReplayBuffer
 from slipstream.jobspec import JobSpec
-from trainer import metrics
-from trainer.batch import TrainBatch, build_batch
-from trainer.logprobs import token_logprobs
-from trainer.losses import approx_kl, policy_loss
+from trainer import checkpoint, metrics
+from trainer.batch import build_samples
+from trainer.distributed import DistInfo, Pool
+from trainer.flops import peak_flops
+from trainer.learner import Learner
 from weight_bus import WeightBus
 
 log = logging.getLogger(__name__)
@@ -57,134 +62,199 @@ def episode_stats(groups) -> dict[str, float]:
 
 
 class Trainer:
-    def __init__(self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None) -> None:
+    """One trainer rank. Rank 0 also holds the replay buffer consumer and the weight bus."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        redis_url: str,
+        engine_urls: list[str],
+        api_key: str | None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.spec = spec
-        self.buffer = ReplayBuffer(
-            redis.Redis.from_url(redis_url),
-            spec.name,
-            reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
-            stale_policy=spec.buffer.stale_policy,
-        )
-        self.bus = WeightBus(
-            engine_urls,
-            api_key=api_key,
-            backend=spec.bus.backend,
-            bucket_bytes=spec.bus.bucket_bytes,
-            pause_mode=spec.bus.pause_mode,
-        )
-        self.model = None
+        self.rank, self.world_size = rank, world_size
+        self.buffer = self.bus = None
+        if rank == 0:
+            self.buffer = ReplayBuffer(
+                redis.Redis.from_url(redis_url),
+                spec.name,
+                reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
+                stale_policy=spec.buffer.stale_policy,
+            )
+            self.bus = WeightBus(
+                engine_urls,
+                api_key=api_key,
+                backend=spec.bus.backend,
+                bucket_bytes=spec.bus.bucket_bytes,
+                pause_mode=spec.bus.pause_mode,
+            )
+        self.learner: Learner | None = None
         self.tokenizer = None
         self._stop = False
+        self.checkpoint_dir = Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
-    def setup(self) -> None:
-        from transformers import AutoModelForCausalLM
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
 
+    def setup(self, master: tuple[str, int] | None = None) -> None:
+        """Join the trainer group (rank 0's `master` = (host, port); None with one rank), load and shard
+        the models, connect the bus, and resume from a checkpoint if the spec says so."""
+        from slipstream.redis_server import free_port
         from slipstream.tokenizers import load_tokenizer
 
+        tr = self.spec.trainer
         torch.manual_seed(self.spec.algorithm.seed)
-        torch.set_num_threads(self.spec.trainer.torch_threads)
-        self.device = torch.device(self.spec.trainer.device)
-        self.tokenizer = load_tokenizer(self.spec.model.path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.spec.model.path, dtype=torch.float32).to(
-            self.device
+        torch.set_num_threads(tr.torch_threads)
+        if tr.device == "cuda":
+            torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        if master is None and tr.fsdp:  # one rank: a private group, FSDP still shards (over one)
+            master = ("127.0.0.1", free_port())
+        addr, port = master or ("127.0.0.1", 0)
+        self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device)
+        self.learner = Learner(self.spec, self.pool)
+        self.learner.setup()
+        self.peak_flops = (
+            peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
-        self.model.train()
-        alg = self.spec.algorithm
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=alg.lr, weight_decay=alg.weight_decay)
-        self.buffer.ensure_group()
-        self.bus.connect()
-        log.info(
-            "trainer ready: %s, %d params, version %d",
-            self.spec.model.path,
-            sum(p.numel() for p in self.model.parameters()),
-            self.buffer.version(),
-        )
+        if self.is_main:
+            self.tokenizer = load_tokenizer(self.spec.model.path)
+            self.buffer.ensure_group()
+            self.bus.connect()
+        if tr.resume_from:
+            self._resume(checkpoint.resolve(tr.resume_from, self.checkpoint_dir))
+        if self.is_main:
+            log.info(
+                "trainer ready: %s, %d ranks, %d params, version %d",
+                self.spec.model.path,
+                self.world_size,
+                sum(p.numel() for p in self.learner.model.parameters())
+                * (self.world_size if self.learner.fsdp else 1),
+                self.buffer.version(),
+            )
+
+    def _resume(self, path: Path) -> None:
+        state = checkpoint.load(self.learner, path)
+        named = list(self.learner.full_parameters())
+        if not self.is_main:
+            return
+        version = int(state["version"])
+        current = self.buffer.version()
+        if current != version:
+            log.warning("resuming at version %d from %s (Redis had version %d)", version, path, current)
+        # Engines started from model.path: give them the restored weights before any rollout starts.
+        self.bus.publish(named, version)
+        self.buffer.set_version(version)
 
     def stop(self) -> None:
         self._stop = True
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        alg = self.spec.algorithm
-        dev = self.device
-        temperature = self.spec.rollout.sampling.temperature or 1.0  # greedy rollouts: plain logits
-        logp = token_logprobs(self.model, batch.input_ids.to(dev), batch.attention_mask.to(dev), temperature)
-        # One optimizer step per batch: pi_prox is the policy at batch time, i.e. these logprobs detached.
-        prox = logp.detach()
-        mask = batch.loss_mask.to(dev)
-        behav = batch.behav_logprobs.to(dev)
-        loss, stats = policy_loss(
-            logp,
-            prox,
-            behav,
-            batch.advantages.to(dev),
-            mask,
-            kind=alg.loss,
-            clip_eps=alg.clip_eps,
-            is_cap=alg.is_cap,
-            agg=alg.loss_agg,
+    def _take(self, version: int):
+        """Rank 0: the next batch's entries, or None when the job is done or stopping."""
+        alg, buf = self.spec.algorithm, self.spec.buffer
+        if version >= alg.total_steps or self._stop:
+            return None
+        entries = self.buffer.take_batch(
+            alg.groups_per_step,
+            version,
+            buf.max_staleness,
+            buf.read_block_ms,
+            should_stop=lambda: self._stop,
         )
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), alg.max_grad_norm)
-        self.opt.step()
-        return {
-            "loss": float(loss),
-            "grad_norm": float(grad_norm),
-            "behav_kl": approx_kl(prox, behav, mask),
-            **stats,
-        }
+        return entries if len(entries) == alg.groups_per_step else None  # short: stopping
 
     def publish(self, version: int):
-        # Engines run fp32 on CPU here; the bus casts nothing. (FSDP2 full_tensor gathering: later issue.)
-        named = [(n, p.detach()) for n, p in self.model.named_parameters()]
-        return self.bus.publish(named, version)
+        """Gather full weights (every rank) and send them to the engines (rank 0)."""
+        # Engines run fp32 on CPU here; the bus casts nothing.
+        named = list(self.learner.full_parameters())
+        return self.bus.publish(named, version) if self.is_main else None
 
     def run(self) -> dict:
-        """Train spec.algorithm.total_steps steps; returns the final summary."""
-        spec, alg = self.spec, self.spec.algorithm
-        version = self.buffer.version()
+        """Train until version reaches spec.algorithm.total_steps (or stop()); every rank calls it.
+        Ends with a checkpoint (if checkpoint_every) and the HF export (if export_hf)."""
+        spec, alg, tr = self.spec, self.spec.algorithm, self.spec.trainer
+        version = self.buffer.version() if self.is_main else 0
         t_start = time.monotonic()
-        while version < alg.total_steps and not self._stop:
+        last_checkpoint = None
+        while True:
             t0 = time.monotonic()
-            entries = self.buffer.take_batch(
-                alg.groups_per_step,
-                version,
-                spec.buffer.max_staleness,
-                spec.buffer.read_block_ms,
-                should_stop=lambda: self._stop,
-            )
-            if len(entries) < alg.groups_per_step:
-                break  # stopping
+            entries = self._take(version) if self.is_main else None
+            header = self.pool.broadcast({"version": version} if entries else None)
+            if header is None:
+                break
+            version = header["version"]
             t_data = time.monotonic()
-            groups = [e.group for e in entries]
-            batch = build_batch(groups, self.tokenizer.pad_token_id)
-            stats = self.train_step(batch)
+            groups = [e.group for e in entries] if self.is_main else None
+            samples = build_samples(groups, alg.advantage, alg.loss_agg) if self.is_main else None
+            stats = self.learner.train_step(self.learner.distribute(samples))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
             t_step = time.monotonic()
-            self.buffer.commit(entries, version, spec.buffer.max_staleness)
+            if self.is_main:
+                self.buffer.commit(entries, version, spec.buffer.max_staleness)
             pub = self.publish(version + 1)
             version += 1
-            self.buffer.set_version(version)
-            stale = [version - 1 - g.min_version for g in groups]
-            record = {
-                "step": version,
-                "version": version,
-                "reward_mean": float(batch.rewards.mean()),
-                "staleness_mean": sum(stale) / len(stale),
-                "staleness_max": max(stale),
-                "response_tokens": batch.num_response_tokens,
-                "wait_s": t_data - t0,
-                "step_s": t_step - t_data,
-                "publish_s": pub.transfer_s,
-                "pause_s": pub.pause_s,
-                "elapsed_s": time.monotonic() - t_start,
-                **episode_stats(groups),
-                **stats,
-            }
-            self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
-            self._log_sample(version, groups[0].samples[0])
-            metrics.observe_step(record)
-        self.buffer.trim()
-        return {"version": version, "elapsed_s": time.monotonic() - t_start}
+            if self.is_main:
+                self.buffer.set_version(version)
+                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start)
+            if tr.checkpoint_every and version % tr.checkpoint_every == 0:
+                last_checkpoint = self.checkpoint(version)
+        version = self.pool.broadcast(version)  # ranks that ran no step learn where rank 0 is
+        if tr.checkpoint_every and version > 0 and last_checkpoint != version:
+            self.checkpoint(version)
+        if self.is_main:
+            self.buffer.trim()
+        final_model = self.save(Path(spec.output_dir) / "final_model") if tr.export_hf else None
+        return {
+            "version": version,
+            "elapsed_s": time.monotonic() - t_start,
+            "final_model": str(final_model or ""),
+        }
+
+    def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start) -> None:
+        samples = [s for g in groups for s in g.samples]
+        stale = [version - 1 - g.min_version for g in groups]
+        step_s = t_step - t_data
+        seq_tokens = sum(len(s) + len(s.prompt_ids) // 4 for s in samples)
+        record = {
+            "step": version,
+            "version": version,
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "staleness_mean": sum(stale) / len(stale),
+            "staleness_max": max(stale),
+            "response_tokens": sum(len(s) for s in samples),
+            "wait_s": t_data - t0,
+            "step_s": step_s,
+            "train_tokens_per_s": seq_tokens / max(step_s, 1e-9),
+            "mfu": stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
+            "publish_s": pub.transfer_s,
+            "pause_s": pub.pause_s,
+            "elapsed_s": time.monotonic() - t_start,
+            **episode_stats(groups),
+            **stats,
+        }
+        self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
+        self._log_sample(version, groups[0].samples[0])
+        metrics.observe_step(record)
+
+    def checkpoint(self, version: int) -> int:
+        """Write a checkpoint at `version` (every rank)."""
+        state = {"step": version, "version": version}
+        if self.is_main:
+            stats = self.buffer.stats()
+            state["buffer"] = {k: v for k, v in stats.items() if isinstance(v, int)}
+        checkpoint.save(
+            self.learner,
+            checkpoint.step_dir(self.checkpoint_dir, version),
+            state,
+            keep=self.spec.trainer.keep_checkpoints,
+        )
+        return version
 
     def _log_sample(self, version: int, sample) -> None:
         """Append one rendered trajectory per step to <output_dir>/samples.txt: what the model wrote and
@@ -197,13 +267,16 @@ class Trainer:
             )
             f.write(render_sample(self.tokenizer, sample) + "\n")
 
-    def save(self, path: str | Path) -> str:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
-        log.info("saved final model to %s", path)
-        return str(path)
+    def save(self, path: str | Path) -> str | None:
+        """Export the policy as an HF directory with the tokenizer (every rank; rank 0 writes)."""
+        dtype = torch.bfloat16 if self.learner.bf16 else torch.float32
+        out = checkpoint.export_hf(self.learner, path, self.tokenizer, dtype)
+        if out is not None:
+            log.info("saved final model to %s", out)
+        return str(out) if out is not None else None
 
     def close(self) -> None:
-        self.bus.close()
+        if self.bus is not None:
+            self.bus.close()
+        if self.learner is not None:
+            self.pool.close()
