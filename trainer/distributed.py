@@ -47,6 +47,8 @@ class Pool:
                 raise ValueError("more than one trainer rank needs a rendezvous port")
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # FSDP places shards on the current device
         if not dist.is_initialized():
             kw = {"device_id": device} if device.type == "cuda" else {}
             dist.init_process_group(

@@ -261,7 +261,7 @@ class Learner:
         """Model FLOPs of this step over all ranks (trainer/flops.py): policy fwd+bwd, reference fwd,
         critic fwd (old values) + fwd+bwd."""
         seq_lens = [n for mb in micro_batches for n in mb.seq_lens]
-        logit_tokens = sum(max(int((mb.loss_mask > 0).sum()), 1) for mb in micro_batches)
+        logit_tokens = sum(mb.logit_index.numel() for mb in micro_batches)
         total = flops.step_flops(self.config, seq_lens, logit_tokens, passes=3)
         if self.ref is not None:
             total += flops.step_flops(self.config, seq_lens, logit_tokens, passes=1)

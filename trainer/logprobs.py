@@ -69,13 +69,10 @@ def packed_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprob of each target [T] fp32, entropy [T] or None) for a packed micro-batch.
 
-    Logits are computed only at trained positions (loss_mask > 0; at least one, so every parameter is in
-    the graph): prompt and tool-result positions never reach the vocabulary projection. Elsewhere the
-    outputs are 0. entropy: "none", "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
+    Logits are computed only at `mb.logit_index` (the trained positions): prompt and tool-result
+    positions never reach the vocabulary projection. Elsewhere the outputs are 0. entropy: "none", "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
     """
-    keep = mb.loss_mask.nonzero().squeeze(-1)
-    if keep.numel() == 0:
-        keep = torch.zeros(1, dtype=torch.long, device=mb.loss_mask.device)
+    keep = mb.logit_index
     logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature

@@ -58,6 +58,9 @@ class MicroBatch(msgspec.Struct):
     rewards: torch.Tensor
     """[n] per-sample rewards."""
     seq_lens: list[int]
+    logit_index: torch.Tensor
+    """Positions whose logits are needed (loss_mask > 0; position 0 if none, so every parameter stays in
+    the graph). Computed here on the CPU: finding them on the GPU would stall the host every micro-batch."""
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +91,7 @@ def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
             token_weights=z.clone(),
             rewards=torch.zeros(0),
             seq_lens=[],
+            logit_index=torch.zeros(1, dtype=torch.long),
         )
     lens = [len(s) for s in samples]
     ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64)
@@ -101,6 +105,7 @@ def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
         mask[start + n - 1] = 0.0  # a sample's last position predicts nothing
     adv = np.concatenate([np.full(n, s.advantage, np.float32) for s, n in zip(samples, lens, strict=True)])
     w = np.concatenate([np.full(n, s.weight, np.float32) for s, n in zip(samples, lens, strict=True)])
+    keep = np.flatnonzero(mask > 0)
     return MicroBatch(
         input_ids=torch.from_numpy(ids).unsqueeze(0),
         position_ids=torch.from_numpy(positions).unsqueeze(0),
@@ -114,6 +119,7 @@ def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
         token_weights=torch.from_numpy(mask * w),
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         seq_lens=lens,
+        logit_index=torch.from_numpy(keep if keep.size else np.zeros(1, np.int64)),
     )
 
 

@@ -133,8 +133,7 @@ class Trainer:
                 "trainer ready: %s, %d ranks, %d params, version %d",
                 self.spec.model.path,
                 self.world_size,
-                sum(p.numel() for p in self.learner.model.parameters())
-                * (self.world_size if self.learner.fsdp else 1),
+                sum(p.numel() for p in self.learner.model.parameters()),  # DTensor numel: global
                 self.buffer.version(),
             )
 

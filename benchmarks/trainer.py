@@ -1,0 +1,444 @@
+"""Trainer benchmark: model FLOPs utilisation (MFU) and tokens/s of the trainer's packed training step.
+
+What is timed is `Learner.train_step`, the code a job runs per optimizer step: forward + backward of every
+packed micro-batch (decoupled-PPO loss, entropy metric, logprobs at the response positions), gradient
+accumulation, grad-norm clipping and the AdamW step, FSDP2-sharded over the ranks with bf16 compute on
+GPU. Untimed (reported as prep_s): building the synthetic samples, packing them and scattering them to
+the ranks, host work on data the buffer delivers.
+
+Model: random weights of a real shape (Qwen2.5-0.5B / 1.5B: vocab 151936, tied embeddings, GQA), built
+with transformers and saved once; every rank loads it as a job would. Data per step: each rank gets
+`--micro-batches` micro-batches of exactly `--micro-batch-tokens` tokens, each holding samples of lengths
+drawn uniformly from [--min-len, --max-len] (the last one takes the remainder); the first
+`--prompt-fraction` of each sample is prompt (no logits computed there), the rest response with random
+behaviour logprobs and advantages.
+
+MFU = model FLOPs of the step / step time / (peak bf16 FLOP/s per GPU * ranks), with the FLOPs of
+trainer/flops.py: 6 * N_trunk * tokens + 6 * hidden * vocab * response tokens + 6 * layers * d_attn *
+sum(len_i^2) (causal attention), i.e. fwd + bwd matmuls, no credit for recomputation. Peak: 989 TFLOP/s
+for H100/H200 (dense bf16), or --peak-tflops. Timing: torch.cuda.synchronize() around each step, the
+first --warmup steps excluded, mean and median over the rest.
+
+Run (one GPU / two ranks on one host / CPU smoke):
+    python benchmarks/trainer.py --device-kind nvidia-h200
+    torchrun --nproc_per_node 2 benchmarks/trainer.py --device-kind nvidia-h200-x2
+    python benchmarks/trainer.py --model tiny --device cpu --ranks 2 --steps 2 --warmup 1 --micro-batch-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+VOCAB = 151_936
+SHAPES = {
+    "qwen2.5-0.5b-shape": dict(
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+    ),
+    "qwen2.5-1.5b-shape": dict(
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+    ),
+    # CPU smoke: the real vocabulary and GQA layout, two narrow layers.
+    "tiny": dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=256,
+    ),
+}
+COMMON_SHAPE = dict(
+    vocab_size=VOCAB,
+    tie_word_embeddings=True,
+    rope_theta=1_000_000.0,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    hidden_act="silu",
+)
+FIRST_TOKEN_ID = 3
+
+
+def log(msg: str) -> None:
+    print(f"[trainer-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_model_dir(path: Path, shape: str, seed: int) -> None:
+    """Random-weight Qwen2 of `shape`, saved in bf16 (half the bytes to write; ranks load it as fp32)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(**COMMON_SHAPE, **SHAPES[shape])
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
+def make_bins(rng: np.random.Generator, bins: int, args) -> list[list]:
+    """`bins` lists of samples, each list exactly micro_batch_tokens long (module docstring); the
+    aggregation weights are token-mean over all of them."""
+    from trainer.packing import TrainSample
+
+    out, total_resp = [], 0
+    for _ in range(bins):
+        samples, left = [], args.micro_batch_tokens
+        while left > 0:
+            n = int(rng.integers(args.min_len, args.max_len + 1))
+            if left - n < args.min_len:
+                n = left
+            left -= n
+            prompt = max(1, int(n * args.prompt_fraction))
+            mask = np.zeros(n, np.float32)
+            mask[prompt - 1 : n - 1] = 1.0
+            total_resp += int(mask.sum())
+            samples.append(
+                TrainSample(
+                    input_ids=rng.integers(FIRST_TOKEN_ID, VOCAB, size=n).astype(np.int64),
+                    loss_mask=mask,
+                    behav_logprobs=(-rng.random(n).astype(np.float32) * 3) * mask,
+                    advantage=float(rng.standard_normal()),
+                    weight=0.0,
+                    reward=0.0,
+                )
+            )
+        out.append(samples)
+    for s in (s for b in out for s in b):
+        s.weight = 1.0 / total_resp
+    return out
+
+
+def bench_model(name: str, args, pool) -> dict:
+    from slipstream import jobspec
+    from trainer.learner import Learner
+    from trainer.packing import pack
+
+    main = pool.is_main
+    model_dir = None
+    if main:
+        model_dir = tempfile.mkdtemp(prefix=f"trainer-bench-{name}-", dir=args.tmp_dir)
+        t = time.perf_counter()
+        build_model_dir(Path(model_dir), name, args.seed)
+        log(f"{name}: built random-weight model in {time.perf_counter() - t:.1f} s at {model_dir}")
+    model_dir = pool.broadcast(model_dir)
+    spec = jobspec.from_dict(
+        {
+            "model": {"path": model_dir},
+            "algorithm": {"loss": "decoupled_ppo", "lr": 1e-6, "kl_coef": 0.001 if args.kl else 0.0},
+            "trainer": {
+                "device": "cuda" if pool.device.type == "cuda" else "cpu",
+                "num_trainers": pool.world_size,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "activation_checkpointing": args.activation_checkpointing,
+                "offload_optimizer": args.offload,
+                "compile": args.compile,
+                "mixed_precision": "bf16",
+            },
+        }
+    )
+    learner = Learner(spec, pool)
+    t = time.perf_counter()
+    learner.setup()
+    n_params = sum(p.numel() for p in learner.model.parameters())  # DTensor numel is the global one
+    if main:
+        log(
+            f"{name}: {n_params / 1e6:.0f} M params (sharded over {pool.world_size}) ready in {time.perf_counter() - t:.1f} s"
+        )
+    rng = np.random.default_rng(args.seed)
+    steps = []
+    cuda = pool.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        t_prep = time.perf_counter()
+        per_rank, seq_lens = None, []
+        if main:  # exactly --micro-batches full micro-batches per rank (Learner.distribute's plan_step
+            # would pack the same samples, but first-fit may need one bin more than they were cut into)
+            bins = make_bins(rng, pool.world_size * args.micro_batches, args)
+            seq_lens = [len(s) for b in bins for s in b]
+            per_rank = [
+                [pack(b) for b in bins[r * args.micro_batches : (r + 1) * args.micro_batches]]
+                for r in range(pool.world_size)
+            ]
+        mbs = pool.scatter(per_rank)
+        prep_s = time.perf_counter() - t_prep
+        if cuda:
+            torch.cuda.synchronize()
+        pool.barrier()
+        t0 = time.perf_counter()
+        stats = learner.train_step(mbs)
+        if cuda:
+            torch.cuda.synchronize()
+        step_s = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=pool.device)
+        step_s = float(pool.all_reduce(step_s, torch.distributed.ReduceOp.MAX)[0])  # the slowest rank's
+        rec = {
+            "step_s": step_s,
+            "prep_s": prep_s,
+            "flops": stats["flops"],
+            "loss": stats["loss"],
+            "micro_batches": len(mbs),
+            "tokens": sum(seq_lens),
+            "samples": len(seq_lens),
+            "response_tokens": int(stats["trained_tokens"]),
+        }
+        warm = step < args.warmup
+        if not warm:
+            steps.append(rec)
+        if main:
+            mfu = (
+                rec["flops"] / step_s / (args.peak_flops * pool.world_size)
+                if args.peak_flops
+                else float("nan")
+            )
+            log(
+                f"{name} step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if warm else ''}: "
+                f"{step_s * 1e3:.1f} ms, prep {prep_s * 1e3:.0f} ms, {rec['tokens']} tokens in "
+                f"{rec['samples']} samples, {len(mbs)} micro-batches/rank, "
+                f"{rec['flops'] / step_s / pool.world_size / 1e12:.1f} TFLOP/s/GPU, mfu {mfu:.3f}, loss {rec['loss']:+.4f}"
+            )
+    peak_mem = 0.0
+    if cuda:
+        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=pool.device)
+        peak_mem = float(pool.all_reduce(mem, torch.distributed.ReduceOp.MAX)[0])
+    config = dict(learner.config.to_dict())
+    del learner
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    pool.barrier()
+    if main:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    times = [r["step_s"] for r in steps]
+    mean_s = statistics.mean(times)
+    flops_step = statistics.mean(r["flops"] for r in steps)
+    tokens = statistics.mean(r["tokens"] for r in steps)
+    out = {
+        "model": name,
+        "params": n_params,
+        "world_size": pool.world_size,
+        "shape": {
+            k: config[k]
+            for k in (
+                "hidden_size",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "num_hidden_layers",
+                "intermediate_size",
+                "vocab_size",
+                "tie_word_embeddings",
+            )
+        },
+        "micro_batches_per_rank": steps[0]["micro_batches"],
+        "tokens_per_step": tokens,
+        "samples_per_step": statistics.mean(r["samples"] for r in steps),
+        "response_tokens_per_step": statistics.mean(r["response_tokens"] for r in steps),
+        "flops_per_step": flops_step,
+        "step_s_mean": mean_s,
+        "step_s_p50": statistics.median(times),
+        "step_s_min": min(times),
+        "prep_s_mean": statistics.mean(r["prep_s"] for r in steps),
+        "tokens_per_s": tokens / mean_s,
+        "tokens_per_s_per_gpu": tokens / mean_s / pool.world_size,
+        "tflops_per_gpu": flops_step / mean_s / pool.world_size / 1e12,
+        "mfu": flops_step / mean_s / (args.peak_flops * pool.world_size) if args.peak_flops else None,
+        "peak_mem_gib": peak_mem,
+        "loss_first": steps[0]["loss"],
+        "loss_last": steps[-1]["loss"],
+    }
+    return out
+
+
+def worker(rank: int, world: int, port: int, args) -> dict | None:
+    from trainer.distributed import DistInfo, Pool
+    from trainer.flops import peak_flops
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging_setup()
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if "TORCHELASTIC_RUN_ID" in os.environ and not torch.distributed.is_initialized():
+        # torchrun's agent already serves the rendezvous store on MASTER_PORT: join through env://.
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kw = {"device_id": device} if device.type == "cuda" else {}
+        torch.distributed.init_process_group(backend, init_method="env://", **kw)
+    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), device)
+    if args.peak_tflops:
+        args.peak_flops = args.peak_tflops * 1e12
+    else:
+        args.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    results = [bench_model(m, args, pool) for m in args.model]
+    result = None
+    if pool.is_main:
+        result = write_result(results, args, device)
+    pool.close()
+    return result
+
+
+def logging_setup() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trainer.attention").setLevel(logging.INFO)  # which attention kernel ran
+
+
+def write_result(results: list[dict], args, device: torch.device) -> dict:
+    import transformers
+
+    head = max(results, key=lambda r: r["params"])
+    metrics = {
+        "mfu": head["mfu"],
+        "tokens_per_s": head["tokens_per_s"],
+        "step_s": head["step_s_mean"],
+        "headline_model": head["model"],
+    }
+    for r in results:
+        metrics[f"mfu_{r['model']}"] = r["mfu"]
+        metrics[f"tokens_per_s_{r['model']}"] = r["tokens_per_s"]
+        metrics[f"tflops_per_gpu_{r['model']}"] = r["tflops_per_gpu"]
+        metrics[f"step_s_{r['model']}"] = r["step_s_mean"]
+        metrics[f"peak_mem_gib_{r['model']}"] = r["peak_mem_gib"]
+    env = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "host_load_1m": os.getloadavg()[0],
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    today = datetime.date.today()
+    result = {
+        "benchmark": "trainer",
+        "device": args.device_kind,
+        "date": today.isoformat(),
+        "command": "python benchmarks/trainer.py " + shlex.join(args.argv),
+        "config": {
+            "models": args.model,
+            "ranks": results[0]["world_size"],
+            "device": device.type,
+            "micro_batch_tokens": args.micro_batch_tokens,
+            "micro_batches_per_rank": args.micro_batches,
+            "sample_len": [args.min_len, args.max_len],
+            "prompt_fraction": args.prompt_fraction,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "activation_checkpointing": args.activation_checkpointing,
+            "compile": args.compile,
+            "cpu_offload": args.offload,
+            "reference_model": args.kl,
+            "peak_flops_per_gpu": args.peak_flops,
+            "flops_formula": "6*N_trunk*T + 6*hidden*vocab*T_response + 6*layers*d_attn*sum(L_i^2)",
+            "env": env,
+        },
+        "metrics": metrics,
+        "ratios": {},
+        "runs": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"trainer-{args.device_kind}-{today:%Y%m%d}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {path}")
+    for r in results:
+        mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
+        print(
+            f"trainer mfu={mfu} tokens_per_s={r['tokens_per_s']:.0f} step_s={r['step_s_mean']:.4f} "
+            f"tflops_per_gpu={r['tflops_per_gpu']:.1f} (model={r['model']}, ranks={r['world_size']}, "
+            f"device={args.device_kind})",
+            flush=True,
+        )
+    return result
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--model", nargs="+", choices=list(SHAPES), default=["qwen2.5-0.5b-shape", "qwen2.5-1.5b-shape"]
+    )
+    p.add_argument(
+        "--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
+    p.add_argument("--device-kind", help="device named in the result file (nvidia-h200, nvidia-h200-x2, cpu)")
+    p.add_argument("--ranks", type=int, default=1, help="spawn this many ranks (not needed under torchrun)")
+    p.add_argument("--micro-batch-tokens", type=int, default=8192)
+    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank per step")
+    p.add_argument("--min-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--prompt-fraction", type=float, default=0.25)
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params/grads/optimizer")
+    p.add_argument("--kl", action="store_true", help="also run a frozen reference model (KL penalty)")
+    p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (default: by GPU name)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tmp-dir", help="where the random-weight model is saved (default: system temp)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.min_len = min(args.min_len, args.micro_batch_tokens)
+    args.max_len = min(max(args.max_len, args.min_len), args.micro_batch_tokens)
+    if args.device_kind is None:
+        world = int(os.environ.get("WORLD_SIZE", args.ranks))
+        args.device_kind = "cpu" if args.device == "cpu" else f"cuda-x{world}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+        return worker(
+            int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), args
+        )
+    from slipstream.redis_server import free_port
+
+    if args.ranks == 1:
+        return worker(0, 1, free_port(), args)
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _spawned, args=(args.ranks, free_port(), args), nprocs=args.ranks, join=False, start_method="spawn"
+    )
+    while not ctx.join():
+        pass
+    path = args.out / f"trainer-{args.device_kind}-{datetime.date.today():%Y%m%d}.json"
+    return json.loads(path.read_text())
+
+
+def _spawned(rank: int, world: int, port: int, args) -> None:
+    worker(rank, world, port, args)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
