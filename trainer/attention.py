@@ -6,7 +6,7 @@ transformers' mask implementations, the model builds no [T, T] mask at all; the 
 in as `cu_seq_lens_q` / `max_length_q` keyword arguments (the names flash-attention uses), which the model
 forwards to every attention layer. On CUDA the kernel is torch's varlen flash attention
 (`torch.nn.attention.varlen.varlen_attn`): no work on masked-out blocks. Elsewhere (CPU, or a torch
-without it) each sample runs through SDPA with `is_causal=True` in turn. Without boundaries (a plain
+without it) the samples are gathered into a padded batch for one masked SDPA call. Without boundaries (a plain
 `model(input_ids)` call, e.g. from generation code) the whole row is one causal sequence.
 """
 
@@ -88,18 +88,29 @@ def packed_attention_forward(
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
         out = varlen_flash(q, k, v, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling)
         return out.unsqueeze(0), None
-    _log_kernel("SDPA per sample")
+    _log_kernel("SDPA over samples padded to a batch")
+    return padded_sdpa(query, key, value, cu_seq_lens_q.tolist(), scaling), None
+
+
+def padded_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scale: float | None
+) -> torch.Tensor:
+    """Causal attention of each sample of a packed row, as one SDPA call over the samples gathered into
+    a padded batch [n, H, L_max, D] (padding keys masked out): one kernel per layer however many samples,
+    which is what the CPU needs. Returns [1, T, Hq, D]."""
     n_rep = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
-    bounds = cu_seq_lens_q.tolist()
-    outs = [
-        F.scaled_dot_product_attention(
-            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scale=scaling, is_causal=True
-        )
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True)
-        if e > s
-    ]
-    return torch.cat(outs, dim=2).transpose(1, 2), None
+    starts = torch.tensor(bounds[:-1])
+    lens = torch.tensor(bounds[1:]) - starts
+    width = int(lens.max())
+    offs = torch.arange(width)
+    valid = offs[None, :] < lens[:, None]  # [n, L_max]
+    index = torch.where(valid, starts[:, None] + offs[None, :], 0).to(query.device)
+    q, k, v = (x[0][:, index].transpose(0, 1) for x in (query, key, value))  # [n, H, L_max, D]
+    causal = offs[None, :] <= offs[:, None]  # [L_max(q), L_max(k)]
+    mask = (causal[None] & valid[:, None, :])[:, None].to(query.device)  # [n, 1, L_max, L_max]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [n, H, L_max, D]
+    return out.transpose(1, 2)[valid.to(query.device)].unsqueeze(0)
 
 
 def register() -> str:
