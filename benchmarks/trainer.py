@@ -129,6 +129,7 @@ def make_bins(rng: np.random.Generator, bins: int, args) -> list[list]:
 
 def bench_model(name: str, args, pool) -> dict:
     from slipstream import jobspec
+    from trainer import attention
     from trainer.learner import Learner
     from trainer.packing import pack
 
@@ -263,6 +264,8 @@ def bench_model(name: str, args, pool) -> dict:
         "peak_mem_gib": peak_mem,
         "loss_first": steps[0]["loss"],
         "loss_last": steps[-1]["loss"],
+        "attention_kernels": sorted(attention._kernel_logged),
+        "varlen_error": attention._VARLEN_BROKEN[0] if attention._VARLEN_BROKEN else None,
     }
     return out
 
@@ -420,8 +423,6 @@ def main(argv: list[str] | None = None) -> dict | None:
         return worker(
             int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["MASTER_PORT"]), args
         )
-    from slipstream.redis_server import free_port
-
     if args.ranks == 1:
         return worker(0, 1, free_port(), args)
     import torch.multiprocessing as mp
@@ -433,6 +434,14 @@ def main(argv: list[str] | None = None) -> dict | None:
         pass
     path = args.out / f"trainer-{args.device_kind}-{datetime.date.today():%Y%m%d}.json"
     return json.loads(path.read_text())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _spawned(rank: int, world: int, port: int, args) -> None:

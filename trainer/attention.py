@@ -30,6 +30,12 @@ except ImportError:  # pragma: no cover - older torch
     _varlen_attn, _VARLEN_PARAMS = None, set()
 
 _kernel_logged: set[str] = set()
+_VARLEN_BROKEN: list[str] = []
+"""Set (with the error) once varlen_attn has failed in this process; it is not tried again."""
+
+
+def _varlen_usable() -> bool:
+    return _varlen_attn is not None and not _VARLEN_BROKEN
 
 
 def _log_kernel(name: str) -> None:
@@ -82,12 +88,17 @@ def packed_attention_forward(
     if cu_seq_lens_q is None:
         cu_seq_lens_q = torch.tensor([0, t], dtype=torch.int32, device=query.device)
         max_length_q = t
-    if query.is_cuda and _varlen_attn is not None and query.dtype in (torch.float16, torch.bfloat16):
-        _log_kernel("varlen flash attention")
+    if query.is_cuda and _varlen_usable() and query.dtype in (torch.float16, torch.bfloat16):
         # [1, H, T, D] -> [T, H, D]
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-        out = varlen_flash(q, k, v, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling)
-        return out.unsqueeze(0), None
+        try:
+            out = varlen_flash(q, k, v, cu_seq_lens_q.to(torch.int32), int(max_length_q), scaling)
+        except (RuntimeError, TypeError, ValueError) as e:  # a build without the kernel for this GPU
+            _VARLEN_BROKEN.append(repr(e))
+            log.warning("varlen flash attention failed, using padded SDPA from now on: %r", e)
+        else:
+            _log_kernel("varlen flash attention")
+            return out.unsqueeze(0), None
     _log_kernel("SDPA over samples padded to a batch")
     return padded_sdpa(query, key, value, cu_seq_lens_q.tolist(), scaling), None
 
