@@ -9,8 +9,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.losses import entropy_from_logits
-
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids [B, T], attention_mask [B, T]) right-padded to the longest sequence."""
@@ -47,8 +45,8 @@ def response_logprobs(
 
 
 ENTROPY_CHUNK_TOKENS = 1024
-"""Entropy is computed over the vocabulary in chunks of this many positions when it needs no gradient,
-so a [8k, 152k] softmax never materialises at once."""
+"""The entropy metric is computed in chunks of this many positions, so no second [K, V] tensor is
+ever whole."""
 
 
 def packed_forward_kwargs(mb) -> dict:
@@ -70,22 +68,29 @@ def packed_logprobs(
     """(logprob of each target [T] fp32, entropy [T] or None) for a packed micro-batch.
 
     Logits are computed only at `mb.logit_index` (the trained positions): prompt and tool-result
-    positions never reach the vocabulary projection. Elsewhere the outputs are 0. entropy: "none", "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
+    positions never reach the vocabulary projection. Elsewhere the outputs are 0. entropy: "none",
+    "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
+
+    The vocabulary-wide work is the largest memory traffic of a small model's step ([K, 152k] for
+    Qwen), so it is kept to one fp32 log-softmax (cast fused in, its output the only [K, V] tensor kept
+    for backward); the sampled tokens' logprobs are gathered from it and the entropy read off it.
     """
     keep = mb.logit_index
-    logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0].float()
+    logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0]
     if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    lp = -F.cross_entropy(logits, mb.targets[keep], reduction="none")
+        logits = logits.float() / temperature
+    logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    del logits
+    lp = logp_all.gather(-1, mb.targets[keep].unsqueeze(-1)).squeeze(-1)
     ent = None
     if entropy == "grad":
-        ent = entropy_from_logits(logits)
+        ent = -(logp_all.exp() * logp_all).sum(-1)
     elif entropy == "no_grad":
         with torch.no_grad():
-            ent = torch.cat([entropy_from_logits(c) for c in logits.detach().split(ENTROPY_CHUNK_TOKENS)])
+            ent = torch.cat([-(c.exp() * c).sum(-1) for c in logp_all.detach().split(ENTROPY_CHUNK_TOKENS)])
     elif entropy != "none":
         raise ValueError(f"entropy must be none, no_grad or grad, not {entropy!r}")
-    full = logits.new_zeros(mb.num_tokens).index_copy(0, keep, lp)
+    full = lp.new_zeros(mb.num_tokens).index_copy(0, keep, lp)
     if ent is not None:
-        ent = logits.new_zeros(mb.num_tokens).index_copy(0, keep, ent)
+        ent = lp.new_zeros(mb.num_tokens).index_copy(0, keep, ent)
     return full, ent

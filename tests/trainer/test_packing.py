@@ -129,3 +129,67 @@ def test_packed_logprobs_equal_unpacked(gqa_model):
         assert (got[~m] == 0).all()
         start += n
     assert ent is not None and (ent[mb.loss_mask > 0] > 0).all()
+
+
+def test_packed_loss_gradient_equals_padded_batch_gradient(gqa_model):
+    """The trainer's packed loss (per-token loss x aggregation weight, summed over micro-batches) has the
+    same value and gradient as the padded-batch policy loss with agg_loss over the same samples."""
+    from trainer.losses import agg_weights, policy_loss, policy_loss_terms
+
+    rng = np.random.default_rng(2)
+    lens = (9, 4, 15, 7, 11)
+    masks = [(rng.random(n) > 0.4).astype(np.float32) for n in lens]
+    for m in masks:
+        m[-1] = 0.0  # the last position predicts nothing
+        m[0] = 1.0
+    weights = agg_weights([int(m.sum()) for m in masks], "seq-mean-token-mean")
+    samples = [
+        TrainSample(
+            rng.integers(3, 40, size=n).astype(np.int64),
+            m,
+            (-rng.random(n) * m).astype(np.float32),
+            float(rng.standard_normal()),
+            w,
+            0.0,
+        )
+        for n, m, w in zip(lens, masks, weights, strict=True)
+    ]
+    attention.register()
+    params = dict(gqa_model.named_parameters())
+
+    gqa_model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    gqa_model.zero_grad()
+    total = 0.0
+    for mb in (pack(samples[:2]), pack(samples[2:])):  # two micro-batches, gradients accumulate
+        lp, _ = packed_logprobs(gqa_model, mb)
+        t = policy_loss_terms(
+            lp, lp.detach(), mb.behav_logprobs, mb.advantages, "decoupled_ppo", dual_clip_c=3.0
+        )
+        loss = (t.loss * mb.token_weights).sum()
+        loss.backward()
+        total += float(loss.detach())
+    packed_grads = {k: p.grad.clone() for k, p in params.items()}
+
+    gqa_model.set_attn_implementation("sdpa")
+    gqa_model.zero_grad()
+    width = max(lens)
+    ids = torch.zeros(len(lens), width, dtype=torch.long)
+    attn = torch.zeros(len(lens), width, dtype=torch.long)
+    mask = torch.zeros(len(lens), width - 1)
+    behav = torch.zeros(len(lens), width - 1)
+    adv = torch.zeros(len(lens), width - 1)
+    for i, s in enumerate(samples):
+        n = len(s)
+        ids[i, :n] = torch.from_numpy(s.input_ids)
+        attn[i, :n] = 1
+        mask[i, : n - 1] = torch.from_numpy(s.loss_mask[: n - 1])
+        behav[i, : n - 1] = torch.from_numpy(s.behav_logprobs[: n - 1])
+        adv[i] = s.advantage
+    lp = token_logprobs(gqa_model, ids, attn)
+    ref, _ = policy_loss(
+        lp, lp.detach(), behav, adv, mask, "decoupled_ppo", agg="seq-mean-token-mean", dual_clip_c=3.0
+    )
+    ref.backward()
+    assert total == pytest.approx(float(ref), rel=1e-5)
+    for k, p in params.items():
+        torch.testing.assert_close(packed_grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
