@@ -588,4 +588,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # the repo root before this script's folder: benchmarks/trainer.py would shadow the trainer package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     main()
