@@ -28,6 +28,12 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-cache-tokens", type=int, default=None, help="KV pool size (default: from free memory)"
     )
     p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="dummy: random weights from the model's config (benchmarks; SGLang's flag)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -48,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         dtype=args.dtype,
         kv_cache_tokens=args.kv_cache_tokens,
         cuda_graphs=not args.disable_cuda_graph,
+        load_format=args.load_format,
     ).start()
 
     def shutdown(signum, frame) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, blocks_for
@@ -208,18 +208,28 @@ class Runner:
         max_prefill_tokens: int | None = None,
         cuda_graphs: bool = True,
         mem_fraction: float = 0.5,
+        load_format: str | None = None,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
-        `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU)."""
+        `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU).
+        `load_format`: None loads the weights; "dummy" (SGLang's name) initialises them randomly from the
+        config on the device, for benchmarks of models that would take minutes to save and load."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
         self.max_batch_size = max_batch_size
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
-        )
+        if load_format == "dummy":
+            with torch.device(self.device):
+                config = AutoConfig.from_pretrained(self.model_path)
+                self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
+        elif load_format in (None, "auto"):
+            self.model = (
+                AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+            )
+        else:
+            raise ValueError(f"load_format {load_format!r}: expected auto or dummy")
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))

@@ -701,13 +701,16 @@ class EngineServer:
         dtype: str | None = None,
         kv_cache_tokens: int | None = None,
         cuda_graphs: bool = True,
+        load_format: str | None = None,
     ) -> None:
         """`dtype`: "bfloat16", "float16", "float32" or None (bf16 on CUDA, fp32 on CPU); `kv_cache_tokens`:
-        KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA."""
+        KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA; `load_format`:
+        "dummy" for random weights from the config (see Runner)."""
         self.model_path = str(model_path)
         self.dtype = dtype
         self.kv_cache_tokens = kv_cache_tokens
         self.cuda_graphs = cuda_graphs
+        self.load_format = load_format
         self.api_key = api_key
         self.host = host
         self.port = port
@@ -739,11 +742,14 @@ class EngineServer:
             dtype=getattr(torch, self.dtype) if self.dtype else None,
             kv_cache_tokens=self.kv_cache_tokens,
             cuda_graphs=self.cuda_graphs,
+            load_format=self.load_format,
         )
         self.runner.start()
         self.app = build_app(self.runner, api_key=self.api_key, served_model_name=self.served_model_name)
         # Bind here so port=0 resolves before uvicorn starts and the URL is known to the caller.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
+        # it every response on a kept-alive connection (headers, then body) waited ~40 ms for a delayed ACK.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
