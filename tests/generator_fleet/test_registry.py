@@ -7,7 +7,7 @@ import asyncio
 import redis.asyncio as aioredis
 
 from generator_fleet.engine import EngineServer
-from generator_fleet.registry import EngineRegistration, engines_key, live_engines
+from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key, live_engines
 from generator_fleet.rollout import EnginePool, RolloutWorker
 from slipstream import jobspec
 
@@ -34,6 +34,26 @@ def test_registration_lease_and_deregistration(redis_server, redis_client, job_i
     assert _live(redis_server, job_id) == ["http://a:1"]
     a.close()
     assert _live(redis_server, job_id) == []
+
+
+def test_joining_engine_is_hidden_until_promoted_and_demoted_one_rejoins(redis_server, redis_client, job_id):
+    registry = EngineRegistry(redis_client, job_id)
+    a = EngineRegistration(redis_client, job_id, "http://a:1", lease_s=60)
+    late = EngineRegistration(redis_client, job_id, "http://late:2", lease_s=60, joining=True)
+    assert _live(redis_server, job_id) == ["http://a:1"] and registry.joining() == ["http://late:2"]
+    late.renew()  # renewing does not make it live
+    assert _live(redis_server, job_id) == ["http://a:1"]
+    assert registry.promote("http://late:2") and not registry.promote("http://late:2")
+    late.renew()  # once live, it stays live
+    assert _live(redis_server, job_id) == ["http://a:1", "http://late:2"] and registry.joining() == []
+
+    registry.demote("http://a:1")  # the weight bus dropped it: no traffic from now on ...
+    assert _live(redis_server, job_id) == ["http://late:2"]
+    a.renew()  # ... and if it is alive, it waits as a joiner for the current weights
+    assert registry.joining() == ["http://a:1"] and _live(redis_server, job_id) == ["http://late:2"]
+    a.close()
+    late.close()
+    assert registry.joining() == [] and _live(redis_server, job_id) == []
 
 
 def test_pool_follows_membership_and_balances():
