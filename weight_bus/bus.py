@@ -1,41 +1,143 @@
 """Trainer side of the weight bus: one process group {trainer rank 0, every engine}, bucketed broadcasts.
 
+One update (`WeightBus.publish`):
+
+  1. membership — probe the engines (GET /get_server_info); drop the dead, admit engines waiting to join
+     (the registry's joining set, or engines dropped earlier that answer again); rebuild the group
+     if it changed. Nothing is paused yet.
+  2. bucket 0 — pulled from the trainer's (lazy) iterator, cast to the engine dtype and packed into one
+     flat buffer, still before the pause.
+  3. pause — /pause_generation on every engine (in_place | retract | abort).
+  4. buckets — per bucket: announce (/update_weights_from_distributed, names/dtypes/shapes, the last
+     one tagged with the version), then one broadcast. While bucket k is on the wire, bucket k+1 is
+     gathered and packed; at most MAX_INFLIGHT buckets are unconfirmed at a time.
+  5. continue — /continue_generation; engines that joined are promoted in the registry (they take
+     traffic only now, holding the current weights).
+
 Order matters (shared/SGLANG_API.md §3): an engine's HTTP handler blocks inside the collective, so the
-trainer fires the HTTP request first, then joins the collective, then collects the HTTP answer.
-Engines pause only around the swap: pause -> buckets -> continue.
+trainer fires the HTTP request first, then joins the collective, then collects the HTTP answer. The
+announcements to one engine go out one at a time, in bucket order (one sender thread per engine): two
+in flight could arrive swapped, and the engine would receive bucket k+1's bytes as bucket k.
+
+Failure: every HTTP call and every collective is bounded (`timeout_s`). An engine that dies, or does
+not answer in time, during an update is dropped; rank 0 leaves the group, builds a new one (new name,
+new port) with the survivors, and re-sends every bucket they have not confirmed, so the same update
+still reaches them and `publish` returns normally. An engine that is alive but refuses a bucket (e.g.
+an unknown parameter name) is a bug, not a failure: `publish` raises BusError. Either way the engines
+are continued and the trainer's iterator is drained (its other ranks take part in the same gathers).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
+import threading
 import time
-from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 import torch
 
 from weight_bus import metrics
-from weight_bus.group import DEFAULT_TIMEOUT_S, broadcast, dtype_name, new_group
+from weight_bus.group import (
+    DEFAULT_TIMEOUT_S,
+    broadcast_async,
+    dtype_from_name,
+    dtype_name,
+    free_port,
+    new_group,
+    shutdown_group,
+)
 from weight_bus.receiver import FLATTENED_BUCKET
-from weight_bus.schema import DEFAULT_GROUP, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus.schema import (
+    DEFAULT_GROUP,
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+)
 
 log = logging.getLogger(__name__)
 
+BUCKET_BYTES = 512 * 1024 * 1024
+PAUSE_MODES = ("in_place", "retract", "abort")
+MAX_INFLIGHT = 2
+"""Buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile, so the
+trainer holds at most MAX_INFLIGHT + 1 bucket buffers."""
+POLL_S = 1e-4
+"""How often an unconfirmed bucket is checked (its broadcast and every engine's HTTP answer)."""
+PROBE_TIMEOUT_S = 5.0
+"""GET /get_server_info bound when probing engines (it never waits on a collective)."""
+SETUP_GRACE_S = 10.0
+"""Extra time (at most `timeout_s`) for group setup and announcements beyond `timeout_s`: a survivor
+whose receive is stuck on a dead peer gives it up only after its own group timeout (`timeout_s`), then
+joins the new group."""
+MAX_REBUILDS = 3
+"""Group rebuilds one update may go through before it gives up with BusError."""
+BUILTIN_ENGINE = "slipstream-builtin"
+"""`version` in the built-in engine's /get_server_info: it takes InitWeightsUpdateGroup.timeout_s."""
+
 
 class BusError(RuntimeError):
-    """An engine refused or failed a weight-bus call; the message names the engine."""
+    """An engine refused a weight-bus call, or no update group could be built; the message names the
+    engine. The caller must not publish the version."""
 
 
-class PublishStats(msgspec.Struct):
+class _Refused(BusError):
+    """An engine answered, but not with success (HTTP status other than 200 or success: false)."""
+
+
+class PublishStats(msgspec.Struct, kw_only=True):
     version: int
     bytes: int
+    """Bytes broadcast once (the flattened buckets, in the engine dtype)."""
     buckets: int
-    pause_s: float
-    """Wall time from the engines' pause to their continue (what generation lost)."""
-    transfer_s: float
-    """Time spent moving the buckets (HTTP announce + broadcast + engine load)."""
+    pause_ms: float
+    """Engine pause: from /pause_generation sent to /continue_generation answered (generation lost)."""
+    transfer_ms: float
+    """First announcement to the last bucket confirmed by every engine (broadcast done and HTTP 200)."""
+    gather_ms: float
+    """Time spent pulling and packing tensors from the trainer's iterator (bucket 0 before the pause);
+    what of it is not hidden behind the wire shows up in transfer_ms."""
+    engines: list[str]
+    """Engines that hold `version` now."""
+    joined: list[str] = []
+    """Engines admitted by this update (they got the whole model; promoted in the registry)."""
+    dropped: list[str] = []
+    """Engines removed from the group by this update (dead or timed out)."""
+    rebuilds: int = 0
+    """Update groups built during this update (membership change or failure)."""
+
+    @property
+    def pause_s(self) -> float:
+        return self.pause_ms / 1e3
+
+    @property
+    def transfer_s(self) -> float:
+        return self.transfer_ms / 1e3
+
+
+class Registry(Protocol):
+    """What the bus needs of the engine registry (generator_fleet.registry.EngineRegistry): engines
+    registered mid-job wait in a joining set until the bus has given them the current weights."""
+
+    def joining(self) -> list[str]: ...
+
+    def promote(self, url: str) -> bool: ...
+
+    def demote(self, url: str) -> None: ...
+
+
+def update_due(version: int, every: int, final_version: int | None = None) -> bool:
+    """Whether to publish after the optimizer step that made `version`: every `every` versions, and
+    always at `final_version` so that engines end on the final policy. Pure, so that every trainer rank
+    decides alike (the full-tensor gather is a collective all of them take part in)."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    return version % every == 0 or (final_version is not None and version >= final_version)
 
 
 def buckets(
@@ -69,6 +171,122 @@ def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
+# ---- packing --------------------------------------------------------------------------------------
+
+
+class _Bucket:
+    """One flattened bucket: what the engines are told, the bytes, and its state on the wire."""
+
+    __slots__ = ("calls", "dtypes", "flat", "index", "last", "names", "shapes", "work")
+
+    def __init__(self, index: int, names, dtypes, shapes, flat: torch.Tensor, last: bool) -> None:
+        self.index, self.names, self.dtypes, self.shapes = index, names, dtypes, shapes
+        self.flat, self.last = flat, last
+        self.work = None
+        self.calls: dict[str, Future] = {}
+
+
+def pack(
+    named: Iterator[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None,
+    device: torch.device,
+) -> Iterator[_Bucket]:
+    """Pull tensors lazily from `named` and copy each into the current flat buffer as it arrives (cast
+    to `dtype` if floating point, moved to `device`), so the trainer holds one gathered tensor at a
+    time. A bucket is yielded once the next tensor does not fit (or `named` ends: then it is `last`).
+    A tensor larger than bucket_bytes travels alone, without a copy when it needs no cast or move."""
+    index = 0
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    flat: torch.Tensor | None = None
+    used = 0
+
+    def close(last: bool) -> _Bucket:
+        nonlocal index
+        b = _Bucket(index, names, dtypes, shapes, flat[:used], last)
+        index += 1
+        return b
+
+    for name, t in named:
+        t = t.detach()
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        n = t.numel() * target.itemsize
+        if names and used + n > bucket_bytes:
+            yield close(last=False)
+            names, dtypes, shapes, flat, used = [], [], [], None, 0
+        if flat is None:
+            if n >= bucket_bytes and t.dtype == target and t.device == device and t.is_contiguous():
+                flat = t.reshape(-1).view(torch.uint8)  # alone in its bucket: broadcast in place
+            else:
+                flat = torch.empty(max(n, bucket_bytes), dtype=torch.uint8, device=device)
+        if flat.data_ptr() != t.data_ptr() or n == 0:
+            dst = flat[used : used + n]
+            if used % target.itemsize == 0:
+                dst.view(target).view(t.shape).copy_(t)  # one pass: cast, move and pack
+            else:  # a mixed-dtype bucket left this slot unaligned for `target`
+                dst.copy_(t.to(device=device, dtype=target).contiguous().reshape(-1).view(torch.uint8))
+        names.append(name)
+        dtypes.append(dtype_name(target))
+        shapes.append(list(t.shape))
+        used += n
+    if names:
+        yield close(last=True)
+
+
+def _error(f: Future) -> BaseException | None:
+    """The exception of a finished call (a cancelled one counts as failed); None while running or on success."""
+    if not f.done():
+        return None
+    if f.cancelled():
+        return RuntimeError("cancelled")
+    return f.exception()
+
+
+def _drain(it: Iterator) -> None:
+    """Consume what is left of the trainer's iterator: its other ranks take part in the same gathers."""
+    for _ in it:
+        pass
+
+
+# ---- engines --------------------------------------------------------------------------------------
+
+
+class _Engine:
+    """One engine in the update group; its own sender thread keeps its announcements in order."""
+
+    def __init__(self, url: str, info: dict[str, Any], group_prefix: str) -> None:
+        self.url = url
+        self.tp_size = int(info.get("tp_size", 1))
+        self.builtin = info.get("version") == BUILTIN_ENGINE
+        self.dtype = info.get("dtype")
+        self.sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bus-sender")
+        self.broken = False
+        """An announcement failed: later ones are not sent (they would wait on a group it left)."""
+        self.groups = [
+            g
+            for g in info.get("weight_update_groups", [])
+            if g == group_prefix or g.startswith(group_prefix + "-")
+        ]
+        """Our update groups this engine is in: left before it joins a new one (after a rebuild, or
+        ones an earlier trainer process left behind; the built-in engine lists them in its info)."""
+
+    def close(self) -> None:
+        self.sender.shutdown(wait=False, cancel_futures=True)
+
+
+class _UpdateFailed(Exception):
+    """A bucket was not confirmed: engine calls that failed, and the collective's error if any."""
+
+    def __init__(self, bucket: _Bucket, errors: dict[str, BaseException], collective: BaseException | None):
+        self.bucket, self.errors, self.collective = bucket, errors, collective
+        parts = [f"{url}: {e}" for url, e in errors.items()]
+        if collective is not None:
+            parts.append(f"collective: {collective}")
+        super().__init__(f"bucket {bucket.index}: " + "; ".join(parts))
+
+
 class WeightBus:
     """Connects to engines over HTTP, hosts rank 0 of the update group, publishes weights."""
 
@@ -77,12 +295,26 @@ class WeightBus:
         engine_urls: list[str],
         api_key: str | None = None,
         backend: str = "gloo",
-        bucket_bytes: int = 512 * 1024 * 1024,
+        bucket_bytes: int = BUCKET_BYTES,
         master_address: str = "127.0.0.1",
         pause_mode: str = "in_place",
         group_name: str = DEFAULT_GROUP,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        dtype: str | None = None,
+        registry: Registry | None = None,
+        rejoin_after_s: float = 60.0,
+        device: str | torch.device | None = None,
     ) -> None:
+        """`dtype`: what the weights travel and load as ("bfloat16", ...); None: the engines' dtype from
+        /get_server_info when they all report the same concrete one, else the trainer's own.
+        `timeout_s`: bound on every HTTP call and collective (see SETUP_GRACE_S). `registry`: where
+        engines that join mid-job wait (they are admitted at the next update). `rejoin_after_s`: an
+        engine dropped, or one that failed to join, is retried as a joiner after this long.
+        `device`: where buckets are packed (default: the current CUDA device for nccl, else CPU)."""
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend {backend!r}: expected gloo or nccl")
         self.engine_urls = list(engine_urls)
         self.backend = backend
         self.bucket_bytes = bucket_bytes
@@ -90,137 +322,445 @@ class WeightBus:
         self.pause_mode = pause_mode
         self.group_name = group_name
         self.timeout_s = timeout_s
+        self.dtype = dtype_from_name(dtype) if dtype else None
+        self.registry = registry
+        self.rejoin_after_s = rejoin_after_s
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+        self.device = torch.device(device)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers, timeout=timeout_s)
-        self.pool = ThreadPoolExecutor(max_workers=max(4, 2 * len(self.engine_urls)))
+        # TCP_NODELAY: a POST goes out as two writes (headers, body); with Nagle on, the body waits for
+        # the server's delayed ACK of the headers, 40 ms per call on Linux, i.e. per bucket.
+        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        self.http = httpx.Client(
+            headers=headers, timeout=timeout_s, transport=httpx.HTTPTransport(socket_options=nodelay)
+        )
+        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bus-http")
+        self.engines: list[_Engine] = []
         self.group = None
+        self._generation = 0
+        self._retry_at: dict[str, float] = {}
+        """Engines dropped (or failed to join): URL -> when to try them again as joiners."""
+        self._grace = min(SETUP_GRACE_S, timeout_s)
+        self._lock = threading.Lock()
+        """One update (or connect) at a time: an update never overlaps another."""
 
-    # --- HTTP helpers ------------------------------------------------------------------------------
-    def _post(self, url: str, path: str, body) -> dict:
+    @property
+    def urls(self) -> list[str]:
+        """Engines in the update group now."""
+        return [e.url for e in self.engines]
+
+    # --- HTTP --------------------------------------------------------------------------------------
+    def _post(self, url: str, path: str, body: Any, timeout: float | None = None) -> dict:
         resp = self.http.post(
             url + path,
             content=msgspec.json.encode(body) if body is not None else b"{}",
             headers={"Content-Type": "application/json"},
+            timeout=timeout or self.timeout_s,
         )
         if resp.status_code != 200:
-            raise BusError(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
+            raise _Refused(f"{url}{path}: HTTP {resp.status_code}: {resp.text[:500]}")
         data = resp.json() if resp.content else {}
         if isinstance(data, dict) and data.get("success") is False:
-            raise BusError(f"{url}{path}: {data.get('message')}")
+            raise _Refused(f"{url}{path}: {data.get('message')}")
         return data
 
-    def _fire(self, path: str, body_for) -> list[Future]:
-        return [
-            self.pool.submit(self._post, url, path, body_for(i)) for i, url in enumerate(self.engine_urls)
-        ]
+    def _info(self, url: str) -> dict:
+        resp = self.http.get(url + "/get_server_info", timeout=min(PROBE_TIMEOUT_S, self.timeout_s))
+        if resp.status_code != 200:
+            raise _Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
+        info = resp.json()
+        # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
+        if int(info.get("pp_size", 1)) != 1:
+            raise _Refused(f"{url}: pipeline-parallel engines (pp_size {info['pp_size']}) are unsupported")
+        return info
 
-    @staticmethod
-    def _collect(futures: list[Future]) -> None:
-        errors = [f.exception() for f in futures if f.exception() is not None]
-        if errors:
-            raise BusError("; ".join(str(e) for e in errors))
-
-    def _all(self, path: str, body=None) -> None:
-        self._collect(self._fire(path, lambda i: body))
-
-    # --- protocol ----------------------------------------------------------------------------------
-    def _preflight(self) -> list[int]:
-        """Every engine reachable and accepting our token, before anyone blocks in a collective: a bad
-        token or a dead engine fails in milliseconds instead of after the group-setup timeout. Returns
-        each engine's tensor-parallel size: every TP rank of an SGLang engine joins the group."""
-        futures = [self.pool.submit(self.http.get, url + "/get_server_info") for url in self.engine_urls]
-        errors, tp_sizes = [], []
-        for url, f in zip(self.engine_urls, futures, strict=True):
+    def _probe(self, urls: list[str]) -> dict[str, dict | BaseException]:
+        """Server info of each engine, or why it could not be had (in parallel, bounded)."""
+        futures = {u: self.pool.submit(self._info, u) for u in urls}
+        out: dict[str, dict | BaseException] = {}
+        for u, f in futures.items():
             try:
-                resp = f.result()
-            except httpx.HTTPError as e:
-                errors.append(f"{url}: unreachable: {e}")
-                continue
-            if resp.status_code != 200:
-                errors.append(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
-                continue
-            info = resp.json()
-            # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
-            if int(info.get("pp_size", 1)) != 1:
-                errors.append(f"{url}: pipeline-parallel engines (pp_size {info['pp_size']}) are unsupported")
-            tp_sizes.append(int(info.get("tp_size", 1)))
-        if errors:
-            raise BusError("; ".join(errors))
-        return tp_sizes
+                out[u] = f.result()
+            except Exception as e:
+                out[u] = e
+        return out
 
+    def _on_all(self, engines: list[_Engine], path: str, body: Any) -> dict[str, BaseException]:
+        """POST to every engine in parallel; returns the failures by URL."""
+        futures = {e.url: self.pool.submit(self._post, e.url, path, body) for e in engines}
+        return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
+
+    # --- membership and the group ------------------------------------------------------------------
     def connect(self) -> None:
-        """Create the update group: announce to every engine (not awaited), host rank 0, then await."""
-        from slipstream.redis_server import free_port  # a free TCP port for the group's store
-
-        offsets, world = rank_offsets(self._preflight())
-        port = free_port(self.master_address)
-        futures = self._fire(
-            "/init_weights_update_group",
-            lambda i: InitWeightsUpdateGroup(
-                master_address=self.master_address,
-                master_port=port,
-                rank_offset=offsets[i],
-                world_size=world,
-                group_name=self.group_name,
-                backend=self.backend,
-            ),
-        )
-        try:
-            self.group = new_group(
-                self.master_address, port, 0, world, self.backend, self.group_name, self.timeout_s
+        """Build the first update group with `engine_urls`; every one of them must answer (a bad token
+        or a dead engine fails here in milliseconds, not after a group-setup timeout)."""
+        with self._lock:
+            infos = self._probe(self.engine_urls)
+            errors = [f"{u}: {r}" for u, r in infos.items() if isinstance(r, BaseException)]
+            if errors:
+                raise BusError("; ".join(errors))
+            self.engines = [_Engine(u, infos[u], self.group_name) for u in self.engine_urls]
+            if self.engines:
+                self._rebuild()
+            log.info(
+                "weight bus connected: %d engines, %s, group %s", len(self.engines), self.backend, self._name
             )
-        except Exception as e:
-            failed = [f.exception() for f in futures if f.done() and f.exception()]
-            raise BusError(f"weight group setup failed: {e}; engine errors: {failed}") from e
-        self._collect(futures)
-        log.info("weight bus connected: %d engines, %s, port %d", len(self.engine_urls), self.backend, port)
 
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Pause engines, send every bucket, tag the last with `version`, continue. Raises BusError if
-        any engine fails (the caller must not publish the version then)."""
-        if self.group is None:
-            raise BusError("publish before connect()")
-        plan = buckets(named, self.bucket_bytes)
-        t_pause = time.perf_counter()
-        self._all("/pause_generation", {"mode": self.pause_mode})
-        total = 0
-        try:
-            t_transfer = time.perf_counter()
-            for i, bucket in enumerate(plan):
-                last = i == len(plan) - 1
-                body = UpdateWeightsFromDistributed(
-                    names=[n for n, _ in bucket],
-                    dtypes=[dtype_name(t.dtype) for _, t in bucket],
-                    shapes=[list(t.shape) for _, t in bucket],
-                    group_name=self.group_name,
-                    load_format=FLATTENED_BUCKET,
-                    weight_version=str(version) if last else None,
-                    flush_cache=last,
+    @property
+    def _name(self) -> str:
+        return self.group_name if self._generation <= 1 else f"{self.group_name}-{self._generation}"
+
+    def _leave_group(self) -> None:
+        shutdown_group(self.group)
+        self.group = None
+
+    def _rebuild(self) -> None:
+        """Build a new group over self.engines (new name, new port); engines that cannot join are
+        dropped and the build retried without them. Raises BusError after MAX_REBUILDS tries."""
+        for _ in range(MAX_REBUILDS):
+            self._leave_group()
+            if not self.engines:
+                return
+            self._generation += 1
+            metrics.GROUP_REBUILDS.inc()
+            name, port = self._name, free_port(self.master_address)
+            offsets, world = rank_offsets([e.tp_size for e in self.engines])
+            futures: dict[str, Future] = {}
+            for e, offset in zip(self.engines, offsets, strict=True):
+                req = InitWeightsUpdateGroup(
+                    master_address=self.master_address,
+                    master_port=port,
+                    rank_offset=offset,
+                    world_size=world,
+                    group_name=name,
+                    backend=self.backend,
+                    timeout_s=self.timeout_s if e.builtin else None,
                 )
-                futures = self._fire("/update_weights_from_distributed", lambda _i, b=body: b)
-                flat = flatten(bucket)
-                broadcast(self.group, flat)
-                self._collect(futures)
-                total += flat.numel()
+                futures[e.url] = e.sender.submit(self._join, e, req)
+            try:
+                # gloo: blocks until every rank joined; a survivor may first sit out a stuck receive
+                self.group = new_group(
+                    self.master_address, port, 0, world, self.backend, name, self.timeout_s + self._grace
+                )
+            except Exception as e:
+                log.warning("weight group %s: setup failed: %s", name, e)
+            wait(futures.values(), timeout=self.timeout_s + 2 * self._grace)
+            failed = {u: f.exception() if f.done() else TimeoutError("no answer") for u, f in futures.items()}
+            failed = {u: err for u, err in failed.items() if err is not None}
+            if self.group is not None and not failed:
+                log.info(
+                    "weight group %s: %d engines, world %d, port %d", name, len(self.engines), world, port
+                )
+                return
+            for url, err in failed.items():
+                log.warning("weight group %s: %s could not join: %s", name, url, err)
+            self._drop(list(failed) or [])
+        self._leave_group()
+        raise BusError(f"no weight update group could be built over {self.urls}")
+
+    def _join(self, e: _Engine, req: InitWeightsUpdateGroup) -> None:
+        """On the engine's sender thread: leave its previous groups (best effort), join the new one."""
+        self._leave_on_engine(e)
+        self._post(e.url, "/init_weights_update_group", req, self.timeout_s + 2 * self._grace)
+        e.groups, e.broken = [req.group_name], False
+
+    def _leave_on_engine(self, e: _Engine) -> None:
+        for name in e.groups:
+            try:
+                self._post(e.url, "/destroy_weights_update_group", DestroyWeightsUpdateGroup(group_name=name))
+            except Exception as err:  # it may be gone, or never have joined
+                log.debug("%s: destroy %s: %s", e.url, name, err)
+        e.groups = []
+
+    def _drop(self, urls: list[str]) -> list[str]:
+        """Remove engines from the group (and from the registry's live set, so that they stop taking
+        traffic until they are given the current weights again as joiners)."""
+        dropped = []
+        for e in [e for e in self.engines if e.url in urls]:
+            self.engines.remove(e)
+            e.close()
+            dropped.append(e.url)
+            self._retry_at[e.url] = time.monotonic() + self.rejoin_after_s
+            metrics.ENGINE_FAILURES.inc()
+            if self.registry is not None:
+                try:
+                    self.registry.demote(e.url)
+                except Exception as err:
+                    log.warning("registry: could not demote %s: %s", e.url, err)
+        if self.group is not None and dropped:
+            self._leave_group()  # its world had them; a rebuild follows
+        return dropped
+
+    def _sync_members(self) -> tuple[list[str], list[str]]:
+        """Before an update: drop engines that do not answer, admit joiners; rebuild if anything
+        changed. Returns (joined, dropped)."""
+        now = time.monotonic()
+        candidates = set(u for u, t in self._retry_at.items() if t <= now)
+        if self.registry is not None:
+            try:
+                candidates.update(self.registry.joining())
+            except Exception as e:  # Redis down: update the engines we have
+                log.warning("registry: could not list joining engines: %s", e)
+        candidates -= set(self.urls)
+        candidates = {u for u in candidates if self._retry_at.get(u, 0) <= now}
+        infos = self._probe(self.urls + sorted(candidates))
+        dead = [u for u in self.urls if isinstance(infos[u], BaseException)]
+        for u in dead:
+            log.warning("engine %s does not answer; dropped from the update group: %s", u, infos[u])
+        dropped = self._drop(dead)
+        joined = []
+        for u in sorted(candidates):
+            if isinstance(infos[u], BaseException):
+                self._retry_at[u] = now + self.rejoin_after_s
+                continue
+            self._retry_at.pop(u, None)
+            self.engines.append(_Engine(u, infos[u], self.group_name))
+            joined.append(u)
+        if joined:
+            log.info("engines joining the update group: %s", joined)
+        if self.engines and (self.group is None or joined or dropped):
+            self._rebuild()
+        return [u for u in joined if u in self.urls], dropped
+
+    def _wire_dtype(self) -> torch.dtype | None:
+        """The bus's `dtype`, else the engines' common concrete dtype (SGLang may say "auto": no cast)."""
+        if self.dtype is not None:
+            return self.dtype
+        names = {e.dtype for e in self.engines}
+        if len(names) == 1:
+            try:
+                return dtype_from_name(names.pop())
+            except (ValueError, TypeError, AttributeError):
+                return None
+        return None
+
+    # --- one update --------------------------------------------------------------------------------
+    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+        """Send every (HF name, full tensor) of `named` to every live engine and tag them with `version`.
+        `named` may be lazy (an FSDP full-tensor gather per parameter): it is consumed once, in order, and
+        always to the end. Returns once every engine left in the group confirmed; raises BusError if an
+        engine refused or no group could be built (the version must not be published then)."""
+        it = iter(named)
+        with self._lock:
+            try:
+                return self._publish(it, version)
+            finally:
+                _drain(it)
+
+    def _publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+        if self.http.is_closed:
+            raise BusError("publish after close()")
+        generation0 = self._generation
+        joined, dropped = self._sync_members()
+        dtype = self._wire_dtype()
+        t_gather = time.perf_counter()
+        stream = pack(it, self.bucket_bytes, dtype, self.device)
+        first = next(stream, None)
+        gather_s = time.perf_counter() - t_gather
+        if first is None:
+            raise BusError("publish: no tensors")
+        if not self.engines:
+            log.warning("version %d: no engine to update (none registered or all dropped)", version)
+            return PublishStats(
+                version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
+                gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
+            )  # fmt: skip
+        paused = list(self.engines)
+        t_pause = time.perf_counter()
+        total = n_buckets = 0
+        try:
+            failed = self._on_all(paused, "/pause_generation", {"mode": self.pause_mode})
+            refused = {u: e for u, e in failed.items() if isinstance(e, _Refused)}
+            if refused and all(not isinstance(r, BaseException) for r in self._probe(list(refused)).values()):
+                raise BusError(f"pause refused: {refused}")
+            if failed:
+                dropped += self._drop(list(failed))
+                self._rebuild()
+            t_transfer = time.perf_counter()
+            total, n_buckets, pack_s, more_dropped = self._transfer(first, stream, version)
+            gather_s += pack_s
+            dropped += more_dropped
             transfer_s = time.perf_counter() - t_transfer
         finally:
-            self._all("/continue_generation", {})
+            # Engines dropped meanwhile are continued too (one that timed out may still be alive), but not
+            # waited for: they may not answer at all.
+            for url in {e.url for e in paused} - set(self.urls):
+                self.pool.submit(self._post, url, "/continue_generation", {})
+            failed = self._on_all(self.engines, "/continue_generation", {})
+            for url, err in failed.items():
+                log.warning("engine %s: continue failed: %s", url, err)
+            dropped += self._drop(list(failed))
         pause_s = time.perf_counter() - t_pause
+        if self.registry is not None:
+            for url in joined:
+                if url in self.urls:
+                    try:
+                        self.registry.promote(url)
+                    except Exception as e:  # it stays joining; the next update promotes it
+                        log.warning("registry: could not promote %s: %s", url, e)
+        stats = PublishStats(
+            version=version,
+            bytes=total,
+            buckets=n_buckets,
+            pause_ms=pause_s * 1e3,
+            transfer_ms=transfer_s * 1e3,
+            gather_ms=gather_s * 1e3,
+            engines=self.urls,
+            joined=[u for u in joined if u in self.urls],
+            dropped=dropped,
+            rebuilds=self._generation - generation0,
+        )
         metrics.BYTES.inc(total)
         metrics.TRANSFER_SECONDS.observe(transfer_s)
         metrics.PAUSE_SECONDS.observe(pause_s)
         metrics.VERSION.set(version)
+        metrics.UPDATES.inc()
+        metrics.ENGINES.set(len(self.engines))
         log.info(
-            "published version %d: %.1f MB in %d buckets, transfer %.1f ms, engines paused %.1f ms",
+            "published version %d to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
+            "engines paused %.1f ms, gather %.1f ms%s%s",
             version,
+            len(self.engines),
             total / 1e6,
-            len(plan),
-            transfer_s * 1e3,
-            pause_s * 1e3,
+            n_buckets,
+            stats.transfer_ms,
+            total / max(transfer_s, 1e-9) / 1e9,
+            stats.pause_ms,
+            stats.gather_ms,
+            f", joined {stats.joined}" if stats.joined else "",
+            f", dropped {dropped}" if dropped else "",
         )
-        return PublishStats(version, total, len(plan), pause_s, transfer_s)
+        return stats
+
+    def _transfer(self, first: _Bucket, stream: Iterator[_Bucket], version: int):
+        """Announce and broadcast every bucket, packing the next while the previous is on the wire; on a
+        failure, rebuild over the survivors and re-send what they have not confirmed.
+        Returns (bytes, buckets, seconds spent packing, engines dropped)."""
+        pending: deque[_Bucket] = deque()
+        nxt: _Bucket | None = first
+        total = count = 0
+        pack_s = 0.0
+        dropped: list[str] = []
+        rebuilds = 0
+        while (nxt is not None or pending) and self.engines:
+            if nxt is not None and len(pending) < MAX_INFLIGHT:
+                self._launch(nxt, version)
+                pending.append(nxt)
+                if nxt.last:
+                    nxt = None
+                else:
+                    t = time.perf_counter()
+                    nxt = next(stream)  # gathered and packed while the buckets before it are on the wire
+                    pack_s += time.perf_counter() - t
+                continue
+            try:
+                done = self._confirm(pending[0])
+            except _UpdateFailed as failure:
+                rebuilds += 1
+                if rebuilds > MAX_REBUILDS:
+                    self._leave_group()
+                    raise BusError(f"update failed {rebuilds} times; last: {failure}") from failure
+                dropped += self._recover(failure, pending)
+                if not self.engines:
+                    log.warning("version %d: every engine was dropped", version)
+                    return total, count, pack_s, dropped
+                for b in pending:
+                    self._launch(b, version)
+                continue
+            pending.popleft()
+            total += done.flat.numel()
+            count += 1
+            done.flat = done.work = None
+        return total, count, pack_s, dropped
+
+    def _launch(self, b: _Bucket, version: int) -> None:
+        body = UpdateWeightsFromDistributed(
+            names=b.names,
+            dtypes=b.dtypes,
+            shapes=b.shapes,
+            group_name=self._name,
+            load_format=FLATTENED_BUCKET,
+            weight_version=str(version) if b.last else None,
+            flush_cache=b.last,
+        )
+        timeout = self.timeout_s + self._grace
+        b.calls = {e.url: e.sender.submit(self._announce, e, body, timeout) for e in self.engines}
+        try:
+            b.work = broadcast_async(self.group, b.flat)
+        except Exception as e:  # the group is already broken: _confirm reports it
+            b.work = e
+
+    def _announce(self, e: _Engine, body: UpdateWeightsFromDistributed, timeout: float) -> dict:
+        """On the engine's sender thread, after its previous announcement was answered."""
+        if e.broken:
+            raise _Refused(f"{e.url}: not announced (an earlier bucket failed)")
+        try:
+            return self._post(e.url, "/update_weights_from_distributed", body, timeout)
+        except Exception:
+            e.broken = True
+            raise
+
+    def _confirm(self, b: _Bucket) -> _Bucket:
+        """Wait (bounded) until bucket b's broadcast is done and every engine answered 200."""
+        deadline = time.monotonic() + self.timeout_s + self._grace
+        work = b.work
+        while True:
+            errors = {u: err for u, f in b.calls.items() if (err := _error(f)) is not None}
+            if isinstance(work, BaseException):
+                raise _UpdateFailed(b, errors, work)
+            if errors:
+                raise _UpdateFailed(b, errors, None)
+            if work.is_completed() and all(f.done() for f in b.calls.values()):
+                break
+            if time.monotonic() > deadline:
+                late = {u: TimeoutError("no answer in time") for u, f in b.calls.items() if not f.done()}
+                done = work.is_completed()
+                raise _UpdateFailed(b, late, None if done else TimeoutError("broadcast did not complete"))
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except Exception as e:
+            raise _UpdateFailed(b, {}, e) from e
+        return b
+
+    def _recover(self, failure: _UpdateFailed, pending: deque[_Bucket]) -> list[str]:
+        """Leave the broken group, find out who is dead, rebuild over the survivors. An engine that is
+        alive but refused a bucket whose broadcast went through raises BusError instead."""
+        log.warning("weight update failed: %s", failure)
+        self._leave_group()  # rank 0's unfinished broadcasts fail now
+        for b in pending:  # announcements not yet sent will not be: the group they name is gone
+            for f in b.calls.values():
+                f.cancel()
+        # Let started announcements finish (survivors give up a stuck receive after timeout_s), so that
+        # each engine's answer tells what happened to it.
+        calls = [f for b in pending for f in b.calls.values() if not f.cancelled()]
+        wait(calls, timeout=self.timeout_s + 2 * self._grace)
+        errors: dict[str, BaseException] = dict(failure.errors)
+        for b in pending:
+            for url, f in b.calls.items():
+                if url not in errors and (err := _error(f)) is not None and not f.cancelled():
+                    errors[url] = err
+        lost = {u for u, e in errors.items() if not isinstance(e, _Refused)}  # transport error, timeout
+        infos = self._probe([u for u in self.urls if u not in lost])
+        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
+        refused = {u: e for u, e in errors.items() if u not in lost}
+        if refused and not lost and failure.collective is None:
+            # everyone alive and the bytes arrived, yet an engine said no: a bug, not a failure
+            raise BusError("; ".join(str(e) for e in refused.values()))
+        dropped = self._drop(sorted(lost))
+        for url in dropped:
+            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        self._rebuild()
+        return dropped
 
     def close(self) -> None:
+        """Leave the group on every side (engines keep serving) and release the connections."""
+        with self._lock:
+            self._leave_group()
+            for e in self.engines:
+                e.close()
+            list(self.pool.map(self._leave_on_engine, self.engines))
+            self.engines = []
         self.http.close()
         self.pool.shutdown(wait=False)
-        self.group = None

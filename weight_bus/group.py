@@ -2,17 +2,30 @@
 
 The trainer already owns a default group (its FSDP world) and an engine may too, so the bus builds a
 stateless group from its own TCPStore, like vLLM's StatelessProcessGroup: rank 0 (the trainer) hosts
-the store, engines connect to it.
+the store, engines connect to it. Every group has a timeout: a collective that a dead or hung peer
+never completes fails after `timeout_s` instead of blocking forever.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
+import socket
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = 300.0
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+"""Bound on each collective and on group setup (and, on the bus, on each engine HTTP call)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (for a group's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def new_group(
@@ -24,7 +37,8 @@ def new_group(
     group_name: str = "weight_update_group",
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0) a group; blocks until all `world_size` ranks have joined."""
+    """Join (rank > 0) or host (rank 0) a group. gloo blocks until all `world_size` ranks have joined
+    (at most `timeout_s`); NCCL connects lazily, at the first collective."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
         master_address,
@@ -44,10 +58,31 @@ def new_group(
     raise ValueError(f"backend {backend!r}: expected gloo or nccl")
 
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> dist.Work:
+    """Start a broadcast; poll `work.is_completed()`, then `work.wait()` raises if it failed. On NCCL it
+    runs on the group's stream after the work queued so far on the current stream."""
     opts = dist.BroadcastOptions()
     opts.rootRank = src
-    group.broadcast([tensor], opts).wait()
+    return group.broadcast([tensor], opts)
+
+
+def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+    broadcast_async(group, tensor, src).wait()
+
+
+def shutdown_group(group: dist.ProcessGroup | None) -> None:
+    """Abort a group we are leaving (NCCL: frees a communicator a dead peer left hanging). Best effort:
+    the group may already be broken."""
+    if group is None:
+        return
+    for method in ("abort", "shutdown"):
+        fn = getattr(group, method, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception as e:  # a broken group may refuse; dropping it is what matters
+                log.debug("%s of a weight group failed: %s", method, e)
+            return
 
 
 _DTYPES = {

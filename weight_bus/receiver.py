@@ -9,7 +9,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from weight_bus.group import broadcast, dtype_from_name, new_group
+from weight_bus.group import DEFAULT_TIMEOUT_S, broadcast, dtype_from_name, new_group, shutdown_group
 from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 
 log = logging.getLogger(__name__)
@@ -30,15 +30,24 @@ class WeightReceiver:
             raise ValueError(f"group {req.group_name!r} already exists; destroy it first")
         rank = req.rank_offset + self.tp_rank
         self.groups[req.group_name] = new_group(
-            req.master_address, int(req.master_port), rank, req.world_size, req.backend, req.group_name
+            req.master_address,
+            int(req.master_port),
+            rank,
+            req.world_size,
+            req.backend,
+            req.group_name,
+            req.timeout_s or DEFAULT_TIMEOUT_S,
         )
         log.info(
             "joined weight group %s as rank %d/%d (%s)", req.group_name, rank, req.world_size, req.backend
         )
 
     def destroy(self, group_name: str) -> None:
-        if self.groups.pop(group_name, None) is None:
+        """Leave a group; the bus drops one this way after a peer died in it and rebuilds without it."""
+        group = self.groups.pop(group_name, None)
+        if group is None:
             raise ValueError(f"no group {group_name!r}")
+        shutdown_group(group)
 
     def receive(self, req: UpdateWeightsFromDistributed) -> list[tuple[str, torch.Tensor]]:
         """Receive the tensors named in `req` from rank 0; returns (name, tensor) in order."""

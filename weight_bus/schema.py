@@ -7,7 +7,7 @@ import msgspec
 DEFAULT_GROUP = "weight_update_group"
 
 
-class InitWeightsUpdateGroup(msgspec.Struct, kw_only=True):
+class InitWeightsUpdateGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
     """POST /init_weights_update_group: join {trainer rank 0, engine ranks} at tcp://addr:port."""
 
     master_address: str
@@ -16,6 +16,10 @@ class InitWeightsUpdateGroup(msgspec.Struct, kw_only=True):
     world_size: int
     group_name: str = DEFAULT_GROUP
     backend: str = "nccl"
+    timeout_s: float | None = None
+    """Slipstream extension (the built-in engine only; SGLang has no such field, and a null is never
+    sent): bound on each collective of the group, so an engine whose peer died gives up its receive, and
+    its weight lock, after this long. None: weight_bus.group.DEFAULT_TIMEOUT_S."""
 
 
 class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):

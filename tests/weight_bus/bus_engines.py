@@ -1,0 +1,80 @@
+"""Models and engines for the weight-bus tests: tiny Qwen2 models with large random weights (so two of
+them generate differently), built-in engines in this process or in a subprocess that can be SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+
+from generator_fleet.tasks.arith import ALPHABET, ArithTask
+from trainer.tiny_model import build
+
+KEY = "bus-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def noisy_model(path: Path, seed: int) -> torch.nn.Module:
+    """A tiny model saved at `path` (tokenizer included); its weights get N(0, 0.5) noise in memory only,
+    so a publish of it changes an engine's greedy output."""
+    model, _ = build(path, ALPHABET, [p.prompt + str(p.answer) for p in ArithTask().problems], seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def engine_weights(server) -> dict[str, torch.Tensor]:
+    """What an in-process built-in engine computes with (its parameters, by HF name)."""
+    return {n: t.detach().clone() for n, t in server.runner.model.state_dict().items()}
+
+
+def assert_holds(server, model: torch.nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Bit for bit: every parameter of the engine equals the model's (cast to `dtype` if given)."""
+    got = engine_weights(server)
+    for name, p in model.state_dict().items():
+        want = p if dtype is None else p.to(dtype)
+        assert torch.equal(got[name], want.to(got[name].dtype)), name
+        assert got[name].dtype == want.dtype, name
+
+
+def version(url: str) -> str:
+    return httpx.get(url + "/get_model_info", headers=AUTH, timeout=10).json()["weight_version"]
+
+
+class EngineProcess:
+    """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return."""
+
+    def __init__(self, model_dir: Path, log_path: Path) -> None:
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model_dir), "--port", "0"]
+        cmd += ["--api-key", KEY, "--torch-threads", "1", "--log-level", "WARNING"]
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in kill())
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT
+        )
+        line = self.proc.stdout.readline()  # "engine ready at http://127.0.0.1:PORT"
+        if not line.startswith("engine ready at "):
+            self.kill()
+            raise RuntimeError(f"engine did not start: {line!r}; see {log_path}")
+        self.url = line.split()[-1]
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                self.proc.wait(30)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.log.close()

@@ -1,0 +1,185 @@
+"""Engines that fail during a weight update, and engines that join mid-job, against real built-in engines
+over HTTP + gloo. An engine SIGKILLed before the first bucket or between broadcasts, or one that hangs
+(SIGSTOP), is dropped; the group is rebuilt over the survivors and the same update still reaches them,
+bit for bit; publish returns. An engine that registers mid-job gets the current weights before the
+registry shows it to rollout workers."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, version
+
+from generator_fleet.engine import EngineServer
+from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key
+from weight_bus import WeightBus
+
+TIMEOUT_S = 2.0
+"""The bus's bound on calls and collectives; survivors give up a receive stuck on the dead peer after it."""
+BUCKET_BYTES = 128 * 1024
+"""The tiny model (2.1 MB in fp32) travels in ~17 buckets: a kill can land between broadcasts."""
+HANG_LIMIT_S = 120.0
+"""Only so that a regression fails instead of hanging the suite (recovery takes a few TIMEOUT_S)."""
+
+
+class Models:
+    def __init__(self, root) -> None:
+        self.path_a = root / "a"  # what the engines load
+        noisy_model(self.path_a, 1)
+        self.b = noisy_model(root / "b", 2)
+        self.c = noisy_model(root / "c", 3)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Models:
+    return Models(tmp_path_factory.mktemp("bus-failures"))
+
+
+@pytest.fixture(scope="module")
+def victims(models, tmp_path_factory):
+    """Three engine processes started side by side (each test kills or stops one)."""
+    logs = tmp_path_factory.mktemp("engine-logs")
+    with ThreadPoolExecutor(3) as pool:
+        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(3)))
+    yield procs
+    for p in procs:
+        p.kill()
+
+
+@pytest.fixture(scope="module")
+def survivor(models):
+    server = EngineServer(str(models.path_a), api_key=KEY, torch_threads=1).start()
+    yield server
+    server.stop()
+
+
+def publish_bounded(bus: WeightBus, named, version: int):
+    """bus.publish in a thread that must end within HANG_LIMIT_S."""
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            out["stats"] = bus.publish(named, version)
+        except BaseException as e:
+            out["error"] = e
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(HANG_LIMIT_S)
+    assert not th.is_alive(), "publish hung"
+    if "error" in out:
+        raise out["error"]
+    return out["stats"]
+
+
+def live(redis_client, job: str) -> list[str]:
+    sec, usec = redis_client.time()
+    now_ms = sec * 1000 + usec // 1000
+    return sorted(u.decode() for u in redis_client.zrangebyscore(engines_key(job), now_ms, "+inf"))
+
+
+def killing_at(model, index: int, victim: EngineProcess, sig: int = signal.SIGKILL):
+    """model's parameters, lazily; `victim` gets `sig` just before tensor `index` is handed over (for
+    index > 0 the buckets before it are announced and on the wire by then)."""
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if i == index:
+            victim.kill(sig)
+        yield name, p
+
+
+def test_engine_killed_before_the_first_bucket(models, survivor, victims):
+    victim = victims[0]
+    bus = WeightBus([survivor.url, victim.url], api_key=KEY, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
+    bus.connect()
+    try:
+        # it answered the bus's probe, then dies while the first bucket is gathered (before the pause)
+        stats = publish_bounded(bus, killing_at(models.b, 0, victim), version=5)
+        assert stats.dropped == [victim.url] and stats.engines == [survivor.url]
+        assert_holds(survivor, models.b)
+        assert version(survivor.url) == "5"
+
+        stats = publish_bounded(bus, models.c.named_parameters(), version=6)
+        assert stats.engines == [survivor.url] and stats.dropped == [] and stats.rebuilds == 0
+        assert_holds(survivor, models.c)
+    finally:
+        bus.close()
+
+
+def test_engine_killed_between_broadcasts_is_demoted_and_not_rejoined(
+    models, survivor, victims, redis_client, job_id
+):
+    victim = victims[1]
+    registrations = [EngineRegistration(redis_client, job_id, u) for u in (survivor.url, victim.url)]
+    registry = EngineRegistry(redis_client, job_id)
+    bus = WeightBus(
+        [survivor.url, victim.url],
+        api_key=KEY,
+        bucket_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        registry=registry,
+    )
+    bus.connect()
+    try:
+        n = len(list(models.c.parameters()))
+        stats = publish_bounded(bus, killing_at(models.c, n // 2, victim), version=7)
+        assert stats.buckets > 4  # it died with buckets confirmed and others in flight
+        assert stats.dropped == [victim.url] and stats.engines == [survivor.url] and stats.rebuilds >= 1
+        assert_holds(survivor, models.c)
+        assert version(survivor.url) == "7"
+        assert live(redis_client, job_id) == [survivor.url]  # rollouts stop going to it at once
+
+        registrations[1].renew()  # its lease goes on (it lives here): it waits as a joiner ...
+        assert registry.joining() == [victim.url]
+        stats = publish_bounded(bus, models.b.named_parameters(), version=8)
+        assert stats.joined == [] and stats.engines == [survivor.url]  # ... but is not retried yet
+        assert_holds(survivor, models.b)
+    finally:
+        bus.close()
+        for r in registrations:
+            r.close()
+
+
+def test_engine_that_hangs_mid_update_is_dropped_after_the_timeout(models, survivor, victims):
+    victim = victims[2]
+    bus = WeightBus([survivor.url, victim.url], api_key=KEY, bucket_bytes=BUCKET_BYTES, timeout_s=TIMEOUT_S)
+    bus.connect()
+    try:
+        n = len(list(models.b.parameters()))
+        stats = publish_bounded(bus, killing_at(models.b, n // 2, victim, signal.SIGSTOP), version=9)
+        assert stats.dropped == [victim.url] and stats.engines == [survivor.url]
+        assert_holds(survivor, models.b)
+        assert version(survivor.url) == "9"
+    finally:
+        bus.close()
+        victim.kill()
+
+
+def test_engine_registered_mid_job_gets_current_weights_before_traffic(
+    models, survivor, redis_client, job_id
+):
+    late = EngineServer(str(models.path_a), api_key=KEY, torch_threads=1).start()
+    first = EngineRegistration(redis_client, job_id, survivor.url)  # at job start: live at once
+    registry = EngineRegistry(redis_client, job_id)
+    bus = WeightBus([survivor.url], api_key=KEY, timeout_s=TIMEOUT_S, registry=registry)
+    bus.connect()
+    try:
+        publish_bounded(bus, models.b.named_parameters(), version=11)
+        joining = EngineRegistration(redis_client, job_id, late.url, joining=True)
+        assert live(redis_client, job_id) == [survivor.url]  # rollout workers do not see it yet
+        assert registry.joining() == [late.url] and version(late.url) == "0"
+
+        stats = publish_bounded(bus, models.c.named_parameters(), version=12)
+        assert stats.joined == [late.url] and sorted(stats.engines) == sorted([survivor.url, late.url])
+        for server in (survivor, late):
+            assert_holds(server, models.c)
+            assert version(server.url) == "12"
+        assert live(redis_client, job_id) == sorted([survivor.url, late.url]) and registry.joining() == []
+        joining.renew()  # promoted for good: its renewals keep it live
+        assert live(redis_client, job_id) == sorted([survivor.url, late.url])
+    finally:
+        bus.close()
+        first.close()
+        late.stop()
