@@ -15,12 +15,11 @@ import httpx
 import msgspec
 import pytest
 import torch
+from tiny_engine_model import build_noisy_model, greedy_reference
 
 from generator_fleet.client import EngineClient, EngineError
 from generator_fleet.engine import EngineServer
-from generator_fleet.tasks.arith import ALPHABET, ArithTask
 from trainer.logprobs import response_logprobs
-from trainer.tiny_model import build, save
 from weight_bus.group import broadcast, dtype_name, new_group
 
 API_KEY = "test-key"
@@ -31,7 +30,6 @@ CONTEXT_LENGTH = 4096
 LONG = 3000
 """max_new_tokens of a request that is still running when the test interrupts it."""
 DEADLINE_S = 30.0
-NOISE_STD = 0.5
 
 
 class Models(msgspec.Struct):
@@ -42,24 +40,11 @@ class Models(msgspec.Struct):
     tokenizer: object
 
 
-def _build_model(path: Path, seed: int):
-    """A tiny model with large random weights: a freshly initialised one (tied embeddings, std 0.02) just
-    echoes its last token, which would make greedy outputs and weight swaps indistinguishable."""
-    corpus = [f"{p.prompt}{p.answer}" for p in ArithTask().problems]
-    model, tok = build(path, ALPHABET, corpus, seed=seed)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * NOISE_STD)
-    save(path, model, tok)
-    return model.eval(), tok
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Models:
     root = tmp_path_factory.mktemp("models")
-    model_a, tok = _build_model(root / "a", seed=0)
-    model_b, _ = _build_model(root / "b", seed=1)
+    model_a, tok = build_noisy_model(root / "a", seed=0)
+    model_b, _ = build_noisy_model(root / "b", seed=1)
     return Models(root / "a", root / "b", model_a, model_b, tok)
 
 
@@ -89,15 +74,6 @@ def get(engine: EngineServer, path: str) -> httpx.Response:
 
 def prompt_ids(models: Models, text: str) -> list[int]:
     return models.tokenizer(text).input_ids
-
-
-def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding without a cache or batching: what the engine must reproduce."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def metric(engine: EngineServer, name: str) -> float:
