@@ -284,8 +284,18 @@ class BusSpec(Spec):
     backend: Literal["gloo", "nccl"] = "gloo"
     bucket_bytes: Pos = 512 * 1024 * 1024
     """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
-    pause_mode: Literal["in_place", "abort"] = "in_place"
-    """How engines pause for the swap: keep in-flight requests (partial rollouts) or abort them."""
+    pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
+    """How engines pause for the swap: keep in-flight requests with their KV cache (in_place: partial
+    rollouts, later tokens carry the new version), free their KV and re-prefill them after the swap
+    (retract), or abort them (abort: workers resume them from their prefix)."""
+    dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    """What the weights travel and load as; null = the engines' dtype (/get_server_info) when they all
+    report one, else the trainer's."""
+    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    """Bound on every engine call and collective of an update: an engine that dies or stalls longer is
+    dropped from the update group and the update goes on with the others."""
+    update_every: Pos = 1
+    """Publish weights every this many optimizer steps (and after the last one)."""
 
 
 class RedisSpec(Spec):
