@@ -1,9 +1,9 @@
 """Trainer benchmark: model FLOPs utilisation (MFU) and tokens/s of the trainer's packed training step.
 
 What is timed is `Learner.train_step`, the code a job runs per optimizer step: forward + backward of every
-packed micro-batch (decoupled-PPO loss, entropy metric, logprobs at the response positions), gradient
-accumulation, grad-norm clipping and the AdamW step, FSDP2-sharded over the ranks with bf16 compute on
-GPU. Untimed (reported as prep_s): building the synthetic samples, packing them and scattering them to
+packed micro-batch (decoupled-PPO loss, entropy metric, logprobs at the response positions from the fused
+chunked LM head unless --logprob-chunk 0), gradient accumulation, grad-norm clipping and the AdamW step,
+FSDP2-sharded over the ranks with bf16 compute on GPU. Untimed (reported as prep_s): building the synthetic samples, packing them and scattering them to
 the ranks, host work on data the buffer delivers.
 
 Model: random weights of a real shape (Qwen2.5-0.5B / 1.5B: vocab 151936, tied embeddings, GQA), built
@@ -152,6 +152,7 @@ def bench_model(name: str, args, pool) -> dict:
                 "activation_checkpointing": args.activation_checkpointing,
                 "offload_optimizer": args.offload,
                 "compile": args.compile,
+                "logprob_chunk_tokens": args.logprob_chunk,
                 "mixed_precision": "bf16",
             },
         }
@@ -356,6 +357,7 @@ def write_result(results: list[dict], args, device: torch.device) -> dict:
             "warmup": args.warmup,
             "activation_checkpointing": args.activation_checkpointing,
             "compile": args.compile,
+            "logprob_chunk_tokens": args.logprob_chunk,
             "cpu_offload": args.offload,
             "reference_model": args.kl,
             "peak_flops_per_gpu": args.peak_flops,
@@ -399,7 +401,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each decoder layer and the fused head's kernels"
+    )
+    p.add_argument(
+        "--logprob-chunk",
+        type=int,
+        default=2048,
+        help="fused LM head + log-softmax over chunks of this many positions (trainer.logprob_chunk_tokens); "
+        "0 = plain unchunked log-softmax",
+    )
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params/grads/optimizer")
     p.add_argument("--kl", action="store_true", help="also run a frozen reference model (KL penalty)")
     p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (default: by GPU name)")

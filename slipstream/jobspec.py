@@ -256,7 +256,11 @@ class TrainerSpec(Spec):
     """Token budget of one packed micro-batch (samples are packed without padding; one longer sample
     gets a micro-batch of its own); gradients accumulate over a step's micro-batches."""
     compile: bool = False
-    """torch.compile each decoder layer."""
+    """torch.compile each decoder layer and the fused LM head's per-chunk kernels."""
+    logprob_chunk_tokens: NonNeg = 2048
+    """The LM head, log-softmax and entropy at the trained positions run fused over chunks of this many
+    positions (no [positions, vocab] fp32 tensor is ever whole; backward recomputes each chunk's
+    logits); 0 = one unchunked log-softmax over all of them."""
     checkpoint_every: NonNeg = 0
     """Write a checkpoint (torch.distributed.checkpoint: weights, optimizer, version) every this many
     optimizer steps and after the last; 0 = never."""

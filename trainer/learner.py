@@ -152,9 +152,10 @@ class Learner:
         returns = self._gae(mbs) if self.critic is not None else None
         acc = {k: torch.zeros((), device=self.device, dtype=torch.float64) for k in SUM_STATS + MAX_STATS}
         entropy_mode = "grad" if alg.entropy_coef > 0 else "no_grad"
+        head = (self.spec.trainer.logprob_chunk_tokens, self.spec.trainer.compile)  # fused LM head
         for i, mb in enumerate(mbs):
             with self._autocast():
-                logp, ent = packed_logprobs(self.model, mb, temperature, entropy=entropy_mode)
+                logp, ent = packed_logprobs(self.model, mb, temperature, entropy_mode, *head)
             mask, w = mb.loss_mask, mb.token_weights
             terms = policy_loss_terms(
                 logp,
@@ -170,7 +171,7 @@ class Learner:
             pg = (terms.loss * w).sum()
             if self.ref is not None:
                 with torch.no_grad(), self._autocast():
-                    ref_lp, _ = packed_logprobs(self.ref, mb, temperature)
+                    ref_lp, _ = packed_logprobs(self.ref, mb, temperature, "none", *head)
                 kl = kl_penalty(logp, ref_lp, alg.kl)
                 per_token = per_token + alg.kl_coef * kl
                 acc["kl_ref"] += (kl.detach() * w).sum()

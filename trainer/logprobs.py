@@ -6,6 +6,8 @@ sees exactly its own prefix at its own position, so no position ids are needed.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -63,7 +65,12 @@ def packed_forward_kwargs(mb) -> dict:
 
 
 def packed_logprobs(
-    model, mb, temperature: float = 1.0, entropy: str = "none"
+    model,
+    mb,
+    temperature: float = 1.0,
+    entropy: str = "none",
+    chunk_tokens: int = 0,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprob of each target [T] fp32, entropy [T] or None) for a packed micro-batch.
 
@@ -71,10 +78,32 @@ def packed_logprobs(
     positions never reach the vocabulary projection. Elsewhere the outputs are 0. entropy: "none",
     "no_grad" (a metric) or "grad" (an entropy bonus in the loss).
 
-    The vocabulary-wide work is the largest memory traffic of a small model's step ([K, 152k] for
-    Qwen), so it is kept to one fp32 log-softmax (cast fused in, its output the only [K, V] tensor kept
-    for backward); the sampled tokens' logprobs are gathered from it and the entropy read off it.
+    chunk_tokens > 0: the LM head, log-softmax, gather and entropy run fused over chunks of that many
+    positions (`head_logprobs`), so no [K, V] tensor is ever whole and backward recomputes each chunk's
+    logits; compiled: those per-chunk kernels go through torch.compile. chunk_tokens = 0: the plain path,
+    one fp32 log-softmax over all K positions (its output the only [K, V] tensor kept for backward).
     """
+    if entropy not in ("none", "no_grad", "grad"):
+        raise ValueError(f"entropy must be none, no_grad or grad, not {entropy!r}")
+    keep = mb.logit_index
+    head = model.get_output_embeddings()
+    if chunk_tokens > 0 and getattr(head, "bias", None) is None:
+        lp, ent = _fused_head_forward(model, head, mb, temperature, chunk_tokens, compiled)
+    else:
+        lp, ent = _plain_head_forward(model, mb, temperature, entropy)
+    if entropy == "none":
+        ent = None
+    elif entropy == "no_grad":
+        ent = ent.detach()
+    full = lp.new_zeros(mb.num_tokens).index_copy(0, keep, lp)
+    if ent is not None:
+        ent = lp.new_zeros(mb.num_tokens).index_copy(0, keep, ent)
+    return full, ent
+
+
+def _plain_head_forward(
+    model, mb, temperature: float, entropy: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = mb.logit_index
     logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0]
     if temperature > 0 and temperature != 1.0:
@@ -88,9 +117,152 @@ def packed_logprobs(
     elif entropy == "no_grad":
         with torch.no_grad():
             ent = torch.cat([-(c.exp() * c).sum(-1) for c in logp_all.detach().split(ENTROPY_CHUNK_TOKENS)])
-    elif entropy != "none":
-        raise ValueError(f"entropy must be none, no_grad or grad, not {entropy!r}")
-    full = lp.new_zeros(mb.num_tokens).index_copy(0, keep, lp)
-    if ent is not None:
-        ent = lp.new_zeros(mb.num_tokens).index_copy(0, keep, ent)
-    return full, ent
+    return lp, ent
+
+
+def _fused_head_forward(
+    model, head, mb, temperature: float, chunk_tokens: int, compiled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the model with the fused head in place of its LM head's matmul.
+
+    A forward pre-hook on the LM head takes the final hidden states at the trained positions, computes
+    the fused logprobs and entropy from them and the head's weight, and hands the head an empty input.
+    The work stays inside the model's forward call, so under FSDP2 the weight is the unsharded parameter
+    the root module gathered for its forward (tied to embed_tokens in Qwen), and its gradient reaches
+    the sharded parameter through FSDP's own post-backward like the plain head's.
+    """
+    targets = mb.targets[mb.logit_index]
+    out: dict[str, torch.Tensor] = {}
+
+    def pre_hook(module, args):
+        hidden = args[0]
+        out["lp"], out["ent"] = head_logprobs(
+            hidden[0], module.weight, targets, temperature, chunk_tokens, compiled
+        )
+        return (hidden[:, :0],)
+
+    handle = head.register_forward_pre_hook(pre_hook)
+    try:
+        model(**packed_forward_kwargs(mb), logits_to_keep=mb.logit_index)
+    finally:
+        handle.remove()
+    return out["lp"], out["ent"]
+
+
+# --- fused, chunked LM head + log-softmax + gather + entropy ------------------------------------------
+
+
+def _chunk_forward(h, w, y, temperature: float):
+    """One chunk's (logprob of y [C], entropy [C], logsumexp [C]) of logits (h @ w.T) / temperature in fp32.
+
+    In-place on the chunk's fresh [C, V] logits: fewer passes over them when not compiled.
+    """
+    z = _fp32(h @ w.t())
+    if temperature != 1.0:
+        z /= temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.sub_(lse.unsqueeze(-1))
+    lp = logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
+    ent = logp.exp().mul_(logp).sum(-1).neg_()
+    return lp, ent, lse
+
+
+def _chunk_grad_logits(h, w, y, lse, ent, g_lp, g_ent, temperature: float):
+    """d(sum g_lp*lp + g_ent*ent)/d(h @ w.T) for one chunk, in h's dtype, recomputing the logits.
+
+    With z the tempered logits, p = softmax(z): d lp/dz = onehot(y) - p and d ent/dz = -p * (logp + ent),
+    so the gradient is g_lp * onehot(y) - p * (g_lp + g_ent * (logp + ent)); / temperature for the raw
+    logits. In-place on the recomputed logits, like _chunk_forward.
+    """
+    z = _fp32(h @ w.t())
+    if temperature != 1.0:
+        z /= temperature
+    logp = z.sub_(lse.unsqueeze(-1))
+    p = logp.exp()
+    g = logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1)).mul_(p).neg_()
+    g.scatter_add_(-1, y.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if temperature != 1.0:
+        g /= temperature
+    return g.to(h.dtype)
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """At least fp32 (fp64 stays fp64, for gradcheck)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, compiled):
+        fwd = _compiled(_chunk_forward) if compiled else _chunk_forward
+        k = hidden.shape[0]
+        lp = _fp32(hidden.new_empty(k))
+        ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        for s in range(0, k, chunk):
+            e = min(s + chunk, k)
+            lp[s:e], ent[s:e], lse[s:e] = fwd(hidden[s:e], weight, targets[s:e], temperature)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
+        ctx.set_materialize_grads(False)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[:2]
+        if (g_lp is None and g_ent is None) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        g_lp = g_lp if g_lp is not None else torch.zeros_like(lse)
+        g_ent = g_ent if g_ent is not None else torch.zeros_like(lse)
+        grad_fn = _compiled(_chunk_grad_logits) if ctx.compiled else _chunk_grad_logits
+        k, chunk = hidden.shape[0], ctx.chunk
+        gh = torch.empty_like(hidden) if need_h else None
+        # Several chunks add into the weight gradient: in fp32, then one rounding like the plain head's.
+        gw = None
+        if need_w and k > chunk:
+            gw = _fp32(torch.zeros_like(weight))
+        for s in range(0, k, chunk):
+            e = min(s + chunk, k)
+            h = hidden[s:e]
+            g = grad_fn(h, weight, targets[s:e], lse[s:e], ent[s:e], g_lp[s:e], g_ent[s:e], ctx.temperature)
+            if need_h:
+                gh[s:e] = g @ weight
+            if need_w:
+                if gw is None:
+                    gw = g.t() @ h
+                else:
+                    gw += g.t() @ h
+        if gw is not None:
+            gw = gw.to(weight.dtype)
+        return gh, gw, None, None, None, None
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 2048,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob of targets [K] fp32, entropy [K] fp32) under logits = hidden @ weight.T / temperature.
+
+    hidden [K, H], weight [V, H] (the LM head, bias-free), targets [K]. The same values and gradients
+    as log_softmax over the whole [K, V] logits, but computed chunk_tokens positions at a time: the
+    largest tensor is one chunk's [chunk, V] fp32 logits, and backward recomputes them per chunk
+    (one more head matmul) instead of keeping [K, V] fp32 for backward. The matmul runs in autocast's
+    dtype when autocast is on (as the plain head's would), else in hidden's dtype; softmax math in fp32.
+    """
+    if not (temperature > 0 and temperature != 1.0):
+        temperature = 1.0  # greedy rollouts (0) and 1: plain logits
+    dev = hidden.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    with torch.autocast(dev, enabled=False):
+        return _HeadLogprobs.apply(
+            hidden.to(dtype), weight.to(dtype), targets, float(temperature), int(chunk_tokens), compiled
+        )
