@@ -65,8 +65,9 @@ log = logging.getLogger(__name__)
 BUCKET_BYTES = 512 * 1024 * 1024
 PAUSE_MODES = ("in_place", "retract", "abort")
 MAX_INFLIGHT = 2
-"""Buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile, so the
-trainer holds at most MAX_INFLIGHT + 1 bucket buffers."""
+"""Default for buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile,
+so the trainer holds at most max_inflight + 1 bucket buffers. More hides more per-bucket HTTP latency
+(an engine hears of bucket k + max_inflight once bucket k is confirmed)."""
 POLL_S = 1e-4
 """How often an unconfirmed bucket is checked (its broadcast and every engine's HTTP answer)."""
 PROBE_TIMEOUT_S = 5.0
@@ -304,13 +305,15 @@ class WeightBus:
         registry: Registry | None = None,
         rejoin_after_s: float = 60.0,
         device: str | torch.device | None = None,
+        max_inflight: int = MAX_INFLIGHT,
     ) -> None:
         """`dtype`: what the weights travel and load as ("bfloat16", ...); None: the engines' dtype from
         /get_server_info when they all report the same concrete one, else the trainer's own.
         `timeout_s`: bound on every HTTP call and collective (see SETUP_GRACE_S). `registry`: where
         engines that join mid-job wait (they are admitted at the next update). `rejoin_after_s`: an
         engine dropped, or one that failed to join, is retried as a joiner after this long.
-        `device`: where buckets are packed (default: the current CUDA device for nccl, else CPU)."""
+        `device`: where buckets are packed (default: the current CUDA device for nccl, else CPU).
+        `max_inflight`: see MAX_INFLIGHT."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
         if backend not in ("gloo", "nccl"):
@@ -325,6 +328,7 @@ class WeightBus:
         self.dtype = dtype_from_name(dtype) if dtype else None
         self.registry = registry
         self.rejoin_after_s = rejoin_after_s
+        self.max_inflight = max(1, max_inflight)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -644,7 +648,7 @@ class WeightBus:
         dropped: list[str] = []
         rebuilds = 0
         while (nxt is not None or pending) and self.engines:
-            if nxt is not None and len(pending) < MAX_INFLIGHT:
+            if nxt is not None and len(pending) < self.max_inflight:
                 self._launch(nxt, version)
                 pending.append(nxt)
                 if nxt.last:

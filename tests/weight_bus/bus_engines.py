@@ -65,8 +65,10 @@ class EngineProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT
         )
-        line = self.proc.stdout.readline()  # "engine ready at http://127.0.0.1:PORT"
-        if not line.startswith("engine ready at "):
+        line = "-"
+        while line and not line.startswith("engine ready at "):  # "engine ready at URL"; "" if it died
+            line = self.proc.stdout.readline()
+        if not line:
             self.kill()
             raise RuntimeError(f"engine did not start: {line!r}; see {log_path}")
         self.url = line.split()[-1]

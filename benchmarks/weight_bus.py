@@ -1,0 +1,577 @@
+"""Weight-bus benchmark: one full `WeightBus.publish` of Qwen2.5-shaped bf16 weights to a real built-in
+engine process, side by side in one run with a raw torch.distributed broadcast of one flat buffer of the
+same byte size between the same two devices.
+
+Setup (nvidia-h200-x2): this process is the trainer on GPU `--trainer-gpu` (0); the engine
+(`python -m generator_fleet.engine --load-format dummy`, random weights initialised from the config on
+its GPU, so nothing is saved or loaded) and the raw peer (a plain torch.distributed rank) both run with
+CUDA_VISIBLE_DEVICES=`--engine-gpu` (1). The trainer's weights are random bf16 tensors with the model's
+real HF names and shapes, already on the trainer GPU, handed to the bus as a lazy iterator (a trainer
+with FSDP would gather each one there). On CPU (`--quick`) the same runs over gloo with a tiny shape.
+
+Per model, after one untimed publish (NCCL communicator setup, allocator warm-up; reported as
+first_publish_ms) and one untimed raw broadcast, `--repeats` rounds alternate raw and bus:
+- raw: rank 0 broadcasts one flat uint8 buffer of the model's byte size to the peer; timed on rank 0
+  from after a barrier (both sides ready, buffers allocated) to the end of the broadcast (device synced).
+- bus: wall time of `bus.publish(...)`: membership probe, gather/cast/pack of the first bucket, pause,
+  every bucket announced over HTTP and broadcast, continue. Its PublishStats give transfer_ms (first
+  announcement to last confirmation) and pause_ms (pause sent to continue answered).
+Medians over the rounds. bus_vs_raw_broadcast = raw time / bus publish time (= bus bandwidth ÷ raw
+bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publish. Headline
+(BENCHMARKS.md): the largest model of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_INFLIGHT = 2
+"""weight_bus.bus.MAX_INFLIGHT (not imported here: --help stays instant and the raw peer stays light)."""
+COMMON = dict(rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu")
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen2.5-0.5b-shape": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-1.5b-shape": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+    ),
+    "qwen2.5-7b-shape": dict(
+        hidden_size=3584,
+        num_hidden_layers=28,
+        intermediate_size=18944,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152_064,
+        tie_word_embeddings=False,
+    ),
+    # CPU smoke: the real vocabulary (the largest tensor) and GQA layout, two narrow layers.
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=151_936,
+        tie_word_embeddings=True,
+    ),
+}
+TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
+"""A throwaway tokenizer for the engine to load (nothing is generated)."""
+API_KEY = "weight-bus-bench"
+ENGINE_KV_TOKENS = 8192
+"""The engine's KV pool: small, so that its GPU keeps room for the raw peer's buffer."""
+DEFAULTS = {
+    "models": "qwen2.5-0.5b-shape,qwen2.5-1.5b-shape,qwen2.5-7b-shape",
+    "repeats": 5,
+    "bucket_mb": 512,
+}
+QUICK = {"models": "tiny", "repeats": 2, "bucket_mb": 4}
+
+
+def log(msg: str) -> None:
+    print(f"[weight-bus-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
+    return env
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- model ----------------------------------------------------------------------------------------
+
+
+def qwen2_config(shape: str):
+    from transformers import Qwen2Config
+
+    from trainer.tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
+    cfg = Qwen2Config(
+        **COMMON,
+        **SHAPES[shape],
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return cfg, tokenizer
+
+
+def model_dir(path: Path, shape: str) -> Path:
+    """Config and tokenizer only: the engine starts with --load-format dummy."""
+    cfg, tokenizer = qwen2_config(shape)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def trainer_weights(shape: str, device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Random bf16 tensors with the model's HF names and shapes (tied weights once, as a trainer's
+    named_parameters gives them), created on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    cfg, _ = qwen2_config(shape)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return [
+        (name, torch.randn(p.shape, dtype=torch.bfloat16, device=device, generator=gen))
+        for name, p in meta.named_parameters()
+    ]
+
+
+# --- processes ------------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """A built-in engine with random weights on the engine device; ready on return."""
+
+    def __init__(self, args: argparse.Namespace, path: Path, log_path: Path, timeout_s: float) -> None:
+        cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(path), "--port", "0"]
+        cmd += [
+            "--api-key",
+            API_KEY,
+            "--load-format",
+            "dummy",
+            "--dtype",
+            "bfloat16",
+            "--log-level",
+            "WARNING",
+        ]
+        cmd += [
+            "--kv-cache-tokens",
+            str(ENGINE_KV_TOKENS),
+            "--max-batch-size",
+            "8",
+            "--context-length",
+            "2048",
+        ]
+        if args.device == "cuda":
+            cmd += ["--device", "cuda", "--disable-cuda-graph"]
+        else:
+            cmd += ["--device", "cpu", "--torch-threads", "1"]
+        self.log_path = log_path
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env(args), cwd=ROOT
+        )
+        t0 = perf_counter()
+        line = "-"
+        while line and not line.startswith("engine ready at "):  # "engine ready at URL"; "" if it died
+            line = self.proc.stdout.readline()
+        if not line:
+            self.stop()
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"engine did not start ({line!r}); log tail:\n{tail}")
+        self.url = line.split()[-1]
+        self.start_s = perf_counter() - t0
+        del timeout_s  # readline returns when the engine is ready or dead; the job's limit bounds the rest
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(60)
+        self.log.close()
+
+
+class RawPeer:
+    """Rank 1 of a plain 2-rank group on the engine device (`--raw-peer` mode of this script): it receives
+    broadcasts of whatever size rank 0 announces, until told to stop."""
+
+    def __init__(self, args: argparse.Namespace, log_path: Path) -> None:
+        from weight_bus.group import free_port
+
+        self.device = (
+            torch.device(args.device, args.trainer_gpu) if args.device == "cuda" else torch.device("cpu")
+        )
+        self.backend = "nccl" if args.device == "cuda" else "gloo"
+        port = free_port()
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--raw-peer",
+            str(port),
+            "--device",
+            args.device,
+        ]
+        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=child_env(args), cwd=ROOT
+        )
+        self.port = port
+        self.group = None  # joined at first use: the peer boots while the first engine does
+        self.buf: torch.Tensor | None = None
+
+    def _header(self, nbytes: int) -> None:
+        from weight_bus.group import broadcast, new_group
+
+        if self.group is None:
+            self.group = new_group("127.0.0.1", self.port, 0, 2, self.backend, "raw", timeout_s=600)
+            log(f"raw peer joined ({self.backend})")
+        broadcast(self.group, torch.tensor([nbytes], dtype=torch.int64, device=self.device))
+
+    def _barrier(self) -> None:
+        t = torch.zeros(1, device=self.device)
+        self.group.allreduce([t]).wait()
+        sync(self.device)
+
+    def measure(self, nbytes: int) -> float:
+        """Seconds for one broadcast of `nbytes` from rank 0, both sides ready."""
+        from weight_bus.group import broadcast
+
+        if self.buf is None or self.buf.numel() != nbytes:
+            self.buf = None
+            self.buf = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
+        self._header(nbytes)
+        self._barrier()
+        t0 = perf_counter()
+        broadcast(self.group, self.buf)
+        sync(self.device)
+        return perf_counter() - t0
+
+    def stop(self) -> None:
+        try:
+            if self.group is None:
+                raise RuntimeError("never joined")
+            self._header(0)
+            self.proc.wait(60)
+        except Exception:  # noqa: BLE001 - tearing down either way
+            self.proc.kill()
+        self.buf = None
+        self.log.close()
+
+
+def raw_peer_main(port: int, device_type: str) -> None:
+    from weight_bus.group import broadcast, new_group
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    group = new_group("127.0.0.1", port, 1, 2, backend, "raw", timeout_s=600)
+    buf = None
+    while True:
+        hdr = torch.zeros(1, dtype=torch.int64, device=device)
+        broadcast(group, hdr)
+        nbytes = int(hdr.item())
+        if nbytes == 0:
+            return
+        if buf is None or buf.numel() != nbytes:
+            buf = None
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        t = torch.zeros(1, device=device)
+        group.allreduce([t]).wait()
+        broadcast(group, buf)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def env_info(args: argparse.Namespace) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "host_load_1m_start": os.getloadavg()[0],
+        "NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE"),
+    }
+    if args.device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(args.trainer_gpu)
+        info["device_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    else:
+        info["device_name"] = platform.processor() or "cpu"
+    return info
+
+
+def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save) -> dict[str, Any]:
+    from weight_bus import WeightBus
+
+    device = raw.device
+    m: dict[str, Any] = {}
+    t0 = perf_counter()
+    params = trainer_weights(shape, device, args.seed)
+    nbytes = sum(t.numel() * t.element_size() for _, t in params)
+    m["bytes"] = nbytes
+    m["tensors"] = len(params)
+    log(
+        f"{shape}: {len(params)} tensors, {nbytes / 2**30:.2f} GiB bf16 on {device} ({perf_counter() - t0:.1f}s)"
+    )
+    engine = EngineProcess(
+        args, model_dir(tmp / shape, shape), tmp / f"engine-{shape}.log", args.engine_timeout_s
+    )
+    m["engine_start_s"] = engine.start_s
+    log(f"{shape}: engine at {engine.url} after {engine.start_s:.1f}s")
+    bus = WeightBus(
+        [engine.url],
+        api_key=API_KEY,
+        backend=raw.backend,
+        bucket_bytes=args.bucket_mb * 2**20,
+        timeout_s=args.timeout_s,
+        device=device,
+        max_inflight=args.max_inflight,
+    )
+    try:
+        bus.connect()
+        t0 = perf_counter()
+        first = bus.publish(iter(params), version=1)
+        m["first_publish_ms"] = (perf_counter() - t0) * 1e3
+        m["buckets"] = first.buckets
+        log(
+            f"{shape}: first publish {m['first_publish_ms']:.1f} ms ({first.buckets} buckets; communicator setup)"
+        )
+        raw.measure(nbytes)  # untimed: the peer allocates its buffer
+        raw_s, bus_s, transfer_ms, pause_ms, gather_ms = [], [], [], [], []
+        for r in range(args.repeats):
+            sides = ["raw", "bus"] if r % 2 == 0 else ["bus", "raw"]
+            for side in sides:
+                if side == "raw":
+                    raw_s.append(raw.measure(nbytes))
+                else:
+                    t0 = perf_counter()
+                    stats = bus.publish(iter(params), version=2 + r)
+                    bus_s.append(perf_counter() - t0)
+                    transfer_ms.append(stats.transfer_ms)
+                    pause_ms.append(stats.pause_ms)
+                    gather_ms.append(stats.gather_ms)
+                    if stats.engines != [engine.url] or stats.bytes != nbytes:
+                        raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
+            log(
+                f"{shape} round {r + 1}/{args.repeats}: raw {raw_s[-1] * 1e3:.2f} ms, bus {bus_s[-1] * 1e3:.2f} ms "
+                f"(transfer {transfer_ms[-1]:.2f}, pause {pause_ms[-1]:.2f})"
+            )
+        import httpx
+
+        info = httpx.get(
+            engine.url + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}
+        ).json()
+        if info["weight_version"] != str(1 + args.repeats):
+            raise RuntimeError(f"engine at version {info['weight_version']}, expected {1 + args.repeats}")
+    finally:
+        bus.close()
+        engine.stop()
+        del params
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    med = statistics.median
+    m |= {
+        "raw_ms": med(raw_s) * 1e3,
+        "raw_gb_per_s": nbytes / med(raw_s) / 1e9,
+        "bus_publish_ms": med(bus_s) * 1e3,
+        "bus_gb_per_s": nbytes / med(bus_s) / 1e9,
+        "transfer_ms": med(transfer_ms),
+        "pause_ms": med(pause_ms),
+        "gather_ms": med(gather_ms),
+        "pause_minus_transfer_ms": med(p - t for p, t in zip(pause_ms, transfer_ms, strict=True)),
+        "raw_ms_all": [x * 1e3 for x in raw_s],
+        "bus_publish_ms_all": [x * 1e3 for x in bus_s],
+        "transfer_ms_all": transfer_ms,
+        "pause_ms_all": pause_ms,
+    }
+    m["bus_vs_raw_broadcast"] = med(raw_s) / med(bus_s)
+    m["transfer_vs_raw_broadcast"] = med(raw_s) * 1e3 / med(transfer_ms)
+    return m
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    if args.device == "cuda":
+        torch.cuda.set_device(args.trainer_gpu)
+    models = args.models.split(",")
+    today = datetime.date.today()
+    out_path = args.out_dir / f"weight_bus-{args.device_kind}-{today:%Y%m%d}.json"
+    result: dict[str, Any] = {
+        "benchmark": "weight_bus",
+        "device": args.device_kind,
+        "date": today.isoformat(),
+        "command": shlex.join(["python", "benchmarks/weight_bus.py", *argv]),
+        "config": {
+            "models": models,
+            "shapes": {s: SHAPES[s] for s in models},
+            "dtype": "bfloat16",
+            "device": args.device,
+            "backend": "nccl" if args.device == "cuda" else "gloo",
+            "trainer_gpu": args.trainer_gpu if args.device == "cuda" else None,
+            "engine_gpu": args.engine_gpu if args.device == "cuda" else None,
+            "bucket_bytes": args.bucket_mb * 2**20,
+            "max_inflight": args.max_inflight,
+            "repeats": args.repeats,
+            "pause_mode": "in_place",
+            "engine": "built-in, --load-format dummy, separate process",
+            "env": env_info(args),
+        },
+        "metrics": {},
+        "ratios": {},
+        "errors": [],
+    }
+
+    def save() -> None:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(result, indent=2) + "\n")
+
+    t_start = perf_counter()
+    with tempfile.TemporaryDirectory(prefix="weight-bus-bench-") as tmp:
+        tmp = Path(tmp)
+        raw = None
+        try:
+            raw = RawPeer(args, tmp / "raw-peer.log")
+            for shape in models:
+                try:
+                    m = measure_model(args, shape, tmp, raw, result, save)
+                except Exception as exc:  # noqa: BLE001 - recorded; the next model still runs
+                    log(f"{shape} FAILED: {exc!r}")
+                    result["errors"].append(
+                        {
+                            "model": shape,
+                            "error": repr(exc),
+                            "traceback": traceback.format_exception(exc)[-3:],
+                        }
+                    )
+                    save()
+                    continue
+                result["metrics"] |= {f"{shape}_{k}": v for k, v in m.items() if "vs_raw" not in k}
+                result["ratios"] |= {f"{shape}_{k}": v for k, v in m.items() if "vs_raw" in k}
+                # headline: the largest model measured so far (the last one, in the default order)
+                result["config"]["headline_model"] = shape
+                result["ratios"]["bus_vs_raw_broadcast"] = m["bus_vs_raw_broadcast"]
+                result["ratios"]["transfer_vs_raw_broadcast"] = m["transfer_vs_raw_broadcast"]
+                result["metrics"]["pause_ms"] = m["pause_ms"]
+                result["metrics"]["transfer_ms"] = m["transfer_ms"]
+                save()
+        except BaseException as exc:  # incl. KeyboardInterrupt: what was measured is still written
+            result["errors"].append({"model": None, "error": repr(exc)})
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if raw is not None:
+                raw.stop()
+            result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
+            result["config"]["wall_s"] = perf_counter() - t_start
+            save()
+            log(f"wrote {out_path}")
+    return result
+
+
+def report(result: dict) -> str:
+    m, r, cfg = result["metrics"], result["ratios"], result["config"]
+    lines = [
+        f"weight bus on {result['device']} ({cfg['env']['device_name']}, {cfg['backend']}), bf16, buckets of "
+        f"{cfg['bucket_bytes'] / 2**20:.0f} MiB, median of {cfg['repeats']}",
+        f"{'model':<20} {'GiB':>6} {'raw ms':>8} {'raw GB/s':>9} {'bus ms':>8} {'bus GB/s':>9} {'bus/raw':>8} "
+        f"{'transfer':>9} {'pause':>8} {'1st ms':>8}",
+    ]
+    for s in cfg["models"]:
+        if f"{s}_bytes" not in m or f"{s}_raw_ms" not in m:
+            continue
+        lines.append(
+            f"{s:<20} {m[f'{s}_bytes'] / 2**30:>6.2f} {m[f'{s}_raw_ms']:>8.2f} {m[f'{s}_raw_gb_per_s']:>9.1f} "
+            f"{m[f'{s}_bus_publish_ms']:>8.2f} {m[f'{s}_bus_gb_per_s']:>9.1f} {r[f'{s}_bus_vs_raw_broadcast']:>8.3f} "
+            f"{m[f'{s}_transfer_ms']:>9.2f} {m[f'{s}_pause_ms']:>8.2f} {m[f'{s}_first_publish_ms']:>8.1f}"
+        )
+    for e in result["errors"]:
+        lines.append(f"ERROR {e['model']}: {e['error']}")
+    head = cfg.get("headline_model")
+    if head is not None:
+        lines.append(
+            f"weight_bus bus_vs_raw_broadcast={r['bus_vs_raw_broadcast']:.3f} pause_ms={m['pause_ms']:.2f} "
+            f"transfer_ms={m['transfer_ms']:.2f} (model={head}, device={result['device']})"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", help=f"comma-separated of {sorted(SHAPES)} (default {DEFAULTS['models']})")
+    p.add_argument("--repeats", type=int, help=f"timed rounds per model (default {DEFAULTS['repeats']})")
+    p.add_argument("--bucket-mb", type=int, help=f"bus bucket size in MiB (default {DEFAULTS['bucket_mb']})")
+    p.add_argument(
+        "--max-inflight", type=int, default=MAX_INFLIGHT, help="unconfirmed buckets at a time (bus default)"
+    )
+    p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
+    )
+    p.add_argument("--trainer-gpu", type=int, default=0)
+    p.add_argument("--engine-gpu", type=int, default=1)
+    p.add_argument("--device-kind", help="for the result file name (default: from the GPU name and count)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="the bus's bound on calls and collectives")
+    p.add_argument("--engine-timeout-s", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--raw-peer", type=int, help=argparse.SUPPRESS)  # internal: run as the raw peer
+    args = p.parse_args(argv)
+    for key, value in (QUICK if args.quick else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    unknown = set(args.models.split(",")) - set(SHAPES)
+    if unknown:
+        p.error(f"unknown models {sorted(unknown)}")
+    if args.device_kind is None:
+        if args.device == "cuda":
+            name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+            n = torch.cuda.device_count()
+            args.device_kind = f"{name}-x{n}" if n > 1 else name
+        else:
+            args.device_kind = "cpu"
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    args = parse_args(argv)
+    if args.raw_peer is not None:
+        raw_peer_main(args.raw_peer, args.device)
+        return None
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    result = run(args, argv)
+    print(report(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
