@@ -103,7 +103,8 @@ def log(msg: str) -> None:
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried wheels
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
     return env
