@@ -76,6 +76,8 @@ SETUP_GRACE_S = 10.0
 """Extra time (at most `timeout_s`) for group setup and announcements beyond `timeout_s`: a survivor
 whose receive is stuck on a dead peer gives it up only after its own group timeout (`timeout_s`), then
 joins the new group."""
+NCCL_BACKSTOP = 3
+"""NCCL group timeout, in units of the bus's longest wait (see WeightBus._nccl_backstop_s)."""
 MAX_REBUILDS = 3
 """Group rebuilds one update may go through before it gives up with BusError."""
 BUILTIN_ENGINE = "slipstream-builtin"
@@ -306,6 +308,7 @@ class WeightBus:
         rejoin_after_s: float = 60.0,
         device: str | torch.device | None = None,
         max_inflight: int = MAX_INFLIGHT,
+        repair_in_stream: bool | None = None,
     ) -> None:
         """`dtype`: what the weights travel and load as ("bfloat16", ...); None: the engines' dtype from
         /get_server_info when they all report the same concrete one, else the trainer's own.
@@ -313,7 +316,9 @@ class WeightBus:
         engines that join mid-job wait (they are admitted at the next update). `rejoin_after_s`: an
         engine dropped, or one that failed to join, is retried as a joiner after this long.
         `device`: where buckets are packed (default: the current CUDA device for nccl, else CPU).
-        `max_inflight`: see MAX_INFLIGHT."""
+        `max_inflight`: see MAX_INFLIGHT. `repair_in_stream`: after an engine failed mid-update, re-send
+        the unconfirmed buckets to the survivors (default: gloo), or park them until the next update
+        (default: NCCL; see _recover)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
         if backend not in ("gloo", "nccl"):
@@ -329,6 +334,7 @@ class WeightBus:
         self.registry = registry
         self.rejoin_after_s = rejoin_after_s
         self.max_inflight = max(1, max_inflight)
+        self.repair_in_stream = backend == "gloo" if repair_in_stream is None else repair_in_stream
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
         self.device = torch.device(device)
@@ -345,6 +351,8 @@ class WeightBus:
         self._generation = 0
         self._retry_at: dict[str, float] = {}
         """Engines dropped (or failed to join): URL -> when to try them again as joiners."""
+        self._parked: set[str] = set()
+        """Engines left paused by a failed NCCL update (see _recover), until they rejoin."""
         self._grace = min(SETUP_GRACE_S, timeout_s)
         self._lock = threading.Lock()
         """One update (or connect) at a time: an update never overlaps another."""
@@ -439,14 +447,13 @@ class WeightBus:
                     world_size=world,
                     group_name=name,
                     backend=self.backend,
-                    timeout_s=self.timeout_s if e.builtin else None,
+                    timeout_s=self._engine_group_timeout_s() if e.builtin else None,
                 )
                 futures[e.url] = e.sender.submit(self._join, e, req)
             try:
                 # gloo: blocks until every rank joined; a survivor may first sit out a stuck receive
-                self.group = new_group(
-                    self.master_address, port, 0, world, self.backend, name, self.timeout_s + self._grace
-                )
+                timeout = self.timeout_s + self._grace if self.backend == "gloo" else self._nccl_backstop_s()
+                self.group = new_group(self.master_address, port, 0, world, self.backend, name, timeout)
             except Exception as e:
                 log.warning("weight group %s: setup failed: %s", name, e)
             wait(futures.values(), timeout=self.timeout_s + 2 * self._grace)
@@ -463,6 +470,17 @@ class WeightBus:
         self._leave_group()
         raise BusError(f"no weight update group could be built over {self.urls}")
 
+    def _nccl_backstop_s(self) -> float:
+        """NCCL groups' own timeout: its watchdog takes the whole process down when a collective times
+        out, so the bus aborts a broken group itself (rank 0 on its deadline, engines through
+        /destroy_weights_update_group) well before this."""
+        return NCCL_BACKSTOP * (self.timeout_s + 2 * self._grace)
+
+    def _engine_group_timeout_s(self) -> float:
+        """gloo: a survivor's receive stuck on a dead peer gives up after timeout_s (recovery waits for
+        it, since the engine holds its weight lock meanwhile); NCCL: see _nccl_backstop_s."""
+        return self.timeout_s if self.backend == "gloo" else self._nccl_backstop_s()
+
     def _join(self, e: _Engine, req: InitWeightsUpdateGroup) -> None:
         """On the engine's sender thread: leave its previous groups (best effort), join the new one."""
         self._leave_on_engine(e)
@@ -477,16 +495,20 @@ class WeightBus:
                 log.debug("%s: destroy %s: %s", e.url, name, err)
         e.groups = []
 
-    def _drop(self, urls: list[str]) -> list[str]:
+    def _drop(self, urls: list[str], park: bool = False) -> list[str]:
         """Remove engines from the group (and from the registry's live set, so that they stop taking
-        traffic until they are given the current weights again as joiners)."""
+        traffic until they are given the current weights again as joiners). `park`: alive engines whose
+        weights this update left incomplete; they stay paused and rejoin at the next update."""
         dropped = []
         for e in [e for e in self.engines if e.url in urls]:
             self.engines.remove(e)
             e.close()
             dropped.append(e.url)
-            self._retry_at[e.url] = time.monotonic() + self.rejoin_after_s
-            metrics.ENGINE_FAILURES.inc()
+            self._retry_at[e.url] = time.monotonic() + (0.0 if park else self.rejoin_after_s)
+            if park:
+                self._parked.add(e.url)
+            else:
+                metrics.ENGINE_FAILURES.inc()
             if self.registry is not None:
                 try:
                     self.registry.demote(e.url)
@@ -519,6 +541,7 @@ class WeightBus:
                 self._retry_at[u] = now + self.rejoin_after_s
                 continue
             self._retry_at.pop(u, None)
+            self._parked.discard(u)
             self.engines.append(_Engine(u, infos[u], self.group_name))
             joined.append(u)
         if joined:
@@ -589,7 +612,7 @@ class WeightBus:
         finally:
             # Engines dropped meanwhile are continued too (one that timed out may still be alive), but not
             # waited for: they may not answer at all.
-            for url in {e.url for e in paused} - set(self.urls):
+            for url in {e.url for e in paused} - set(self.urls) - self._parked:
                 self.pool.submit(self._post, url, "/continue_generation", {})
             failed = self._on_all(self.engines, "/continue_generation", {})
             for url, err in failed.items():
@@ -665,7 +688,7 @@ class WeightBus:
                 if rebuilds > MAX_REBUILDS:
                     self._leave_group()
                     raise BusError(f"update failed {rebuilds} times; last: {failure}") from failure
-                dropped += self._recover(failure, pending)
+                dropped += self._recover(failure, pending, confirmed=count)
                 if not self.engines:
                     log.warning("version %d: every engine was dropped", version)
                     return total, count, pack_s, dropped
@@ -728,9 +751,17 @@ class WeightBus:
             raise _UpdateFailed(b, {}, e) from e
         return b
 
-    def _recover(self, failure: _UpdateFailed, pending: deque[_Bucket]) -> list[str]:
-        """Leave the broken group, find out who is dead, rebuild over the survivors. An engine that is
-        alive but refused a bucket whose broadcast went through raises BusError instead."""
+    def _recover(self, failure: _UpdateFailed, pending: deque[_Bucket], confirmed: int) -> list[str]:
+        """Leave the broken group, find out who is dead, rebuild over the survivors (the caller re-sends
+        the pending buckets). An engine that is alive but refused a bucket whose broadcast went through
+        raises BusError instead.
+
+        NCCL (repair_in_stream False), after `confirmed` > 0 buckets: an engine answers an announcement once its receive is
+        queued, and rank 0's broadcast completes once the bytes left it, so neither proves that a
+        bucket reached an engine downstream of the dead one; re-sending only the pending buckets could
+        leave a survivor with a hole. The survivors are parked instead: out of the group (and of the
+        registry's live set), still paused, their groups aborted, and rejoined with the whole model at
+        the next update. (gloo receives block: an engine's answer means its bytes arrived.)"""
         log.warning("weight update failed: %s", failure)
         self._leave_group()  # rank 0's unfinished broadcasts fail now
         for b in pending:  # announcements not yet sent will not be: the group they name is gone
@@ -755,6 +786,12 @@ class WeightBus:
         dropped = self._drop(sorted(lost))
         for url in dropped:
             log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        if not self.repair_in_stream and confirmed > 0 and self.engines:
+            survivors = list(self.engines)
+            list(self.pool.map(self._leave_on_engine, survivors))  # abort their stuck receives
+            parked = self._drop([e.url for e in survivors], park=True)
+            log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
+            return dropped + parked
         self._rebuild()
         return dropped
 

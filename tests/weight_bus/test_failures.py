@@ -40,10 +40,10 @@ def models(tmp_path_factory) -> Models:
 
 @pytest.fixture(scope="module")
 def victims(models, tmp_path_factory):
-    """Three engine processes started side by side (each test kills or stops one)."""
+    """Engine processes started side by side (each test kills or stops one)."""
     logs = tmp_path_factory.mktemp("engine-logs")
-    with ThreadPoolExecutor(3) as pool:
-        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(3)))
+    with ThreadPoolExecutor(4) as pool:
+        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(4)))
     yield procs
     for p in procs:
         p.kill()
@@ -155,6 +155,35 @@ def test_engine_that_hangs_mid_update_is_dropped_after_the_timeout(models, survi
     finally:
         bus.close()
         victim.kill()
+
+
+def test_without_in_stream_repair_survivors_stay_paused_until_the_next_update(models, victims, tmp_path):
+    """The NCCL policy, here over gloo: after a failure mid-update the survivors are not patched (NCCL
+    cannot tell which buckets reached them); they stay paused, out of the group, and the next update
+    gives them the whole model and lets them go on."""
+    victim = victims[3]
+    survivor = EngineServer(str(models.path_a), api_key=KEY, torch_threads=1).start()
+    bus = WeightBus(
+        [survivor.url, victim.url],
+        api_key=KEY,
+        bucket_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        repair_in_stream=False,
+    )
+    bus.connect()
+    try:
+        n = len(list(models.b.parameters()))
+        stats = publish_bounded(bus, killing_at(models.b, n // 2, victim), version=13)
+        assert stats.engines == [] and sorted(stats.dropped) == sorted([survivor.url, victim.url])
+        assert survivor.runner.paused and version(survivor.url) == "0"  # parked: nothing half-new runs
+
+        stats = publish_bounded(bus, models.c.named_parameters(), version=14)
+        assert stats.joined == [survivor.url] and stats.engines == [survivor.url]
+        assert_holds(survivor, models.c)
+        assert version(survivor.url) == "14" and not survivor.runner.paused
+    finally:
+        bus.close()
+        survivor.stop()
 
 
 def test_engine_registered_mid_job_gets_current_weights_before_traffic(
