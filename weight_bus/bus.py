@@ -756,10 +756,10 @@ class WeightBus:
         the pending buckets). An engine that is alive but refused a bucket whose broadcast went through
         raises BusError instead.
 
-        NCCL (repair_in_stream False), after `confirmed` > 0 buckets: an engine answers an announcement once its receive is
-        queued, and rank 0's broadcast completes once the bytes left it, so neither proves that a
-        bucket reached an engine downstream of the dead one; re-sending only the pending buckets could
-        leave a survivor with a hole. The survivors are parked instead: out of the group (and of the
+        NCCL (repair_in_stream False), after `confirmed` > 0 buckets: an engine answers an announcement
+        once its receive is queued, and rank 0's broadcast completes once the bytes left it, so neither
+        proves that a bucket reached an engine downstream of the dead one; re-sending only the pending
+        buckets could leave a survivor with a hole. The survivors are parked instead: out of the group (and of the
         registry's live set), still paused, their groups aborted, and rejoined with the whole model at
         the next update. (gloo receives block: an engine's answer means its bytes arrived.)"""
         log.warning("weight update failed: %s", failure)
