@@ -24,6 +24,9 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.broken: set[str] = set()
+        """Groups a receive failed on (a peer died, the sender left): their later receives fail at once
+        instead of each waiting out the group timeout; the bus builds a new group."""
 
     def init_group(self, req: InitWeightsUpdateGroup) -> None:
         if req.group_name in self.groups:
@@ -45,6 +48,7 @@ class WeightReceiver:
     def destroy(self, group_name: str) -> None:
         """Leave a group; the bus drops one this way after a peer died in it and rebuilds without it."""
         group = self.groups.pop(group_name, None)
+        self.broken.discard(group_name)
         if group is None:
             raise ValueError(f"no group {group_name!r}")
         shutdown_group(group)
@@ -54,21 +58,30 @@ class WeightReceiver:
         group = self.groups.get(req.group_name)
         if group is None:
             raise ValueError(f"no weight update group {req.group_name!r}; call /init_weights_update_group")
+        if req.group_name in self.broken:
+            raise RuntimeError(f"weight update group {req.group_name!r} failed earlier; it must be rebuilt")
+        try:
+            return self._receive(group, req)
+        except Exception:
+            # Whatever failed, this engine and rank 0 no longer agree on which broadcast comes next.
+            self.broken.add(req.group_name)
+            raise
+
+    def _receive(
+        self, group: dist.ProcessGroup, req: UpdateWeightsFromDistributed
+    ) -> list[tuple[str, torch.Tensor]]:
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise ValueError("names, dtypes and shapes must have the same length")
         dtypes = [dtype_from_name(d) for d in req.dtypes]
         if req.load_format == FLATTENED_BUCKET:
-            sizes = [
-                math.prod(s) * torch.empty((), dtype=d).element_size()
-                for s, d in zip(req.shapes, dtypes, strict=True)
-            ]
+            sizes = [math.prod(s) * d.itemsize for s, d in zip(req.shapes, dtypes, strict=True)]
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
             broadcast(group, flat)
-            out, off = [], 0
-            for name, shape, dtype, size in zip(req.names, req.shapes, dtypes, sizes, strict=True):
-                out.append((name, flat[off : off + size].view(dtype).view(shape)))
-                off += size
-            return out
+            parts = flat.split(sizes)
+            return [
+                (name, part.view(dtype).view(shape))
+                for name, part, dtype, shape in zip(req.names, parts, dtypes, req.shapes, strict=True)
+            ]
         if req.load_format is not None:
             raise ValueError(f"load_format {req.load_format!r}: expected null or {FLATTENED_BUCKET!r}")
         out = []
