@@ -327,6 +327,15 @@ class JobSpec(Spec):
     bus: BusSpec = msgspec.field(default_factory=BusSpec)
     redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
 
+    def __post_init__(self) -> None:
+        if self.bus.update_every - 1 > self.buffer.max_staleness:
+            # engines lag the trainer by up to update_every - 1 versions; data they make would be too stale
+            raise _bad(
+                "bus.update_every",
+                f"{self.bus.update_every} needs buffer.max_staleness >= {self.bus.update_every - 1} "
+                f"(it is {self.buffer.max_staleness}): engines lag up to update_every - 1 versions",
+            )
+
 
 class JobSpecError(ValueError):
     """Invalid job spec; the message carries the path of the bad key (`$.algorithm.lr`)."""
@@ -350,7 +359,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `(?P<at>[^`]+)`)?")
-_NESTED = re.compile(r"(?P<msg>.*) - at `(?P<key>\.[^`]+)` - at `(?P<at>[^`]+)`", re.S)
+_NESTED = re.compile(r"(?P<msg>.*) - at `(?P<key>\.[^`]+)`(?: - at `(?P<at>[^`]+)`)?", re.S)
 
 
 def from_dict(raw: Any) -> JobSpec:
@@ -362,7 +371,7 @@ def from_dict(raw: Any) -> JobSpec:
         if m := _UNKNOWN.fullmatch(msg):  # point at the bad key itself, not its parent
             msg = f"unknown key - at `{m['at'] or '$'}.{m['key']}`"
         elif m := _NESTED.fullmatch(msg):  # a section's own check (`_bad`) names its key
-            msg = f"{m['msg']} - at `{m['at']}{m['key']}`"
+            msg = f"{m['msg']} - at `{m['at'] or '$'}{m['key']}`"  # no `at`: the root's own check
         raise JobSpecError(f"invalid job spec: {msg}") from e
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import redis
 import torch
 
+from generator_fleet.registry import EngineRegistry
 from replay_buffer import ReplayBuffer
 from slipstream.jobspec import JobSpec
 from trainer import checkpoint, metrics
@@ -29,7 +30,7 @@ from trainer.batch import build_samples
 from trainer.distributed import DistInfo, Pool
 from trainer.flops import peak_flops
 from trainer.learner import Learner
-from weight_bus import WeightBus
+from weight_bus import WeightBus, update_due
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class Trainer:
                 backend=spec.bus.backend,
                 bucket_bytes=spec.bus.bucket_bytes,
                 pause_mode=spec.bus.pause_mode,
+                dtype=spec.bus.dtype,
+                timeout_s=spec.bus.timeout_s,
+                registry=EngineRegistry(redis.Redis.from_url(redis_url), spec.name),
             )
         self.learner: Learner | None = None
         self.tokenizer = None
@@ -139,16 +143,15 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         state = checkpoint.load(self.learner, path)
-        named = list(self.learner.full_parameters())
-        if not self.is_main:
-            return
         version = int(state["version"])
-        current = self.buffer.version()
-        if current != version:
-            log.warning("resuming at version %d from %s (Redis had version %d)", version, path, current)
+        if self.is_main:
+            current = self.buffer.version()
+            if current != version:
+                log.warning("resuming at version %d from %s (Redis had version %d)", version, path, current)
         # Engines started from model.path: give them the restored weights before any rollout starts.
-        self.bus.publish(named, version)
-        self.buffer.set_version(version)
+        self.publish(version)
+        if self.is_main:
+            self.buffer.set_version(version)
 
     def stop(self) -> None:
         self._stop = True
@@ -168,10 +171,15 @@ class Trainer:
         return entries if len(entries) == alg.groups_per_step else None  # short: stopping
 
     def publish(self, version: int):
-        """Gather full weights (every rank) and send them to the engines (rank 0)."""
-        # Engines run fp32 on CPU here; the bus casts nothing.
-        named = list(self.learner.full_parameters())
-        return self.bus.publish(named, version) if self.is_main else None
+        """Gather full weights (every rank: each gather is a collective) and send them to the engines
+        (rank 0). The gather is lazy: the bus packs and sends bucket k while later tensors are gathered,
+        and casts to the engines' dtype."""
+        named = self.learner.full_parameters()
+        if self.is_main:
+            return self.bus.publish(named, version)  # drains the iterator even when it fails
+        for _ in named:
+            pass
+        return None
 
     def run(self) -> dict:
         """Train until version reaches spec.algorithm.total_steps (or stop()); every rank calls it.
@@ -196,7 +204,9 @@ class Trainer:
             t_step = time.monotonic()
             if self.is_main:
                 self.buffer.commit(entries, version, spec.buffer.max_staleness)
-            pub = self.publish(version + 1)
+            # every bus.update_every versions, and the last one, so engines end on the final policy
+            due = update_due(version + 1, spec.bus.update_every, alg.total_steps)
+            pub = self.publish(version + 1) if due else None
             version += 1
             if self.is_main:
                 self.buffer.set_version(version)
@@ -231,8 +241,8 @@ class Trainer:
             "step_s": step_s,
             "train_tokens_per_s": seq_tokens / max(step_s, 1e-9),
             "mfu": stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
-            "publish_s": pub.transfer_s,
-            "pause_s": pub.pause_s,
+            "publish_s": pub.transfer_s if pub else 0.0,
+            "pause_s": pub.pause_s if pub else 0.0,
             "elapsed_s": time.monotonic() - t_start,
             **episode_stats(groups),
             **stats,

@@ -20,6 +20,8 @@ def test_short_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir
             "generators": {"num_engines": 2, "num_workers": 1},
             "algorithm": {"groups_per_step": 3, "total_steps": 4},
             "buffer": {"max_staleness": max_staleness},
+            # with staleness 1, weights go to the engines every 2nd version (and after the last)
+            "bus": {"update_every": 1 + max_staleness},
         }
     )
     seen = []
@@ -28,6 +30,8 @@ def test_short_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir
     assert result.version == 4
     assert [p["version"] for p in seen] == [1, 2, 3, 4]
     assert all(p["staleness_max"] <= max_staleness for p in seen)
+    published = [p["version"] for p in seen if p["publish_s"] > 0]
+    assert published == ([1, 2, 3, 4] if max_staleness == 0 else [2, 4])
     st = result.buffer
     assert st["version"] == 4 and st["steps"] == 4
     assert st["consumed"] == 4 * 3

@@ -60,3 +60,10 @@ def test_cli_reports_bad_key_and_exit_code(tmp_path, capsys):
 
     assert main(["validate", str(_write(tmp_path, "algorithm: {total_steps: 0}"))]) == 2
     assert "$.algorithm.total_steps" in capsys.readouterr().err
+
+
+def test_bus_update_every_needs_matching_staleness():
+    """Engines lag up to update_every - 1 versions: a tighter staleness bound would starve the trainer."""
+    with pytest.raises(jobspec.JobSpecError, match=r"max_staleness >= 2.*at `\$\.bus\.update_every`"):
+        jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 1}})
+    assert jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 2}}).bus.update_every == 3
