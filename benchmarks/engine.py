@@ -51,40 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-VOCAB = 151_936
-"""Qwen2.5's vocabulary: the lm_head matmul and sampling over it are a large part of a small model's step."""
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b-shape": dict(
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        num_hidden_layers=24,
-        intermediate_size=4864,
-    ),
-    "qwen2.5-1.5b-shape": dict(
-        hidden_size=1536,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        num_hidden_layers=28,
-        intermediate_size=8960,
-    ),
-    # CPU smoke: the real vocabulary and GQA layout, a few layers of a narrow width.
-    "tiny": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=256,
-    ),
-}
-COMMON_SHAPE = dict(
-    vocab_size=VOCAB,
-    tie_word_embeddings=True,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-)
+from benchmarks.shapes import COMMON, SHAPES, VOCAB, config_kwargs
+
 TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 """A throwaway character-level tokenizer (prompts go in as ids); the model keeps the full vocabulary."""
 FIRST_PROMPT_ID = 3
@@ -124,8 +92,7 @@ def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> di
 
     tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
     cfg = Qwen2Config(
-        **COMMON_SHAPE,
-        **SHAPES[shape],
+        **config_kwargs(shape),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -134,7 +101,7 @@ def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> di
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # on the CPU: seconds for 0.5B parameters
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    assert model.get_output_embeddings().weight.shape[0] == VOCAB
+    assert model.get_output_embeddings().weight.shape[0] == SHAPES[shape]["vocab_size"]
     return cfg.to_dict()
 
 
@@ -444,7 +411,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             t0 = perf_counter()
             cfg = build_model_dir(model_dir, args.model, dtype, args.seed)
             log(f"built {args.model} ({dtype}) in {perf_counter() - t0:.1f}s")
-            keys = [*COMMON_SHAPE, *SHAPES[args.model], "rope_parameters"]  # transformers 5 nests rope_theta
+            keys = [*COMMON, *SHAPES[args.model], "rope_parameters"]  # transformers 5 nests rope_theta
             result["config"]["model_config"] = {k: cfg[k] for k in keys if k in cfg}
             total, per_step = weight_bytes(cfg, dtype)
             m |= {"weight_bytes": total, "weight_bytes_per_step": per_step}

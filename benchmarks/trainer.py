@@ -44,39 +44,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-VOCAB = 151_936
-SHAPES = {
-    "qwen2.5-0.5b-shape": dict(
-        hidden_size=896,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        num_hidden_layers=24,
-        intermediate_size=4864,
-    ),
-    "qwen2.5-1.5b-shape": dict(
-        hidden_size=1536,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        num_hidden_layers=28,
-        intermediate_size=8960,
-    ),
-    # CPU smoke: the real vocabulary and GQA layout, two narrow layers.
-    "tiny": dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=256,
-    ),
-}
-COMMON_SHAPE = dict(
-    vocab_size=VOCAB,
-    tie_word_embeddings=True,
-    rope_theta=1_000_000.0,
-    max_position_embeddings=32768,
-    rms_norm_eps=1e-6,
-    hidden_act="silu",
-)
+from benchmarks.shapes import SHAPES as _ALL_SHAPES
+from benchmarks.shapes import VOCAB, config_kwargs
+
+SHAPES = {k: v for k, v in _ALL_SHAPES.items() if k != "qwen2.5-7b-shape"}
+"""What one training GPU holds with AdamW states unsharded (7B needs more ranks)."""
+
 FIRST_TOKEN_ID = 3
 
 
@@ -88,7 +61,7 @@ def build_model_dir(path: Path, shape: str, seed: int) -> None:
     """Random-weight Qwen2 of `shape`, saved in bf16 (half the bytes to write; ranks load it as fp32)."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(**COMMON_SHAPE, **SHAPES[shape])
+    cfg = Qwen2Config(**config_kwargs(shape))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.save_pretrained(path)

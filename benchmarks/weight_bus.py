@@ -42,49 +42,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.shapes import SHAPES, config_kwargs
+
 ROOT = Path(__file__).resolve().parent.parent
 MAX_INFLIGHT = 2
 """weight_bus.bus.MAX_INFLIGHT (not imported here: --help stays instant and the raw peer stays light)."""
-COMMON = dict(rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6, hidden_act="silu")
-SHAPES: dict[str, dict[str, Any]] = {
-    "qwen2.5-0.5b-shape": dict(
-        hidden_size=896,
-        num_hidden_layers=24,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-1.5b-shape": dict(
-        hidden_size=1536,
-        num_hidden_layers=28,
-        intermediate_size=8960,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-    ),
-    "qwen2.5-7b-shape": dict(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        intermediate_size=18944,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152_064,
-        tie_word_embeddings=False,
-    ),
-    # CPU smoke: the real vocabulary (the largest tensor) and GQA layout, two narrow layers.
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-        tie_word_embeddings=True,
-    ),
-}
 TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 """A throwaway tokenizer for the engine to load (nothing is generated)."""
 API_KEY = "weight-bus-bench"
@@ -103,7 +65,9 @@ def log(msg: str) -> None:
 
 
 def child_env(args: argparse.Namespace) -> dict[str, str]:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keep carried wheels
+    path = os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+    )  # keep carried wheels
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
@@ -125,8 +89,7 @@ def qwen2_config(shape: str):
 
     tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
     cfg = Qwen2Config(
-        **COMMON,
-        **SHAPES[shape],
+        **config_kwargs(shape),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
