@@ -20,7 +20,9 @@ def _spec(tmp_path, model_dir, run: str, total_steps: int, **trainer) -> jobspec
             "model": {"path": str(model_dir)},
             "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
             "generators": {"num_engines": 1, "num_workers": 1},
-            "algorithm": {"groups_per_step": 2, "total_steps": total_steps, "lr": 3e-3},
+            # The entropy bonus makes every step move the weights: with the untrained model's rewards often
+            # all equal, GRPO advantages (and so the policy gradient) can be zero for a whole step.
+            "algorithm": {"groups_per_step": 2, "total_steps": total_steps, "lr": 3e-3, "entropy_coef": 0.01},
             "buffer": {"max_staleness": 0},
             "trainer": trainer,
         }
