@@ -66,4 +66,6 @@ def test_bus_update_every_needs_matching_staleness():
     """Engines lag up to update_every - 1 versions: a tighter staleness bound would starve the trainer."""
     with pytest.raises(jobspec.JobSpecError, match=r"max_staleness >= 2.*at `\$\.bus\.update_every`"):
         jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 1}})
-    assert jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 2}}).bus.update_every == 3
+    assert (
+        jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 2}}).bus.update_every == 3
+    )
