@@ -7,11 +7,14 @@ Block 0 is scratch: never allocated, written by the padding rows of a captured d
 
 from __future__ import annotations
 
-import logging
+import math
 
 import torch
 
-log = logging.getLogger(__name__)
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` tokens."""
+    return math.ceil(tokens / block_size)
 
 
 class OutOfBlocks(Exception):
@@ -56,10 +59,6 @@ class PagedKVCache:
     def free_blocks(self) -> int:
         return len(self._free)
 
-    @property
-    def used_fraction(self) -> float:
-        return 1.0 - len(self._free) / self.capacity_blocks
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise OutOfBlocks(f"asked for {n} blocks, {len(self._free)} free")
@@ -69,10 +68,13 @@ class PagedKVCache:
         self._free.extend(reversed(blocks))
         blocks.clear()
 
+    def slot(self, blocks: list[int], pos: int) -> int:
+        """Pool slot of token position `pos` of a sequence owning `blocks`."""
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
     def slots(self, blocks: list[int], start: int, stop: int) -> list[int]:
         """Pool slots of token positions [start, stop) of a sequence owning `blocks`."""
-        bs = self.block_size
-        return [blocks[p // bs] * bs + p % bs for p in range(start, stop)]
+        return [self.slot(blocks, p) for p in range(start, stop)]
 
     # ---- tensor access (inside forward passes) -----------------------------------------------------
 

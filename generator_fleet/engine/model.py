@@ -12,7 +12,6 @@ functions walk its modules in a packed token layout instead of calling its forwa
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 
 import torch
@@ -269,7 +268,3 @@ class DecodeGraphs:
 def _buckets(limit: int, candidates: list[int]) -> list[int]:
     out = [c for c in candidates if c < limit]
     return [*out, limit]
-
-
-def blocks_for(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size)

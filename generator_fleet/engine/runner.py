@@ -23,9 +23,9 @@ import msgspec
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache
-from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, blocks_for
-from generator_fleet.engine.sampler import Choice, sample, sample_row
+from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
+from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
+from generator_fleet.engine.sampler import Choice, sample
 from slipstream.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,6 @@ class RunnerStats:
         self.num_requests_total = 0
         self.num_aborted_requests_total = 0
         self.num_retractions_total = 0
-        self.num_prefill_steps_total = 0
         self.num_decode_steps_total = 0
         self.gen_throughput = 0.0
         """Tokens/s of the last decode step; 0 while idle."""
@@ -234,9 +233,6 @@ class Runner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self.pad_token_id = next(
-            (t for t in (self.tokenizer.pad_token_id, *sorted(self.eos_token_ids)) if t is not None), 0
-        )
         # Live views of the parameters keyed by HF name (tied weights appear under both names), so a
         # weight update is an in-place copy_ and never re-allocates what the forward pass (and the
         # captured CUDA graphs) use.
@@ -549,7 +545,6 @@ class Runner:
         for r, f in zip(rows, fills, strict=True):
             r.kv_len = len(f)
         self.stats.prompt_tokens_total += len(slots)
-        self.stats.num_prefill_steps_total += 1
         fresh = [i for i, r in enumerate(rows) if not r.output_ids]
         if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):
             self._input_logprobs(rows, fills, hidden, ends)
@@ -578,13 +573,12 @@ class Runner:
 
     def _decode(self, version: str) -> None:
         t0 = time.monotonic()
-        bs = self.cache.block_size
         rows = self._grow_blocks()
         if not rows:
             return
         ids = [r.output_ids[-1] for r in rows]
         positions = [r.kv_len for r in rows]
-        slots = [r.blocks[r.kv_len // bs] * bs + r.kv_len % bs for r in rows]
+        slots = [self.cache.slot(r.blocks, r.kv_len) for r in rows]
         choice = None
         if self.graphs is not None:
             in_graph = all(_graph_sampleable(r, self.vocab_size) for r in rows)
@@ -665,9 +659,6 @@ class Runner:
                 self._finish(r, reason)
             elif r.listener:
                 r.listener()
-
-    def _sample_one(self, r: Request, logits: torch.Tensor) -> int:
-        return sample_row(r, logits, self.eos_token_ids)
 
     def _check_finished(self, r: Request) -> dict[str, Any] | None:
         """SGLang's order: length first, then EOS/stop tokens (skipped with ignore_eos), then stop strings."""
