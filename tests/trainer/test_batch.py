@@ -1,29 +1,11 @@
 import torch
+from sample_pair import sample_pair_group
 
-from replay_buffer import Sample, make_group
 from trainer.batch import build_batch
 
 
 def test_tokens_align_with_next_token_logprobs():
-    a = Sample.build(
-        prompt_ids=[1, 5, 6],
-        response_ids=[7, 2],
-        loss_mask=[1, 1],
-        behavior_logprobs=[-0.5, -0.25],
-        token_versions=[0, 0],
-        reward=1.0,
-        finish_reason="stop",
-    )
-    b = Sample.build(
-        prompt_ids=[1, 5],
-        response_ids=[9, 8, 2],
-        loss_mask=[1, 0, 1],
-        behavior_logprobs=[-1.0, 0.0, -2.0],
-        token_versions=[0, -1, 0],
-        reward=0.0,
-        finish_reason="stop",
-    )
-    batch = build_batch([make_group("j", "p", [a, b])], pad_id=0)
+    batch = build_batch([sample_pair_group()], pad_id=0)
     assert batch.input_ids.tolist() == [[1, 5, 6, 7, 2], [1, 5, 9, 8, 2]]
     # position t predicts token t+1: a's response starts at index 3 -> positions 2, 3
     assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 1]]

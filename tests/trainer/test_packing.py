@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
+from sample_pair import sample_pair_group
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from replay_buffer import Sample, make_group
 from trainer import attention
 from trainer.batch import build_batch, build_samples
 from trainer.logprobs import packed_logprobs, token_logprobs
@@ -38,25 +38,7 @@ def test_pack_layout_hand_checked():
 
 
 def test_build_samples_align_with_padded_batch():
-    a = Sample.build(
-        prompt_ids=[1, 5, 6],
-        response_ids=[7, 2],
-        loss_mask=[1, 1],
-        behavior_logprobs=[-0.5, -0.25],
-        token_versions=[0, 0],
-        reward=1.0,
-        finish_reason="stop",
-    )
-    b = Sample.build(
-        prompt_ids=[1, 5],
-        response_ids=[9, 8, 2],
-        loss_mask=[1, 0, 1],
-        behavior_logprobs=[-1.0, 0.0, -2.0],
-        token_versions=[0, -1, 0],
-        reward=0.0,
-        finish_reason="stop",
-    )
-    groups = [make_group("j", "p", [a, b])]
+    groups = [sample_pair_group()]
     padded = build_batch(groups, pad_id=0)
     samples = build_samples(groups, "grpo", "token-mean")
     for i, s in enumerate(samples):
