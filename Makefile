@@ -39,15 +39,14 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# The persistent cluster (Redis, Ray head, Prometheus, control API) is issue 9; until then every
-# `slipstream run` brings up a private Redis and a local Ray for its job.
-cluster-up:
-	@echo "make cluster-up: not built yet (issue 9); 'make demo' or 'slipstream run JOB.yaml' start a private stack per job"
-	@exit 1
+# The persistent local cluster (Redis, Ray head, Prometheus if installed, control API), its state in
+# $SLIPSTREAM_HOME (default ~/.slipstream); `cluster-down` keeps the data. More flags:
+# make cluster-up CLUSTER_ARGS="--host 0.0.0.0 --num-cpus 8" (see `slipstream cluster up --help`).
+cluster-up: $(STAMP)
+	$(PY) -m slipstream.cli cluster up $(CLUSTER_ARGS)
 
-cluster-down:
-	@echo "make cluster-down: not built yet (issue 9); a job's private stack stops with the job (Ctrl-C included)"
-	@exit 1
+cluster-down: $(STAMP)
+	$(PY) -m slipstream.cli cluster down
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from slipstream import jobspec
+from slipstream import cluster, jobspec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     st.add_argument("--output-dir", help="the job's output_dir (default runs/JOB)")
     st.add_argument("--json", action="store_true", help="print JSON")
+    cluster.add_parser(sub)
     return p
 
 
@@ -81,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "buffer":
         return _buffer_stats(args)
+    if args.cmd == "cluster":
+        return cluster.main(args)
     try:
         spec = jobspec.load(args.spec, args.overrides)
     except jobspec.JobSpecError as e:

@@ -70,6 +70,7 @@ class ManagedRedis:
         password: str | None = None,
         appendfsync: str = "everysec",
         host: str = "127.0.0.1",
+        log_path: str | Path | None = None,
     ) -> None:
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="slipstream-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
@@ -77,6 +78,7 @@ class ManagedRedis:
         self.port = port or free_port(host)
         self.password = password or secrets.token_hex(16)
         self.appendfsync = appendfsync
+        self.log_path = Path(log_path) if log_path else self.data_dir / "redis.log"
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -110,7 +112,7 @@ class ManagedRedis:
         binary = find_redis_server()
         self.proc = subprocess.Popen(
             [binary, str(conf)],
-            stdout=open(self.data_dir / "redis.log", "ab"),
+            stdout=open(self.log_path, "ab"),
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop Redis last
         )
@@ -118,7 +120,7 @@ class ManagedRedis:
         client = self.client(socket_connect_timeout=1)
         while True:
             if self.proc.poll() is not None:
-                log_tail = (self.data_dir / "redis.log").read_text()[-2000:]
+                log_tail = self.log_path.read_text()[-2000:]
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log_tail}")
             try:
                 client.ping()
