@@ -143,7 +143,11 @@ def bench_model(name: str, args, pool) -> dict:
     cuda = pool.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    for step in range(args.warmup + args.steps):
+    profile = None
+    for step in range(args.warmup + args.steps + (1 if args.profile else 0)):
+        if step == args.warmup + args.steps:  # --profile: one more step, untimed, under torch.profiler
+            profile = _profiler(cuda)
+            profile.__enter__()
         t_prep = time.perf_counter()
         per_rank, seq_lens = None, []
         if main:  # exactly --micro-batches full micro-batches per rank (Learner.distribute's plan_step
@@ -175,6 +179,11 @@ def bench_model(name: str, args, pool) -> dict:
             "samples": len(seq_lens),
             "response_tokens": int(stats["trained_tokens"]),
         }
+        if profile is not None:
+            profile.__exit__(None, None, None)
+            if main:
+                profile_top = _profile_summary(profile, cuda)
+            continue
         warm = step < args.warmup
         if not warm:
             steps.append(rec)
@@ -238,10 +247,59 @@ def bench_model(name: str, args, pool) -> dict:
         "peak_mem_gib": peak_mem,
         "loss_first": steps[0]["loss"],
         "loss_last": steps[-1]["loss"],
+        "profile": profile_top if (args.profile and main) else None,
         "attention_kernels": sorted(attention._kernel_logged),
         "varlen_error": attention._VARLEN_BROKEN[0] if attention._VARLEN_BROKEN else None,
     }
     return out
+
+
+def _profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    return profile(activities=acts)
+
+
+PROFILE_CLASSES = (  # first match wins: flash kernels' names mention cutlass
+    ("attention", ("flash", "fmha", "attention")),
+    ("gemm", ("gemm", "cutlass", "cublas", "sm90_xmma", "nvjet", "matmul")),
+    ("nccl", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("triton", ("triton",)),
+)
+
+
+def _profile_summary(prof, cuda: bool, top: int = 25) -> dict:
+    """Where one step's device time went: the `top` kernels by self device time, and totals per class
+    (gemm, attention, nccl, optimizer, compiled triton kernels, other), printed and returned."""
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
+    if cuda:  # kernels only: CPU-side ops also carry a device time of the kernels they launched
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    classes: dict[str, float] = {}
+    for e in events:
+        name = e.key.lower()
+        cls = next((c for c, keys in PROFILE_CLASSES if any(k in name for k in keys)), "other")
+        classes[cls] = classes.get(cls, 0.0) + getattr(e, attr) / 1e3
+    rows = [
+        {
+            "kernel": e.key[:120],
+            "ms": getattr(e, attr) / 1e3,
+            "calls": e.count,
+            "share": getattr(e, attr) / total,
+        }
+        for e in events[:top]
+    ]
+    log(
+        f"profile: {total / 1e3:.1f} ms of {'device' if cuda else 'CPU'} time; by class (ms): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(classes.items(), key=lambda kv: -kv[1]))
+    )
+    for r in rows:
+        log(f"  {r['ms']:8.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel']}")
+    return {"device_ms": total / 1e3, "classes_ms": classes, "top": rows}
 
 
 def worker(rank: int, world: int, port: int, args) -> dict | None:
@@ -367,11 +425,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device-kind", help="device named in the result file (nvidia-h200, nvidia-h200-x2, cpu)")
     p.add_argument("--ranks", type=int, default=1, help="spawn this many ranks (not needed under torchrun)")
     p.add_argument("--micro-batch-tokens", type=int, default=8192)
-    p.add_argument("--micro-batches", type=int, default=2, help="micro-batches per rank per step")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=8,
+        help="micro-batches per rank per optimizer step (8 x 8k = 64k tokens per GPU per step: an RL step of "
+        "a few hundred samples is larger still; fewer leaves the optimizer step a larger share)",
+    )
     p.add_argument("--min-len", type=int, default=512)
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--prompt-fraction", type=float, default=0.25)
-    p.add_argument("--steps", type=int, default=8, help="timed steps")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument(
@@ -387,6 +451,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params/grads/optimizer")
     p.add_argument("--kl", action="store_true", help="also run a frozen reference model (KL penalty)")
     p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (default: by GPU name)")
+    p.add_argument(
+        "--profile", action="store_true", help="one extra untimed step under torch.profiler: top kernels"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp-dir", help="where the random-weight model is saved (default: system temp)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))

@@ -289,6 +289,21 @@ def env_info(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
+def engine_phases(url: str) -> dict[str, float]:
+    """Mean host ms per bucket of each /update_weights_from_distributed phase, from the engine's /metrics
+    (slipstream_engine_weight_bucket_seconds; all publishes of this engine, the untimed first included)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'slipstream_engine_weight_bucket_seconds_(sum|count)\{.*phase="(\w+)".*\} (\S+)', line)
+        if m:
+            (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+    return {ph: round(sums[ph] / counts[ph] * 1e3, 3) for ph in sums if counts.get(ph)}
+
+
 def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save) -> dict[str, Any]:
     from weight_bus import WeightBus
 
@@ -352,6 +367,9 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save)
         ).json()
         if info["weight_version"] != str(1 + args.repeats):
             raise RuntimeError(f"engine at version {info['weight_version']}, expected {1 + args.repeats}")
+        m["timeline_last"] = stats.timeline  # per bucket: [index, launched, sent, answered] ms
+        m["engine_bucket_phase_ms"] = engine_phases(engine.url)
+        log(f"{shape}: engine host time per bucket (ms, mean): {m['engine_bucket_phase_ms']}")
     finally:
         bus.close()
         engine.stop()

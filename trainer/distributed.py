@@ -111,10 +111,13 @@ def shard(
     mixed_precision: bool,
     cpu_offload: bool = False,
     layers: nn.ModuleList | None = None,
+    reshard_after_forward: bool = True,
 ) -> nn.Module:
     """FSDP2: `fully_shard` every decoder layer, then the root. bf16 compute with fp32 master weights and
     fp32 gradient reduction when `mixed_precision`; parameters, gradients and optimizer state on the CPU
-    when `cpu_offload` (the optimizer step then runs there)."""
+    when `cpu_offload` (the optimizer step then runs there). `reshard_after_forward` False keeps each
+    block's gathered (bf16) parameters from its forward to its backward (ZeRO-2 like): one gather and
+    cast per micro-batch instead of two, for the memory of one unsharded bf16 copy of the model."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = (
@@ -126,7 +129,8 @@ def shard(
     blocks = layers if layers is not None else decoder_layers(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again right away by backward: keep them gathered.
-        fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=i < len(blocks) - 1)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 

@@ -75,6 +75,9 @@ class Learner:
                 mixed_precision=self.bf16,
                 cpu_offload=tr.offload_optimizer and trainable,
                 layers=layers,
+                # One rank has nothing to free by resharding; with CPU offload the gathered copy is
+                # what offloading avoids keeping.
+                reshard_after_forward=self.pool.world_size > 1 or tr.offload_optimizer,
             )
         else:
             model.to(self.device)
@@ -122,7 +125,11 @@ class Learner:
 
     def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         wd = self.spec.algorithm.weight_decay
-        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+        params = list(model.parameters())
+        # Fused AdamW: one kernel per parameter group instead of foreach's ~10 passes over every state,
+        # when the parameters live on the GPU (with CPU offload the step runs on the host).
+        fused = all(p.device.type == "cuda" for p in params)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, fused=fused or None)
 
     def _autocast(self):
         # FSDP's MixedPrecisionPolicy casts per module; without FSDP bf16 comes from autocast.
@@ -153,7 +160,15 @@ class Learner:
         acc = {k: torch.zeros((), device=self.device, dtype=torch.float64) for k in SUM_STATS + MAX_STATS}
         entropy_mode = "grad" if alg.entropy_coef > 0 else "no_grad"
         head = (self.spec.trainer.logprob_chunk_tokens, self.spec.trainer.compile)  # fused LM head
+        # One FSDP rank: accumulate the micro-batches' gradients unsharded (in fp32, FSDP's reduce dtype)
+        # and "reduce" once after the last, instead of a copy-in + fp32 add per micro-batch. With more
+        # ranks that would hold a whole fp32 gradient per rank, so they reduce-scatter every micro-batch.
+        defer_sync = self.fsdp and self.pool.world_size == 1 and len(mbs) > 1
         for i, mb in enumerate(mbs):
+            if defer_sync:
+                for m in (self.model, self.critic):
+                    if m is not None:
+                        m.set_requires_gradient_sync(i == len(mbs) - 1)
             with self._autocast():
                 logp, ent = packed_logprobs(self.model, mb, temperature, entropy_mode, *head)
             mask, w = mb.loss_mask, mb.token_weights

@@ -115,6 +115,10 @@ class PublishStats(msgspec.Struct, kw_only=True):
     """Engines removed from the group by this update (dead or timed out)."""
     rebuilds: int = 0
     """Update groups built during this update (membership change or failure)."""
+    timeline: list[list[float]] = []
+    """Per confirmed bucket: [index, launched, broadcast seen done, every engine seen answered], ms from
+    the start of the transfer (seen: when _confirm polled it, so within POLL_S of the event once the
+    bucket is at the head of the queue). Where the wire idles between buckets shows here."""
 
     @property
     def pause_s(self) -> float:
@@ -182,13 +186,15 @@ def rank_offsets(tp_sizes: list[int]) -> tuple[list[int], int]:
 class _Bucket:
     """One flattened bucket: what the engines are told, the bytes, and its state on the wire."""
 
-    __slots__ = ("calls", "dtypes", "flat", "index", "last", "names", "shapes", "work")
+    __slots__ = ("calls", "dtypes", "flat", "index", "last", "names", "shapes", "times", "work")
 
     def __init__(self, index: int, names, dtypes, shapes, flat: torch.Tensor, last: bool) -> None:
         self.index, self.names, self.dtypes, self.shapes = index, names, dtypes, shapes
         self.flat, self.last = flat, last
         self.work = None
         self.calls: dict[str, Future] = {}
+        self.times = [0.0, 0.0, 0.0]
+        """perf_counter at launch, broadcast seen done, every engine seen answered."""
 
 
 def pack(
@@ -651,6 +657,7 @@ class WeightBus:
         paused = list(self.engines)
         t_pause = time.perf_counter()
         total = n_buckets = 0
+        timeline: list[list[float]] = []
         try:
             failed = self._on_all(paused, "/pause_generation", {"mode": self.pause_mode})
             refused = {u: e for u, e in failed.items() if isinstance(e, _Refused)}
@@ -660,7 +667,7 @@ class WeightBus:
                 dropped += self._drop(list(failed))
                 self._rebuild()
             t_transfer = time.perf_counter()
-            total, n_buckets, pack_s, more_dropped = self._transfer(first, stream, version)
+            total, n_buckets, pack_s, more_dropped, timeline = self._transfer(first, stream, version)
             gather_s += pack_s
             dropped += more_dropped
             transfer_s = time.perf_counter() - t_transfer
@@ -692,6 +699,7 @@ class WeightBus:
             joined=[u for u in joined if u in self.urls],
             dropped=dropped,
             rebuilds=self._generation - generation0,
+            timeline=timeline,
         )
         metrics.BYTES.inc(total)
         metrics.TRANSFER_SECONDS.observe(transfer_s)
@@ -718,7 +726,9 @@ class WeightBus:
     def _transfer(self, first: _Bucket, stream: Iterator[_Bucket], version: int):
         """Announce and broadcast every bucket, packing the next while the previous is on the wire; on a
         failure, rebuild over the survivors and re-send what they have not confirmed.
-        Returns (bytes, buckets, seconds spent packing, engines dropped)."""
+        Returns (bytes, buckets, seconds spent packing, engines dropped, timeline: see PublishStats)."""
+        t0 = time.perf_counter()
+        timeline: list[list[float]] = []
         pending: deque[_Bucket] = deque()
         nxt: _Bucket | None = first
         total = count = 0
@@ -746,15 +756,16 @@ class WeightBus:
                 dropped += self._recover(failure, pending, confirmed=count)
                 if not self.engines:
                     log.warning("version %d: every engine was dropped", version)
-                    return total, count, pack_s, dropped
+                    return total, count, pack_s, dropped, timeline
                 for b in pending:
                     self._launch(b, version)
                 continue
             pending.popleft()
             total += done.flat.numel()
             count += 1
+            timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
             done.flat = done.work = None
-        return total, count, pack_s, dropped
+        return total, count, pack_s, dropped, timeline
 
     def _launch(self, b: _Bucket, version: int) -> None:
         body = UpdateWeightsFromDistributed(
@@ -766,6 +777,7 @@ class WeightBus:
             weight_version=str(version) if b.last else None,
             flush_cache=b.last,
         )
+        b.times[0] = time.perf_counter()
         b.calls = {
             e.url: e.call("/update_weights_from_distributed", body, announcement=True) for e in self.engines
         }
@@ -784,7 +796,14 @@ class WeightBus:
                 raise _UpdateFailed(b, errors, work)
             if errors:
                 raise _UpdateFailed(b, errors, None)
-            if work.is_completed() and all(f.done() for f in b.calls.values()):
+            sent = work.is_completed()
+            answered = all(f.done() for f in b.calls.values())
+            now = time.perf_counter()
+            if sent and not b.times[1]:
+                b.times[1] = now
+            if answered and not b.times[2]:
+                b.times[2] = now
+            if sent and answered:
                 break
             if time.monotonic() > deadline:
                 late = {u: TimeoutError("no answer in time") for u, f in b.calls.items() if not f.done()}

@@ -95,5 +95,16 @@ class EngineMetrics:
             "slipstream_engine_weight_updates", "Successful weight updates (distributed or disk).", **labels
         ).labels(model_name)
 
+        phase = Histogram(
+            "slipstream_engine_weight_bucket_seconds",
+            "Per weight-bus bucket, host time of each phase of /update_weights_from_distributed: wait "
+            "(for the previous weight operation), receive (join the broadcast), load (copy into the "
+            "parameters at a step boundary). On NCCL the GPU work is queued, not waited for.",
+            labelnames=["model_name", "phase"],
+            buckets=PAUSE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.bucket_phase = {ph: phase.labels(model_name, ph) for ph in ("wait", "receive", "load")}
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

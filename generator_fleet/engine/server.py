@@ -528,12 +528,19 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request) -> Response:
         body = await _decode(request, UpdateWeightsFromDistributed)
+        phases = state.metrics.bucket_phase
+        t0 = time.perf_counter()
         async with state.weight_lock:
+            t1 = time.perf_counter()
+            phases["wait"].observe(t1 - t0)
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
                 named = await asyncio.to_thread(state.receiver.receive, body)
+                t2 = time.perf_counter()
+                phases["receive"].observe(t2 - t1)
                 await asyncio.to_thread(runner.load_weights, named, body.weight_version)
+                phases["load"].observe(time.perf_counter() - t2)
             except Exception as e:
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")

@@ -18,6 +18,8 @@ def test_tiny_cpu_run_writes_result_file_with_headline_names(tmp_path, capsys):
         "1",
         "--micro-batch-tokens",
         "128",
+        "--micro-batches",
+        "2",
     ]
     argv += ["--min-len", "16", "--max-len", "64", "--peak-tflops", "1", "--out", str(tmp_path)]
     result = main(argv)
