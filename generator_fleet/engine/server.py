@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 import socket
 import threading
 import time
@@ -131,6 +132,31 @@ class BadRequest(Exception):
 
 
 # ---- responses -----------------------------------------------------------------------------------
+
+
+_WEIGHT_TRACE = os.environ.get("SLIPSTREAM_WEIGHT_TRACE")
+"""Diagnostics: a file to append, per weight update, the GPU timeline of each bucket (CUDA events before
+the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits."""
+
+
+def _trace_event():
+    if not torch.cuda.is_available():
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _trace_bucket(state, events, last: bool) -> None:
+    state.trace.append(events)
+    if not last:
+        return
+    torch.cuda.synchronize()
+    t0 = state.trace[0][0]
+    rows = [[round(t0.elapsed_time(e), 3) for e in ev] for ev in state.trace]
+    state.trace.clear()
+    with open(_WEIGHT_TRACE, "a") as f:
+        f.write(msgspec.json.encode(rows).decode() + "\n")
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -385,6 +411,7 @@ class _EngineState:
         self.unpaused.set()
         self.waiting = 0
         self.paused_at: float | None = None
+        self.trace: list = []  # SLIPSTREAM_WEIGHT_TRACE
         self.weight_lock = asyncio.Lock()  # one weight operation at a time: groups receive in order
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
 
@@ -536,11 +563,15 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
+                trace = _WEIGHT_TRACE and _trace_event()
                 named = await asyncio.to_thread(state.receiver.receive, body)
                 t2 = time.perf_counter()
                 phases["receive"].observe(t2 - t1)
+                trace = trace and (trace, _trace_event())
                 await asyncio.to_thread(runner.load_weights, named, body.weight_version)
                 phases["load"].observe(time.perf_counter() - t2)
+                if trace:
+                    _trace_bucket(state, (*trace, _trace_event()), body.weight_version is not None)
             except Exception as e:
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
