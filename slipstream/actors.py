@@ -45,11 +45,16 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
 
 @ray.remote(num_cpus=0)
 class EngineActor:
-    def __init__(self, spec: JobSpec, redis_url: str, api_key: str, index: int) -> None:
+    """One built-in engine. `joining`: started mid-job (scaling up): it waits in the registry's joining set,
+    taking no rollout traffic, until the weight bus has given it the current weights."""
+
+    def __init__(
+        self, spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False
+    ) -> None:
         from generator_fleet.engine import EngineServer
 
         _setup_process(spec, f"engine-{index}", redis_url, spec.generators.torch_threads)
-        self.redis_url, self.job = redis_url, spec.name
+        self.redis_url, self.job, self.joining = redis_url, spec.name, joining
         self.server = EngineServer(
             spec.model.path,
             api_key=api_key,
@@ -65,12 +70,18 @@ class EngineActor:
 
         self.server.start()
         self.registration = EngineRegistration(
-            redis.Redis.from_url(self.redis_url), self.job, self.server.url
+            redis.Redis.from_url(self.redis_url), self.job, self.server.url, joining=self.joining
         )
         return self.server.url
 
-    def stop(self) -> None:
+    def stop(self, drain_s: float = 0.0) -> None:
+        """Leave the registry, give rollout workers `drain_s` to notice (scaling down: new requests go to
+        the other engines), then stop; requests still running here fail and are retried elsewhere."""
+        import time
+
         self.registration.close()
+        if drain_s > 0:
+            time.sleep(drain_s)
         self.server.stop()
 
 
@@ -198,5 +209,8 @@ class TrainerActor:
         self.trainer.close()
         return result
 
-    def stop(self) -> None:
-        self.trainer.stop()
+    def stop(self, restart: bool = False) -> None:
+        self.trainer.stop(restart)
+
+    def request_checkpoint(self) -> None:
+        self.trainer.request_checkpoint()

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from slipstream import cluster, jobspec
+from slipstream import cluster, jobs_cli, jobspec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--output-dir", help="the job's output_dir (default runs/JOB)")
     st.add_argument("--json", action="store_true", help="print JSON")
     cluster.add_parser(sub)
+    jobs_cli.add_parsers(sub)
     return p
 
 
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         return _buffer_stats(args)
     if args.cmd == "cluster":
         return cluster.main(args)
+    if args.cmd in jobs_cli.COMMANDS:
+        return jobs_cli.main(args)
     try:
         spec = jobspec.load(args.spec, args.overrides)
     except jobspec.JobSpecError as e:

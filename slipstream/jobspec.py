@@ -378,11 +378,20 @@ def from_dict(raw: Any) -> JobSpec:
 def load(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML job spec, apply overrides, validate; raise JobSpecError with the key path."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as e:
+        text = Path(path).read_text()
+    except OSError as e:
         raise JobSpecError(f"{path}: {e}") from e
+    return loads(text, overrides, source=str(path))
+
+
+def loads(text: str, overrides: list[str] | None = None, source: str = "job spec") -> JobSpec:
+    """`load` from YAML (or JSON) text, e.g. a spec sent to the control API."""
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JobSpecError(f"{source}: {e}") from e
     if raw is not None and not isinstance(raw, dict):
-        raise JobSpecError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+        raise JobSpecError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     return from_dict(apply_overrides(raw or {}, overrides or []))
 
 

@@ -123,6 +123,33 @@ def _interrupt_on_signals() -> None:
         signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
+class ProgressReader:
+    """Follows a job's trainer progress stream (one JSON record per optimizer step). Each record gains
+    `tokens_per_s`: response tokens trained so far ÷ trainer time, which carries on across trainer-pool
+    restarts (a restarted pool's `elapsed_s` starts again at 0)."""
+
+    def __init__(self, r: redis.Redis, job: str) -> None:
+        self.r, self.key = r, JobKeys(job).progress
+        self.last_id = "0"
+        self.tokens = 0
+        self.elapsed_before = 0.0  # trainer time of earlier pools
+        self._last_elapsed = 0.0
+
+    def read(self, block_ms: int = 500) -> list[dict]:
+        out = []
+        for _, entries in self.r.xread({self.key: self.last_id}, block=block_ms, count=100) or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                rec = json.loads(fields[b"j"])
+                if rec["elapsed_s"] < self._last_elapsed:  # a new trainer pool
+                    self.elapsed_before += self._last_elapsed
+                self._last_elapsed = rec["elapsed_s"]
+                self.tokens += rec["response_tokens"]
+                rec["tokens_per_s"] = self.tokens / max(self.elapsed_before + rec["elapsed_s"], 1e-9)
+                out.append(rec)
+        return out
+
+
 class EngineURLs(NamedTuple):
     workers: list[str]
     """Every engine; the weight bus pauses and updates each of them."""
@@ -237,24 +264,17 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         worker_runs = [w.run.remote() for w in workers]
         train_runs = [t.run.remote() for t in trainers]
         train_run = train_runs[0]
-        last_id = "0"
-        gen_tokens = 0
+        reader = ProgressReader(r, spec.name)
         while True:
             done, _ = ray.wait([*train_runs, *worker_runs], num_returns=1, timeout=0)
             for ref in done:
                 ray.get(ref)  # re-raises an actor's failure here
                 if not any(ref is t for t in train_runs):
                     raise RuntimeError("a rollout worker exited before the trainer finished")
-            resp = r.xread({keys.progress: last_id}, block=500, count=100)
-            for _, entries in resp or []:
-                for entry_id, fields in entries:
-                    last_id = entry_id
-                    rec = json.loads(fields[b"j"])
-                    gen_tokens += rec["response_tokens"]
-                    rec["tokens_per_s"] = gen_tokens / max(rec["elapsed_s"], 1e-9)
-                    progress.append(rec)
-                    if on_progress:
-                        on_progress(rec)
+            for rec in reader.read(block_ms=500):
+                progress.append(rec)
+                if on_progress:
+                    on_progress(rec)
             if done:
                 break
         result = ray.get(train_run)

@@ -1,0 +1,213 @@
+"""Job operations of the control plane (what the control API serves): submit a job as a Ray job running
+slipstream/driver.py, list and inspect jobs, read their logs, scale their pools, stop them, ask for a
+checkpoint. State lives in the cluster's Redis (slipstream/jobs.py); the driver acts on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import redis
+
+from slipstream import jobspec
+from slipstream.cluster import ClusterInfo, ray_env
+from slipstream.jobs import JobStore, check_name
+from slipstream.launcher import PROJECT_ROOT
+
+log = logging.getLogger(__name__)
+
+RAY_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+class ControlError(Exception):
+    """A request the control plane refuses; `status` is the HTTP status the API answers with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jobspec.JobSpec:
+    """Relative paths in a submitted spec: model and data paths against the submitter's working
+    directory (`cwd`, same filesystem as the cluster), the output directory under HOME/jobs/NAME."""
+    base = Path(cwd) if cwd else Path.cwd()
+
+    def rel(p: str | None) -> str | None:
+        return None if p is None else str((base / p).resolve()) if not Path(p).is_absolute() else p
+
+    s = spec
+    s = msgspec.structs.replace(s, model=msgspec.structs.replace(s.model, path=rel(s.model.path)))
+    s = msgspec.structs.replace(s, dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)))
+    alg = msgspec.structs.replace(
+        s.algorithm,
+        ref_model_path=rel(s.algorithm.ref_model_path),
+        critic_model_path=rel(s.algorithm.critic_model_path),
+    )
+    out = s.output_dir if Path(s.output_dir).is_absolute() else str(home / "jobs" / s.name)
+    tr = s.trainer
+    if tr.checkpoint_dir is not None and not Path(tr.checkpoint_dir).is_absolute():
+        tr = msgspec.structs.replace(tr, checkpoint_dir=str(Path(out) / tr.checkpoint_dir))
+    return msgspec.structs.replace(s, algorithm=alg, output_dir=out, trainer=tr)
+
+
+class JobControl:
+    def __init__(self, info: ClusterInfo) -> None:
+        self.info = info
+        self.home = Path(info.home)
+        self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
+        self.store = JobStore(self.r)
+        self._ray = None
+
+    @property
+    def ray(self):
+        """Ray's job-submission client (token auth), made on first use."""
+        if self._ray is None:
+            os.environ.update(ray_env(self.info))
+            from ray.job_submission import JobSubmissionClient
+
+            self._ray = JobSubmissionClient(
+                self.info.dashboard_url, headers={"Authorization": f"Bearer {self.info.ray_auth_token}"}
+            )
+        return self._ray
+
+    def _job(self, name: str) -> dict[str, Any]:
+        if not self.store.exists(name):
+            raise ControlError(404, f"no job {name!r} (slipstream list shows the jobs)")
+        return self.store.status(name)
+
+    # --- operations -----------------------------------------------------------------------------------
+    def submit(self, spec_text: str, overrides: list[str] | None = None, cwd: str | None = None) -> dict:
+        try:
+            spec = jobspec.loads(spec_text, overrides or [])
+        except jobspec.JobSpecError as e:
+            raise ControlError(422, str(e)) from None
+        if why := check_name(spec.name):
+            raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
+        if self.store.exists(spec.name) and self.store.active(spec.name):
+            raise ControlError(
+                409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
+            )
+        spec = resolve_spec_paths(spec, self.home, cwd)
+        Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+        (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
+        self.store.create(
+            spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
+        )
+        entry = f"{sys.executable} -m slipstream.driver --home {self.home} --job {spec.name}"
+        try:
+            ray_id = self.ray.submit_job(
+                entrypoint=entry,
+                runtime_env={
+                    "env_vars": {
+                        "PYTHONPATH": str(PROJECT_ROOT),
+                        "HF_HUB_OFFLINE": "1",
+                        "TOKENIZERS_PARALLELISM": "false",
+                    }
+                },
+                metadata={"slipstream_job": spec.name},
+            )
+        except Exception as e:
+            self.store.update_status(spec.name, state="failed", error=f"Ray job submission failed: {e}")
+            raise ControlError(503, f"Ray job submission failed: {e}") from e
+        self.store.update_status(spec.name, ray_job_id=ray_id, output_dir=spec.output_dir)
+        log.info("job %s submitted as Ray job %s (output %s)", spec.name, ray_id, spec.output_dir)
+        return {"name": spec.name, "ray_job_id": ray_id, "output_dir": spec.output_dir}
+
+    def get(self, name: str) -> dict:
+        st = self._job(name)
+        st["name"] = name
+        st["desired"] = self.store.desired(name)
+        ray_id = st.get("ray_job_id")
+        if ray_id:
+            try:
+                info = self.ray.get_job_info(ray_id)
+                st["ray_status"] = str(info.status.value if hasattr(info.status, "value") else info.status)
+                if st.get("state") in ("submitted", "starting", "running", "scaling", "stopping") and (
+                    st["ray_status"] in RAY_TERMINAL
+                ):
+                    # the driver died without reporting (killed, crashed before it could)
+                    st = self.store.update_status(
+                        name, state="failed" if st["ray_status"] == "FAILED" else "stopped",
+                        error=info.message or st.get("error"),
+                    )  # fmt: skip
+                    st.update(name=name, desired=self.store.desired(name), ray_status=info.status.value)
+            except Exception as e:  # Ray down: report what Redis has
+                st["ray_status"] = f"unknown ({e})"
+        return st
+
+    def list(self) -> list[dict]:
+        out = []
+        for name in self.store.names():
+            st = self.store.status(name)
+            out.append(
+                {
+                    "name": name,
+                    "state": st.get("state"),
+                    "version": st.get("version", 0),
+                    "total_steps": st.get("total_steps"),
+                    "reward_mean": st.get("reward_mean"),
+                    "pools": st.get("pools", {}),
+                }
+            )
+        return out
+
+    def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:
+        st = self._job(name)
+        log_dir = Path(st.get("output_dir", self.home / "jobs" / name)) / "logs"
+        components = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
+        if component is None:
+            text = ""
+            if st.get("ray_job_id"):
+                try:
+                    text = self.ray.get_job_logs(st["ray_job_id"])
+                except Exception as e:
+                    text = f"(Ray job logs unavailable: {e})\n"
+        else:
+            if component not in components:
+                raise ControlError(404, f"job {name!r} has no log {component!r}; it has {components}")
+            text = (log_dir / f"{component}.log").read_text(errors="replace")
+        lines = text.splitlines()[-tail:] if tail > 0 else text.splitlines()
+        return {"name": name, "component": component or "driver", "components": components, "lines": lines}
+
+    def scale(self, name: str, generators: int | None = None, trainers: int | None = None) -> dict:
+        st = self._job(name)
+        if generators is None and trainers is None:
+            raise ControlError(422, "scale needs generators and/or trainers")
+        for key, v in (("generators", generators), ("trainers", trainers)):
+            if v is not None and v < 1:
+                raise ControlError(422, f"{key} must be >= 1, got {v}")
+        if st.get("state") not in ("submitted", "starting", "running", "scaling"):
+            raise ControlError(409, f"job {name!r} is {st.get('state')}: nothing to scale")
+        spec = jobspec.from_dict(msgspec.json.decode(self.store.spec_json(name)))
+        if generators is not None and (spec.generators.engine == "external" or spec.generators.router_url):
+            raise ControlError(
+                422,
+                "generators of a job with external engines or a router are not launched by Slipstream: "
+                "add engines to the router or the urls instead",
+            )
+        self.store.set_desired(name, generators=generators, trainers=trainers)
+        log.info("job %s: desired generators=%s trainers=%s", name, generators, trainers)
+        return {"name": name, "desired": self.store.desired(name)}
+
+    def stop(self, name: str, force: bool = False) -> dict:
+        st = self._job(name)
+        self.store.request_stop(name)
+        if force and st.get("ray_job_id"):
+            try:
+                self.ray.stop_job(st["ray_job_id"])
+            except Exception as e:
+                raise ControlError(503, f"Ray could not stop job {name!r}: {e}") from e
+        log.info("job %s: stop requested%s", name, " (forced)" if force else "")
+        return {"name": name, "stop": True, "force": force}
+
+    def checkpoint(self, name: str) -> dict:
+        st = self._job(name)
+        if st.get("state") not in ("running", "scaling"):
+            raise ControlError(409, f"job {name!r} is {st.get('state')}: no trainer to checkpoint")
+        self.store.push_command(name, "checkpoint")
+        return {"name": name, "checkpoint": "requested"}

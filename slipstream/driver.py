@@ -1,0 +1,399 @@
+"""The job driver: runs one submitted job on the cluster's Ray, as a Ray job (`slipstream submit` starts
+`python -m slipstream.driver --home HOME --job NAME` through Ray's job API). It starts the job's pools,
+then reconciles them with what the user wants, as recorded in Redis by the control API:
+
+- generators N: engines (+ their rollout workers) are added or removed while training goes on. A new
+  engine registers as *joining*: it takes rollout traffic only once the weight bus gave it the current
+  weights at the next update. A removed engine leaves the registry first, so workers stop routing to it;
+  requests still running there are retried on the others. Removed rollout workers finish their groups.
+- trainers M: the trainer pool stops after its current step with a checkpoint, and a pool of M ranks
+  resumes from it (FSDP2 reshards); generators keep filling the buffer meanwhile.
+- checkpoint: the trainer writes one after its current step. stop: the trainer ends after its current
+  step (final checkpoint and HF export as the spec says), then everything stops.
+
+It reports the job's state and progress to Redis (slipstream/jobs.py) for `slipstream status`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import redis
+
+from replay_buffer import ReplayBuffer
+from slipstream import jobspec
+from slipstream.jobs import JobStore
+from slipstream.jobspec import JobSpec
+from slipstream.launcher import (
+    PROJECT_ROOT,
+    STOP_TIMEOUT_S,
+    ProgressReader,
+    prepare_model,
+    start_engines,
+)
+
+log = logging.getLogger("slipstream.driver")
+
+POLL_S = 0.5
+"""How often desired state and commands are read."""
+DRAIN_S = 2.5
+"""A removed engine's grace between leaving the registry and stopping (rollout workers refresh the
+registry every generator_fleet.rollout.ENGINE_REFRESH_S = 2 s)."""
+
+
+class _Stop(Exception):
+    """SIGTERM (Ray's `stop_job`, or the control API's forced stop)."""
+
+
+def workers_per_engine(spec: JobSpec) -> int:
+    g = spec.generators
+    return max(1, math.ceil(g.num_workers / g.num_engines))
+
+
+class JobDriver:
+    def __init__(self, spec: JobSpec, redis_url: str, store: JobStore) -> None:
+        self.spec, self.redis_url, self.store = spec, redis_url, store
+        self.job = spec.name
+        self.r = redis.Redis.from_url(redis_url)
+        self.buffer = ReplayBuffer(self.r, self.job)
+        self.progress = ProgressReader(self.r, self.job)
+        self.api_key = secrets.token_hex(16)
+        self.engines: list = []  # launched engine actors, in order (the last ones go first)
+        self.engine_urls: list[str] = []
+        self.rollout_urls: list[str] = []
+        self.attached: list = []  # external/router attachments (not scaled)
+        self.workers: list[tuple] = []  # (actor, run ref)
+        self.trainers: list = []
+        self.train_runs: list = []
+        self.version = 0
+        self.samples = 0
+        self.t0 = time.monotonic()
+        self.last: dict = {}
+        self._next_engine = 0
+        self._next_worker = 0
+
+    # --- status ---------------------------------------------------------------------------------------
+    def report(self, state: str | None = None, **extra) -> None:
+        fields = {
+            "version": self.version,
+            "total_steps": self.spec.algorithm.total_steps,
+            "pools": {
+                "generators": len(self.engines) if self.engines else len(self.engine_urls),
+                "rollout_workers": len(self.workers),
+                "trainers": len(self.trainers),
+            },
+            "elapsed_s": time.monotonic() - self.t0,
+            "samples_per_s": self.samples / max(time.monotonic() - self.t0, 1e-9),
+            "output_dir": self.spec.output_dir,
+            **{
+                k: self.last[k]
+                for k in (
+                    "reward_mean",
+                    "staleness_mean",
+                    "staleness_max",
+                    "tokens_per_s",
+                    "train_tokens_per_s",
+                    "step_s",
+                    "loss",
+                    "mfu",
+                )
+                if k in self.last
+            },
+            **extra,
+        }
+        try:
+            fields["buffer"] = self.buffer.stats()
+        except redis.RedisError as e:
+            log.warning("buffer stats: %s", e)
+        if state is not None:
+            fields["state"] = state
+        self.store.update_status(self.job, **fields)
+
+    # --- pools ----------------------------------------------------------------------------------------
+    def _spec_with(self, **trainer) -> JobSpec:
+        return msgspec.structs.replace(
+            self.spec, trainer=msgspec.structs.replace(self.spec.trainer, **trainer)
+        )
+
+    def start_generators(self, n: int) -> None:
+        """The job's first engines (through the launcher's start_engines: builtin, sglang or external)."""
+        g = msgspec.structs.replace(self.spec.generators, num_engines=n)
+        spec = msgspec.structs.replace(self.spec, generators=g)
+        started: list = []
+        urls = start_engines(spec, self.redis_url, self.api_key, started)
+        self.engine_urls, self.rollout_urls = urls.workers, urls.rollout
+        self.api_key = urls.api_key
+        if self.spec.generators.engine == "external" or self.spec.generators.router_url:
+            self.attached = started
+            self.engines = []
+        else:
+            self.engines = started
+        self._next_engine = n
+        self.add_workers(workers_per_engine(self.spec) * n)
+
+    def add_workers(self, count: int) -> None:
+        from slipstream.actors import RolloutActor
+
+        for _ in range(count):
+            a = RolloutActor.remote(
+                self.spec, self.redis_url, self.rollout_urls, self.api_key, self._next_worker
+            )
+            self._next_worker += 1
+            self.workers.append((a, a.run.remote()))
+
+    def remove_workers(self, count: int) -> None:
+        import ray
+
+        if count <= 0:
+            return
+        gone = self.workers[len(self.workers) - count :]
+        self.workers = self.workers[: len(self.workers) - count]
+        for a, _ in gone:
+            a.stop.remote()
+        runs = [ref for _, ref in gone]
+        done, _ = ray.wait(runs, num_returns=len(runs), timeout=STOP_TIMEOUT_S)
+        produced = sum(ray.get(ref)["groups"] for ref in done)
+        for a, _ in gone:
+            ray.kill(a)
+        log.info("removed %d rollout workers (they finished their groups: %d in all)", count, produced)
+
+    def scale_generators(self, n: int) -> None:
+        import ray
+
+        from slipstream.actors import EngineActor, SGLangEngineActor
+
+        have = len(self.engines)
+        if n == have:
+            return
+        self.report("scaling", scaling=f"generators {have} -> {n}")
+        per = workers_per_engine(self.spec)
+        if n > have:
+            cls = EngineActor
+            if self.spec.generators.engine == "sglang":
+                gpus = self.spec.generators.sglang.gpus_per_engine or self.spec.generators.sglang.tp_size
+                cls = SGLangEngineActor.options(num_gpus=gpus)
+            new = []
+            for _ in range(n - have):
+                idx = self._next_engine
+                self._next_engine += 1
+                if cls is EngineActor:
+                    new.append(EngineActor.remote(self.spec, self.redis_url, self.api_key, idx, joining=True))
+                else:
+                    new.append(cls.remote(self.spec, self.redis_url, self.api_key, idx))
+            self.engines += new
+            urls = ray.get([e.start.remote() for e in new])
+            self.engine_urls += urls
+            self.add_workers(per * (n - have))
+            log.info(
+                "generators %d -> %d: engines %s joined (rollouts reach them after the next weight update)",
+                have,
+                n,
+                urls,
+            )
+        else:
+            self.remove_workers(max(0, len(self.workers) - per * n))
+            gone = self.engines[n:]
+            self.engines = self.engines[:n]
+            gone_urls = self.engine_urls[n:]
+            self.engine_urls = self.engine_urls[:n]
+            ray.get(
+                [
+                    e.stop.remote(DRAIN_S) if self.spec.generators.engine == "builtin" else e.stop.remote()
+                    for e in gone
+                ]
+            )
+            for e in gone:
+                ray.kill(e)
+            log.info("generators %d -> %d: engines %s stopped", have, n, gone_urls)
+        self.report("running", scaling=None)
+
+    def start_trainers(self, m: int, resume_from: str | None = None) -> None:
+        import ray
+
+        from slipstream.actors import TrainerActor
+
+        spec = self._spec_with(num_trainers=m, **({"resume_from": resume_from} if resume_from else {}))
+        rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
+        self.trainers = [
+            rank_cls.remote(spec, self.redis_url, self.engine_urls, self.api_key, r, m) for r in range(m)
+        ]
+        master = ray.get(self.trainers[0].rendezvous.remote()) if m > 1 else None
+        ray.get([t.setup.remote(master) for t in self.trainers])
+        self.train_runs = [t.run.remote() for t in self.trainers]
+        log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+
+    def scale_trainers(self, m: int) -> dict | None:
+        """Checkpoint, stop the pool, start one of m ranks from that checkpoint. Returns the old pool's
+        result if it had finished the job before it could be stopped (then nothing restarts)."""
+        import ray
+
+        have = len(self.trainers)
+        self.report("scaling", scaling=f"trainers {have} -> {m}")
+        ray.get(self.trainers[0].stop.remote(True))
+        results = ray.get(self.train_runs)
+        for t in self.trainers:
+            ray.kill(t)
+        result = results[0]
+        if not result["restart"] or not result["checkpoint"]:
+            return result  # the job ended (last step) before the stop took effect
+        self.start_trainers(m, resume_from=result["checkpoint"])
+        log.info(
+            "trainers %d -> %d at version %d (checkpoint %s)",
+            have,
+            m,
+            result["version"],
+            result["checkpoint"],
+        )
+        self.report("running", scaling=None)
+        return None
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        import ray
+
+        desired = self.store.desired(self.job)
+        self.report("starting")
+        prepare_model(self.spec)
+        self.buffer.ensure_group()
+        if self.r.get(self.buffer.keys.version) is None:
+            self.buffer.set_version(0)
+        self.start_generators(desired.get("generators", self.spec.generators.num_engines))
+        self.start_trainers(desired.get("trainers", self.spec.trainer.num_trainers))
+        self.report("running")
+        stopping = False
+        while True:
+            done, _ = ray.wait(self.train_runs, num_returns=len(self.train_runs), timeout=0)
+            if len(done) == len(self.train_runs):
+                result = ray.get(self.train_runs[0])
+                break
+            dead = [ref for _, ref in self.workers if ray.wait([ref], timeout=0)[0]]
+            for ref in dead:
+                ray.get(ref)  # re-raises a worker's failure
+            if dead:
+                raise RuntimeError("a rollout worker exited before the trainer finished")
+            for rec in self.progress.read(block_ms=int(POLL_S * 1000)):
+                self.last = rec
+                self.version = rec["version"]
+                self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
+                log.info(
+                    "version %d/%d reward %.3f staleness %.2f tok/s %.0f",
+                    rec["version"],
+                    self.spec.algorithm.total_steps,
+                    rec["reward_mean"],
+                    rec["staleness_mean"],
+                    rec["tokens_per_s"],
+                )
+                self.report()
+            want = self.store.desired(self.job)
+            if want["stop"] and not stopping:
+                log.info("stop requested: the trainer ends after its current step")
+                stopping = True
+                self.report("stopping")
+                self.trainers[0].stop.remote()
+            if stopping:
+                continue
+            for cmd in self.store.pop_commands(self.job):
+                if cmd == "checkpoint":
+                    log.info("checkpoint requested")
+                    self.trainers[0].request_checkpoint.remote()
+            if self.engines and want.get("generators", len(self.engines)) != len(self.engines):
+                self.scale_generators(want["generators"])
+            if want.get("trainers", len(self.trainers)) != len(self.trainers):
+                ended = self.scale_trainers(want["trainers"])
+                if ended is not None:
+                    result = ended
+                    break
+        for rec in self.progress.read(block_ms=0):
+            self.last, self.version = rec, rec["version"]
+        self.version = result["version"]
+        return result
+
+    def close(self) -> None:
+        import ray
+
+        for a, _ in self.workers:
+            a.stop.remote()
+        ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=STOP_TIMEOUT_S)
+        engines = self.engines + self.attached
+        if engines:
+            ray.wait([e.stop.remote() for e in engines], num_returns=len(engines), timeout=STOP_TIMEOUT_S)
+        for a in [a for a, _ in self.workers] + self.trainers + engines:
+            try:
+                ray.kill(a)
+            except Exception:  # already dead
+                pass
+
+
+def _raise_stop(signum, frame):
+    raise _Stop(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slipstream import cluster
+
+    p = argparse.ArgumentParser(prog="python -m slipstream.driver", description=__doc__.splitlines()[0])
+    p.add_argument("--home", required=True, help="the cluster's state directory")
+    p.add_argument("--job", required=True)
+    args = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    info = cluster.load_info(args.home)
+    store = JobStore(redis.Redis.from_url(info.redis_url))
+    spec = jobspec.from_dict(msgspec.json.decode(store.spec_json(args.job) or "null"))
+    out = Path(spec.output_dir)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout)
+    fh = logging.FileHandler(out / "logs" / "driver.log")
+    fh.setFormatter(logging.Formatter(fmt))
+    logging.getLogger().addHandler(fh)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    import ray
+
+    ray.init(
+        address="auto",
+        namespace=f"slipstream-{args.job}",
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": str(PROJECT_ROOT),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+            }
+        },
+    )
+    signal.signal(signal.SIGTERM, _raise_stop)
+    driver = JobDriver(spec, info.redis_url, store)
+    log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
+    code = 0
+    try:
+        result = driver.run()
+        driver.report("succeeded", final_model=result.get("final_model", ""), error=None)
+        log.info("job %s succeeded at version %d", args.job, result["version"])
+    except (_Stop, KeyboardInterrupt):
+        driver.report("stopped", error=None)
+        log.info("job %s stopped", args.job)
+    except Exception as e:
+        log.exception("job %s failed", args.job)
+        driver.report("failed", error=f"{type(e).__name__}: {e}")
+        code = 1
+    finally:
+        driver.close()
+        ray.shutdown()
+    if store.desired(args.job)["stop"] and store.status(args.job).get("state") == "succeeded":
+        store.update_status(args.job, state="stopped")  # stopped on request, ended cleanly
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

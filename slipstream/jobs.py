@@ -1,0 +1,112 @@
+"""The control plane's record of jobs in the cluster's Redis: what was submitted (the resolved spec), what
+the user wants (pool sizes, stop), what the job driver reports (state, progress), and commands waiting
+for the driver. Every key lives under the job's own `slipstream:{job}:` prefix, so jobs sharing a cluster
+never touch each other's data; the index of jobs is one hash beside them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import redis
+
+from replay_buffer import JobKeys
+
+INDEX_KEY = "slipstream:control:jobs"
+"""Hash job name -> submission time: every job the cluster knows, running or ended."""
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+RESERVED_NAMES = {"control"}
+ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
+"""A job in one of these holds resources; a new job of the same name is refused until it ends."""
+COMMANDS = ("checkpoint",)
+
+
+def check_name(name: str) -> str | None:
+    """Why `name` cannot name a job (it becomes Redis keys and a directory), or None."""
+    if not NAME_RE.match(name):
+        return "lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63"
+    if name in RESERVED_NAMES:
+        return f"{name!r} is reserved"
+    return None
+
+
+class JobStore:
+    """Read and write job records; one instance per process, over a sync redis client."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+
+    @staticmethod
+    def _k(job: str, name: str) -> str:
+        return JobKeys(job)._k(name)
+
+    # --- submission ------------------------------------------------------------------------------------
+    def create(self, job: str, spec_json: str, generators: int, trainers: int) -> None:
+        """Record a submitted job (replacing what an ended job of the same name left)."""
+        pipe = self.r.pipeline()
+        pipe.hset(INDEX_KEY, job, f"{time.time():.3f}")
+        pipe.set(self._k(job, "spec"), spec_json)
+        pipe.delete(self._k(job, "desired"), self._k(job, "status"), self._k(job, "commands"))
+        pipe.hset(self._k(job, "desired"), mapping={"generators": generators, "trainers": trainers})
+        pipe.set(self._k(job, "status"), json.dumps({"state": "submitted", "submitted_at": time.time()}))
+        pipe.execute()
+
+    def names(self) -> list[str]:
+        return sorted(n.decode() for n in self.r.hkeys(INDEX_KEY))
+
+    def exists(self, job: str) -> bool:
+        return bool(self.r.hexists(INDEX_KEY, job))
+
+    def spec_json(self, job: str) -> str | None:
+        raw = self.r.get(self._k(job, "spec"))
+        return raw.decode() if raw is not None else None
+
+    # --- desired state (the user's side) ---------------------------------------------------------------
+    def desired(self, job: str) -> dict[str, Any]:
+        raw = self.r.hgetall(self._k(job, "desired"))
+        out: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        for k in ("generators", "trainers"):
+            if k in out:
+                out[k] = int(out[k])
+        out["stop"] = out.get("stop") == "1"
+        return out
+
+    def set_desired(self, job: str, generators: int | None = None, trainers: int | None = None) -> None:
+        mapping = {k: v for k, v in (("generators", generators), ("trainers", trainers)) if v is not None}
+        if mapping:
+            self.r.hset(self._k(job, "desired"), mapping=mapping)
+
+    def request_stop(self, job: str) -> None:
+        self.r.hset(self._k(job, "desired"), "stop", "1")
+
+    # --- commands --------------------------------------------------------------------------------------
+    def push_command(self, job: str, command: str) -> None:
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; expected one of {COMMANDS}")
+        self.r.rpush(self._k(job, "commands"), command)
+
+    def pop_commands(self, job: str) -> list[str]:
+        pipe = self.r.pipeline()
+        pipe.lrange(self._k(job, "commands"), 0, -1)
+        pipe.delete(self._k(job, "commands"))
+        raw, _ = pipe.execute()
+        return [c.decode() for c in raw]
+
+    # --- status (the driver's side) --------------------------------------------------------------------
+    def status(self, job: str) -> dict[str, Any]:
+        raw = self.r.get(self._k(job, "status"))
+        return json.loads(raw) if raw else {}
+
+    def update_status(self, job: str, **fields: Any) -> dict[str, Any]:
+        """Merge `fields` into the job's status (read-modify-write: the driver is its only writer once the
+        job runs; the control API writes it only before the driver starts and after it died)."""
+        st = self.status(job)
+        st.update(fields, updated_at=time.time())
+        self.r.set(self._k(job, "status"), json.dumps(st))
+        return st
+
+    def active(self, job: str) -> bool:
+        return self.status(job).get("state") in ACTIVE_STATES

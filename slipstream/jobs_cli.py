@@ -1,0 +1,236 @@
+"""`slipstream submit | list | status | logs | scale | stop | checkpoint`: the control API's client.
+
+Where the API is: --api-url / $SLIPSTREAM_API_URL with $SLIPSTREAM_API_TOKEN, else the cluster at
+--home / $SLIPSTREAM_HOME / ~/.slipstream (what `make cluster-up` started).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+TERMINAL = ("succeeded", "failed", "stopped")
+
+
+class ApiError(Exception):
+    pass
+
+
+class ControlClient:
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+        self.http = httpx.Client(
+            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+        )
+
+    @classmethod
+    def from_env(cls, api_url: str | None = None, home: str | None = None) -> ControlClient:
+        url = api_url or os.environ.get("SLIPSTREAM_API_URL")
+        if url:
+            token = os.environ.get("SLIPSTREAM_API_TOKEN")
+            if not token:
+                raise ApiError(
+                    "SLIPSTREAM_API_TOKEN is not set (the token of the control API at " + url + ")"
+                )
+            return cls(url, token)
+        from slipstream.cluster import load_info
+
+        try:
+            info = load_info(home)
+        except FileNotFoundError as e:
+            raise ApiError(str(e)) from None
+        return cls(info.api_url, info.api_token)
+
+    def _call(self, method: str, path: str, **kw):
+        try:
+            resp = self.http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise ApiError(
+                f"control API at {self.http.base_url} unreachable: {e} (is the cluster up?)"
+            ) from None
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail")
+            except ValueError:
+                detail = resp.text
+            raise ApiError(f"{detail} (HTTP {resp.status_code})")
+        return resp.json()
+
+    def submit(self, spec_text: str, overrides: list[str], cwd: str) -> dict:
+        return self._call("POST", "/jobs", json={"spec": spec_text, "overrides": overrides, "cwd": cwd})
+
+    def list(self) -> list[dict]:
+        return self._call("GET", "/jobs")
+
+    def get(self, name: str) -> dict:
+        return self._call("GET", f"/jobs/{name}")
+
+    def logs(self, name: str, component: str | None, tail: int) -> dict:
+        params = {"tail": tail, **({"component": component} if component else {})}
+        return self._call("GET", f"/jobs/{name}/logs", params=params)
+
+    def scale(self, name: str, generators: int | None, trainers: int | None) -> dict:
+        return self._call(
+            "POST", f"/jobs/{name}/scale", json={"generators": generators, "trainers": trainers}
+        )
+
+    def stop(self, name: str, force: bool = False) -> dict:
+        return self._call("POST", f"/jobs/{name}/stop", json={"force": force})
+
+    def checkpoint(self, name: str) -> dict:
+        return self._call("POST", f"/jobs/{name}/checkpoint")
+
+
+def add_parsers(sub) -> None:
+    def common(p):
+        p.add_argument(
+            "--api-url", help="control API (default: $SLIPSTREAM_API_URL, else the local cluster's)"
+        )
+        p.add_argument(
+            "--home", help="cluster state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)"
+        )
+        return p
+
+    s = common(sub.add_parser("submit", help="submit a job to the cluster"))
+    s.add_argument("spec", help="job spec YAML")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--watch", action="store_true", help="then show its status live until it ends")
+    common(sub.add_parser("list", help="the cluster's jobs"))
+    st = common(sub.add_parser("status", help="a job's version, staleness, throughput, pools, reward"))
+    st.add_argument("job")
+    st.add_argument("--watch", action="store_true", help="refresh live until the job ends (Ctrl-C leaves)")
+    st.add_argument("--json", action="store_true")
+    lg = common(sub.add_parser("logs", help="a job's driver log, or one component's (--component)"))
+    lg.add_argument("job")
+    lg.add_argument("--component", help="e.g. trainer-0, engine-1, rollout-0 (default: the driver)")
+    lg.add_argument("--tail", type=int, default=200)
+    sc = common(sub.add_parser("scale", help="set a running job's generator and/or trainer pool sizes"))
+    sc.add_argument("job")
+    sc.add_argument("--generators", type=int)
+    sc.add_argument("--trainers", type=int)
+    sp = common(sub.add_parser("stop", help="stop a job after the trainer's current step"))
+    sp.add_argument("job")
+    sp.add_argument("--force", action="store_true", help="stop the Ray job now")
+    ck = common(sub.add_parser("checkpoint", help="write a checkpoint after the current step"))
+    ck.add_argument("job")
+
+
+COMMANDS = ("submit", "list", "status", "logs", "scale", "stop", "checkpoint")
+
+
+def _fmt(v, spec: str = ".3f") -> str:
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+
+
+def render_status(st: dict):
+    """A rich table of one job's status."""
+    from rich.table import Table
+
+    t = Table(title=f"job {st.get('name')}: {st.get('state')}", show_header=False, box=None)
+    pools, want = st.get("pools", {}), st.get("desired", {})
+    buf = st.get("buffer", {})
+    rows = [
+        ("version", f"{st.get('version', 0)} / {st.get('total_steps', '?')}"),
+        ("reward (mean)", _fmt(st.get("reward_mean"))),
+        ("staleness", f"mean {_fmt(st.get('staleness_mean'), '.2f')}, max {_fmt(st.get('staleness_max'))}"),
+        ("throughput", f"{_fmt(st.get('tokens_per_s'), '.0f')} generated tok/s, "
+         f"{_fmt(st.get('samples_per_s'), '.2f')} samples/s, trainer {_fmt(st.get('train_tokens_per_s'), '.0f')} tok/s"),
+        ("step", f"{_fmt(st.get('step_s'), '.2f')} s, loss {_fmt(st.get('loss'), '+.4f')}"),
+        ("generators", f"{pools.get('generators', '-')} (want {want.get('generators', '-')}), "
+         f"rollout workers {pools.get('rollout_workers', '-')}"),
+        ("trainers", f"{pools.get('trainers', '-')} (want {want.get('trainers', '-')})"),
+        ("buffer", f"depth {buf.get('depth', '-')}, pending {buf.get('pending', '-')}, "
+         f"produced {buf.get('produced', '-')}, consumed {buf.get('consumed', '-')}, "
+         f"dropped stale {buf.get('dropped_stale', '-')}"),
+        ("output", str(st.get("output_dir", "-"))),
+    ]  # fmt: skip
+    if st.get("scaling"):
+        rows.append(("scaling", st["scaling"]))
+    if st.get("error"):
+        rows.append(("error", st["error"]))
+    rows.append(("ray job", f"{st.get('ray_job_id', '-')} ({st.get('ray_status', '-')})"))
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
+
+
+def _watch(client: ControlClient, name: str) -> int:
+    from rich.live import Live
+
+    st = client.get(name)
+    with Live(render_status(st), refresh_per_second=2) as live:
+        while st.get("state") not in TERMINAL:
+            time.sleep(2)
+            st = client.get(name)
+            live.update(render_status(st))
+    return 0 if st.get("state") != "failed" else 1
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    con = Console()
+    try:
+        client = ControlClient.from_env(args.api_url, args.home)
+        if args.cmd == "submit":
+            try:
+                text = Path(args.spec).read_text()
+            except OSError as e:
+                print(f"slipstream: {e}", file=sys.stderr)
+                return 2
+            cwd = str(Path(args.spec).resolve().parent)  # relative paths in a spec are relative to it
+            out = client.submit(text, args.overrides, cwd)
+            print(f"submitted job {out['name']} (Ray job {out['ray_job_id']}); output in {out['output_dir']}")
+            print(f"follow it: slipstream status {out['name']} --watch")
+            return _watch(client, out["name"]) if args.watch else 0
+        if args.cmd == "list":
+            jobs = client.list()
+            if not jobs:
+                print("no jobs")
+            for j in jobs:
+                p = j.get("pools", {})
+                print(
+                    f"{j['name']:<24} {j['state'] or '-':<10} version {j['version']}/{j['total_steps'] or '?'}  "
+                    f"reward {_fmt(j['reward_mean'])}  generators {p.get('generators', '-')}  trainers {p.get('trainers', '-')}"
+                )
+            return 0
+        if args.cmd == "status":
+            if args.watch:
+                return _watch(client, args.job)
+            st = client.get(args.job)
+            if args.json:
+                print(json.dumps(st, indent=2))
+            else:
+                con.print(render_status(st))
+            return 0
+        if args.cmd == "logs":
+            out = client.logs(args.job, args.component, args.tail)
+            print("\n".join(out["lines"]))
+            if args.component is None and out["components"]:
+                print(
+                    f"# components: {', '.join(out['components'])} (slipstream logs {args.job} --component NAME)"
+                )
+            return 0
+        if args.cmd == "scale":
+            out = client.scale(args.job, args.generators, args.trainers)
+            print(f"job {args.job}: desired {out['desired']}")
+            return 0
+        if args.cmd == "stop":
+            client.stop(args.job, args.force)
+            print(
+                f"job {args.job}: stop requested{' (forced)' if args.force else ' (after the current step)'}"
+            )
+            return 0
+        if args.cmd == "checkpoint":
+            client.checkpoint(args.job)
+            print(f"job {args.job}: checkpoint requested (after the current step)")
+            return 0
+    except ApiError as e:
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 1
+    raise AssertionError(args.cmd)
