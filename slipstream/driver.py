@@ -34,7 +34,6 @@ from slipstream import jobspec
 from slipstream.jobs import JobStore
 from slipstream.jobspec import JobSpec
 from slipstream.launcher import (
-    PROJECT_ROOT,
     STOP_TIMEOUT_S,
     ProgressReader,
     prepare_model,
@@ -359,18 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    # The Ray job's runtime env (PYTHONPATH, HF_HUB_OFFLINE: slipstream/control.py) reaches every actor.
     ray.init(
-        address="auto",
-        namespace=f"slipstream-{args.job}",
-        log_to_driver=True,
-        logging_level=logging.WARNING,
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": str(PROJECT_ROOT),
-                "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false",
-            }
-        },
+        address="auto", namespace=f"slipstream-{args.job}", log_to_driver=True, logging_level=logging.WARNING
     )
     signal.signal(signal.SIGTERM, _raise_stop)
     driver = JobDriver(spec, info.redis_url, store)

@@ -137,7 +137,8 @@ class ProgressReader:
 
     def read(self, block_ms: int = 500) -> list[dict]:
         out = []
-        for _, entries in self.r.xread({self.key: self.last_id}, block=block_ms, count=100) or []:
+        block = block_ms if block_ms > 0 else None  # BLOCK 0 would wait forever
+        for _, entries in self.r.xread({self.key: self.last_id}, block=block, count=100) or []:
             for entry_id, fields in entries:
                 self.last_id = entry_id
                 rec = json.loads(fields[b"j"])
