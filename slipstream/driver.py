@@ -365,23 +365,23 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_stop)
     driver = JobDriver(spec, info.redis_url, store)
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
-    code = 0
+    code, final = 0, {}
     try:
         result = driver.run()
-        driver.report("succeeded", final_model=result.get("final_model", ""), error=None)
-        log.info("job %s succeeded at version %d", args.job, result["version"])
+        stopped = store.desired(args.job)["stop"]
+        final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
+        log.info("job %s %s at version %d", args.job, final["state"], result["version"])
     except (_Stop, KeyboardInterrupt):
-        driver.report("stopped", error=None)
+        final = {"state": "stopped"}
         log.info("job %s stopped", args.job)
     except Exception as e:
         log.exception("job %s failed", args.job)
-        driver.report("failed", error=f"{type(e).__name__}: {e}")
+        final = {"state": "failed", "error": f"{type(e).__name__}: {e}"}
         code = 1
     finally:
-        driver.close()
+        driver.close()  # the final state is reported once every actor is gone
+        driver.report(**(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
-    if store.desired(args.job)["stop"] and store.status(args.job).get("state") == "succeeded":
-        store.update_status(args.job, state="stopped")  # stopped on request, ended cleanly
     return code
 
 
