@@ -36,6 +36,7 @@ from slipstream.jobspec import JobSpec
 from slipstream.launcher import (
     STOP_TIMEOUT_S,
     ProgressReader,
+    engine_actor,
     prepare_model,
     start_engines,
 )
@@ -168,26 +169,19 @@ class JobDriver:
     def scale_generators(self, n: int) -> None:
         import ray
 
-        from slipstream.actors import EngineActor, SGLangEngineActor
-
         have = len(self.engines)
         if n == have:
             return
         self.report("scaling", scaling=f"generators {have} -> {n}")
         per = workers_per_engine(self.spec)
         if n > have:
-            cls = EngineActor
-            if self.spec.generators.engine == "sglang":
-                gpus = self.spec.generators.sglang.gpus_per_engine or self.spec.generators.sglang.tp_size
-                cls = SGLangEngineActor.options(num_gpus=gpus)
+            cls, _ = engine_actor(self.spec)
+            # a built-in engine waits in the registry's joining set until the bus gave it the weights
+            joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
             new = []
             for _ in range(n - have):
-                idx = self._next_engine
+                new.append(cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining))
                 self._next_engine += 1
-                if cls is EngineActor:
-                    new.append(EngineActor.remote(self.spec, self.redis_url, self.api_key, idx, joining=True))
-                else:
-                    new.append(cls.remote(self.spec, self.redis_url, self.api_key, idx))
             self.engines += new
             urls = ray.get([e.start.remote() for e in new])
             self.engine_urls += urls

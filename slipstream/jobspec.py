@@ -143,6 +143,11 @@ class GeneratorsSpec(Spec):
     """Rollout worker processes (asyncio); each drives every engine."""
     max_batch_size: Pos = 256
     """Most requests an engine decodes together."""
+    gpus_per_engine: NonNeg = 0
+    """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
+    `sglang` engines take `sglang.gpus_per_engine`."""
+    cpus_per_engine: NonNeg = 0
+    """CPUs Ray reserves for each engine (and each rollout worker takes none: they wait on I/O)."""
     torch_threads: Pos = 1
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     urls: list[str] = msgspec.field(default_factory=list)
@@ -298,6 +303,9 @@ class BusSpec(Spec):
     timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """Bound on every engine call and collective of an update: an engine that dies or stalls longer is
     dropped from the update group and the update goes on with the others."""
+    master_address: str | None = None
+    """Address engines reach the trainer's update group at (rank 0 hosts its store there); null =
+    127.0.0.1 while every engine is local, else this node's address on its default route."""
     update_every: Pos = 1
     """Publish weights every this many optimizer steps (and after the last one)."""
 

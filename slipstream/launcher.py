@@ -160,13 +160,24 @@ class EngineURLs(NamedTuple):
     """The key every engine (and router) takes."""
 
 
+def engine_actor(spec: JobSpec):
+    """(actor class with the Ray resources of one launched engine, its GPUs): `builtin` or `sglang`."""
+    from slipstream.actors import EngineActor, SGLangEngineActor
+
+    g = spec.generators
+    if g.engine == "sglang":
+        gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
+        return SGLangEngineActor.options(num_gpus=gpus, num_cpus=g.cpus_per_engine), gpus
+    return EngineActor.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
+
+
 def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
     """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
     `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
     engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
     import ray
 
-    from slipstream.actors import EngineActor, ExternalEnginesActor, SGLangEngineActor
+    from slipstream.actors import ExternalEnginesActor
 
     g = spec.generators
     if g.engine == "external":
@@ -179,16 +190,13 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
-        actor_cls = EngineActor
-        if g.engine == "sglang":
-            gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
-            have = ray.cluster_resources().get("GPU", 0)
-            if gpus * g.num_engines > have:  # Ray would wait for them forever
-                raise RuntimeError(
-                    f"engine sglang: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
-                    "(generators.sglang.gpus_per_engine: 0 for a CPU build of SGLang)"
-                )
-            actor_cls = SGLangEngineActor.options(num_gpus=gpus)
+        actor_cls, gpus = engine_actor(spec)
+        have = ray.cluster_resources().get("GPU", 0)
+        if gpus * g.num_engines > have:  # Ray would wait for them forever
+            raise RuntimeError(
+                f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
+                "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
+            )
         started = [actor_cls.remote(spec, redis_url, api_key, i) for i in range(g.num_engines)]
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])

@@ -31,6 +31,7 @@ from trainer.distributed import DistInfo, Pool
 from trainer.flops import peak_flops
 from trainer.learner import Learner
 from weight_bus import WeightBus, update_due
+from weight_bus.group import master_address_for
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,14 @@ class Trainer:
                 dtype=spec.bus.dtype,
                 timeout_s=spec.bus.timeout_s,
                 registry=EngineRegistry(redis.Redis.from_url(redis_url), spec.name),
+                master_address=spec.bus.master_address or master_address_for(engine_urls),
             )
         self.learner: Learner | None = None
         self.tokenizer = None
         self._stop = False
+        self._restart = False
+        """stop(restart=True): checkpoint where it stopped, skip the final export (the pool comes back)."""
+        self._checkpoint_requested = False
         self.checkpoint_dir = Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
     @property
@@ -153,8 +158,15 @@ class Trainer:
         if self.is_main:
             self.buffer.set_version(version)
 
-    def stop(self) -> None:
+    def stop(self, restart: bool = False) -> None:
+        """End `run` after the step in progress. restart: the pool is being restarted (e.g. with another
+        number of ranks): write a checkpoint there, whatever checkpoint_every says, and export nothing."""
+        self._restart = self._restart or restart
         self._stop = True
+
+    def request_checkpoint(self) -> None:
+        """Rank 0: write a checkpoint after the step in progress (every rank takes part)."""
+        self._checkpoint_requested = True
 
     def _take(self, version: int):
         """Rank 0: the next batch's entries, or None when the job is done or stopping."""
@@ -191,7 +203,8 @@ class Trainer:
         while True:
             t0 = time.monotonic()
             entries = self._take(version) if self.is_main else None
-            header = self.pool.broadcast({"version": version} if entries else None)
+            ckpt, self._checkpoint_requested = self._checkpoint_requested, False
+            header = self.pool.broadcast({"version": version, "checkpoint": ckpt} if entries else None)
             if header is None:
                 break
             version = header["version"]
@@ -211,18 +224,22 @@ class Trainer:
             if self.is_main:
                 self.buffer.set_version(version)
                 self._record(version, groups, stats, pub, t0, t_data, t_step, t_start)
-            if tr.checkpoint_every and version % tr.checkpoint_every == 0:
+            if (tr.checkpoint_every and version % tr.checkpoint_every == 0) or header["checkpoint"]:
                 last_checkpoint = self.checkpoint(version)
-        version = self.pool.broadcast(version)  # ranks that ran no step learn where rank 0 is
-        if tr.checkpoint_every and version > 0 and last_checkpoint != version:
-            self.checkpoint(version)
+        # ranks that ran no step learn where rank 0 is, and whether the pool restarts
+        version, restart = self.pool.broadcast((version, self._restart))
+        if (tr.checkpoint_every or restart) and version > 0 and last_checkpoint != version:
+            last_checkpoint = self.checkpoint(version)
         if self.is_main:
             self.buffer.trim()
-        final_model = self.save(Path(spec.output_dir) / "final_model") if tr.export_hf else None
+        export = tr.export_hf and not restart
+        final_model = self.save(Path(spec.output_dir) / "final_model") if export else None
         return {
             "version": version,
             "elapsed_s": time.monotonic() - t_start,
             "final_model": str(final_model or ""),
+            "checkpoint": str(checkpoint.step_dir(self.checkpoint_dir, version)) if last_checkpoint else "",
+            "restart": restart,
         }
 
     def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start) -> None:

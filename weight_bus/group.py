@@ -28,6 +28,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def master_address_for(engine_urls: list[str]) -> str:
+    """Where engines can reach rank 0's store: 127.0.0.1 while every engine is on this host's loopback,
+    else this host's address on the route to the first remote engine (no packet is sent)."""
+    from urllib.parse import urlparse
+
+    remote = [
+        h for u in engine_urls if (h := urlparse(u).hostname) and h not in ("127.0.0.1", "localhost", "::1")
+    ]
+    if not remote:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((remote[0], 9))
+        return s.getsockname()[0]
+
+
 def new_group(
     master_address: str,
     master_port: int,

@@ -71,3 +71,11 @@ def test_rank_offsets_give_every_tp_rank_its_own_rank():
     # trainer = rank 0; engines with TP 1, 2, 1 take ranks 1 | 2 3 | 4 (SGLang: rank_offset + tp_rank)
     assert rank_offsets([1, 2, 1]) == ([1, 2, 4], 5)
     assert rank_offsets([1, 1]) == ([1, 2], 3)
+
+
+def test_master_address_is_loopback_only_while_every_engine_is_local():
+    from weight_bus.group import master_address_for
+
+    assert master_address_for(["http://127.0.0.1:3000", "http://localhost:3001"]) == "127.0.0.1"
+    addr = master_address_for(["http://127.0.0.1:3000", "http://192.0.2.7:3000"])  # TEST-NET: no packet sent
+    assert addr != "127.0.0.1" and addr.count(".") == 3
