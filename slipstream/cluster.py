@@ -447,23 +447,26 @@ def render_prometheus_config(home: Path, temp_dir: str) -> Path:
 
 
 def _start_prometheus(home: Path, state: _State, binary: str) -> int:
-    import httpx
-
     config = render_prometheus_config(home, state.ray_temp_dir)
     (home / "prometheus" / "targets").mkdir(parents=True, exist_ok=True)
     url = f"http://{_connect_host(state.host)}:{state.ports['prometheus']}"
     cmd = [binary, f"--config.file={config}", f"--storage.tsdb.path={home / 'prometheus' / 'data'}"]
     cmd += [f"--web.listen-address={state.host}:{state.ports['prometheus']}"]
-    proc = _spawn(home, "prometheus", cmd)
+    return _serving(home, "prometheus", _spawn(home, "prometheus", cmd), f"{url}/-/ready")
+
+
+def _serving(home: Path, service: str, proc: subprocess.Popen, url: str) -> int:
+    """Wait until `proc` answers 200 at `url` (stopping it if it never does); its pid."""
+    import httpx
 
     def ready() -> bool:
         try:
-            return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
+            return httpx.get(url, timeout=2).status_code == 200
         except httpx.HTTPError:
             return False
 
     try:
-        _wait_ready(home, "prometheus", proc, ready)
+        _wait_ready(home, service, proc, ready)
     except BaseException:
         _stop_pid(proc.pid)
         raise
@@ -471,7 +474,6 @@ def _start_prometheus(home: Path, state: _State, binary: str) -> int:
 
 
 def _start_api(home: Path, state: _State, info: ClusterInfo) -> int:
-    import httpx
 
     cmd = [sys.executable, "-m", "slipstream.api", "--home", str(home), "--host", state.host]
     cmd += ["--port", str(state.ports["api"])]
@@ -481,20 +483,7 @@ def _start_api(home: Path, state: _State, info: ClusterInfo) -> int:
         "HF_HUB_OFFLINE": "1",
         **ray_env(info),
     }
-    proc = _spawn(home, "api", cmd, env)
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{info.api_url}/healthz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        _wait_ready(home, "api", proc, ready)
-    except BaseException:
-        _stop_pid(proc.pid)
-        raise
-    return proc.pid
+    return _serving(home, "api", _spawn(home, "api", cmd, env), f"{info.api_url}/healthz")
 
 
 # ---------------------------------------------------------------- up / down / status
