@@ -78,6 +78,7 @@ class JobDriver:
         self.samples = 0
         self.t0 = time.monotonic()
         self.last: dict = {}
+        self.records: list[dict] = []  # every progress record read (the end-of-job report)
         self._next_engine = 0
         self._next_worker = 0
 
@@ -275,6 +276,7 @@ class JobDriver:
                 raise RuntimeError("a rollout worker exited before the trainer finished")
             for rec in self.progress.read(block_ms=int(POLL_S * 1000)):
                 self.last = rec
+                self.records.append(rec)
                 self.version = rec["version"]
                 self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
                 log.info(
@@ -307,6 +309,7 @@ class JobDriver:
                     break
         for rec in self.progress.read(block_ms=0):
             self.last, self.version = rec, rec["version"]
+            self.records.append(rec)
         self.version = result["version"]
         return result
 
@@ -374,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         driver.close()  # the final state is reported once every actor is gone
+        from slipstream.report import write_report_logged
+
+        write_report_logged(driver.records, out)  # PNG plots; logs and swallows any failure
         driver.report(**(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code

@@ -292,6 +292,9 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         ray.wait(worker_runs, num_returns=len(worker_runs), timeout=STOP_TIMEOUT_S)
         stats = buffer.stats()
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
+        from slipstream.report import write_report_logged
+
+        write_report_logged(progress, out)  # PNG plots; never fails the job
         return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
     finally:
         if engine_actors and ray.is_initialized():
