@@ -12,7 +12,7 @@ import secrets
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
@@ -87,6 +87,26 @@ def create_app(token: str, control=None) -> FastAPI:
     @app.get("/jobs/{name}", dependencies=auth, summary="A job's state, progress and pools")
     def get_job(name: str) -> dict:
         return call(ctl().get, name)
+
+    @app.get("/jobs/{name}/progress", dependencies=auth, summary="A job's per-step progress records")
+    def progress(name: str, since: int = 0) -> dict:
+        return call(ctl().progress, name, since)
+
+    # The built-in web page (slipstream/ui.py): HTML and script without auth (they hold no data); the
+    # script calls the JSON routes above with the token the user pastes (kept in sessionStorage).
+    from slipstream import ui
+
+    @app.get("/ui", include_in_schema=False)
+    def ui_jobs() -> HTMLResponse:
+        return HTMLResponse(ui.JOBS_HTML, headers=ui.SECURITY_HEADERS)
+
+    @app.get("/ui/app.js", include_in_schema=False)
+    def ui_script() -> Response:
+        return Response(ui.APP_JS, media_type="text/javascript", headers=ui.SECURITY_HEADERS)
+
+    @app.get("/ui/jobs/{name}", include_in_schema=False)
+    def ui_job(name: str) -> HTMLResponse:
+        return HTMLResponse(ui.JOB_HTML, headers=ui.SECURITY_HEADERS)
 
     @app.get("/jobs/{name}/logs", dependencies=auth, summary="A job's driver log, or one component's")
     def logs(name: str, component: str | None = None, tail: int = 200) -> dict:

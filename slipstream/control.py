@@ -17,7 +17,7 @@ import redis
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, ray_env
 from slipstream.jobs import JobStore, check_name
-from slipstream.launcher import PROJECT_ROOT
+from slipstream.launcher import PROJECT_ROOT, ProgressReader
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,17 @@ class JobControl:
                 }
             )
         return out
+
+    def progress(self, name: str, since: int = 0) -> dict:
+        """The job's progress records (one per optimizer step, as ProgressReader yields them: with the
+        cumulative `tokens_per_s`) after the first `since`; `next` is the `since` of the next call."""
+        self._job(name)
+        if since < 0:
+            raise ControlError(422, f"since must be >= 0, got {since}")
+        reader, records = ProgressReader(self.r, name), []
+        while batch := reader.read(block_ms=0):
+            records += batch
+        return {"name": name, "since": since, "next": len(records), "records": records[since:]}
 
     def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:
         st = self._job(name)
