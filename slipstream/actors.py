@@ -43,6 +43,19 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
 
 
+def _export(registry) -> None:
+    """Serve a component's own registry (the engine's sglang:* and slipstream_engine_* metrics, kept
+    per engine) on this process's metrics port too, the address Prometheus discovers (file_sd)."""
+    from prometheus_client import REGISTRY
+    from prometheus_client.registry import Collector
+
+    class Forward(Collector):
+        def collect(self):
+            return registry.collect()
+
+    REGISTRY.register(Forward())
+
+
 @ray.remote(num_cpus=0)
 class EngineActor:
     """One built-in engine. `joining`: started mid-job (scaling up): it waits in the registry's joining set,
@@ -69,6 +82,7 @@ class EngineActor:
         from generator_fleet.registry import EngineRegistration
 
         self.server.start()
+        _export(self.server.app.state.engine.metrics.registry)
         self.registration = EngineRegistration(
             redis.Redis.from_url(self.redis_url), self.job, self.server.url, joining=self.joining
         )
