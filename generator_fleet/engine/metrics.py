@@ -51,6 +51,17 @@ class _SchedulerCollector(Collector):
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             g.add_metric([self.model_name], float(value))
             yield g
+        try:  # versions the bus publishes are integers; an engine started from a checkpoint path is not
+            version = float(int(snap["weight_version"]))
+        except (TypeError, ValueError):
+            version = float("nan")
+        g = GaugeMetricFamily(
+            "slipstream_engine_weight_version",
+            "Weight version this engine generates with (the trainer's version minus this: versions behind).",
+            labels=["model_name"],
+        )
+        g.add_metric([self.model_name], version)
+        yield g
         counters = {
             "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
             "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
