@@ -14,6 +14,10 @@ RECLAIMED = Counter("slipstream_buffer_reclaimed_total", "Pending entries claime
 TRIMMED = Counter("slipstream_buffer_trimmed_total", "Acknowledged entries trimmed from the stream")
 DEPTH = Gauge("slipstream_buffer_depth", "Entries in the job's stream (unread + pending + not yet trimmed)")
 PENDING = Gauge("slipstream_buffer_pending", "Entries read by a trainer and not yet acknowledged")
+OLDEST_AGE = Gauge(
+    "slipstream_buffer_oldest_age_seconds",
+    "Age of the oldest group still in the stream after trimming (waiting or being trained); 0 when empty",
+)
 PUT_SECONDS = Histogram(
     "slipstream_buffer_put_seconds", "Latency of one group put (encode + XADD)", buckets=_LATENCY
 )

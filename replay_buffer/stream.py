@@ -336,7 +336,17 @@ class ReplayBuffer:
         depth = self.r.xlen(self.keys.groups)
         metrics.DEPTH.set(depth)
         metrics.PENDING.set(info["pending"])
+        metrics.OLDEST_AGE.set(self.oldest_age_s())
         return removed
+
+    def oldest_age_s(self) -> float:
+        """Seconds since the oldest entry still in the stream was written (its ID is Redis' clock in ms,
+        compared with Redis' clock now); 0 when the stream is empty."""
+        first = self.r.xrange(self.keys.groups, count=1)
+        if not first:
+            return 0.0
+        sec, usec = self.r.time()
+        return max(0.0, sec + usec / 1e6 - int(_str(first[0][0]).split("-")[0]) / 1e3)
 
     # --- inspection --------------------------------------------------------------------------------
     def _group_info(self) -> dict | None:

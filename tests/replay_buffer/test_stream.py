@@ -165,3 +165,19 @@ def test_memory_stays_bounded_over_a_long_run(buf, redis_client, job_id):
     st = buf.stats()
     assert st["consumed"] == 200 and st["depth"] == 0
     assert redis_client.zcard(buf.keys.trained) <= 2 * 4
+
+
+def test_oldest_age_follows_the_oldest_entry_left_after_trimming(buf, job_id):
+    import time
+
+    from replay_buffer import metrics
+
+    assert buf.oldest_age_s() == 0.0  # nothing written yet
+    buf.put(_group(job_id, 0))
+    first = buf.oldest_age_s()
+    time.sleep(0.05)
+    assert buf.oldest_age_s() > first >= 0.0  # the same entry, older now
+    entries = buf.take_batch(1, 0, 1, 100)
+    buf.commit(entries, 0, 1)
+    buf.trim()  # acknowledged: trimmed away, nothing older left
+    assert buf.oldest_age_s() == 0.0 and metrics.OLDEST_AGE._value.get() == 0.0

@@ -102,6 +102,24 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     assert Path(st["output_dir"]) == Path(info.home) / "jobs" / name  # relative output_dir: under HOME
     print(f"running: version {st['version']}, reward {st['reward_mean']:.3f}")
 
+    # A second job shares the cluster: it runs to its end beside the first, on keys and files of its own.
+    from slipstream.jobs_cli import ApiError
+
+    with pytest.raises(ApiError, match="is running; stop it first.*HTTP 409"):
+        client.submit(spec.read_text(), [], str(tmp_path))
+    other = client.submit(
+        _spec_file(tmp_path, tiny_model_dir, "neighbour").read_text(),
+        ["algorithm.total_steps=4"],
+        str(tmp_path),
+    )
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (nb := client.get(other["name"]))["state"] not in ("succeeded", "failed", "stopped"):
+        assert time.monotonic() < deadline, nb
+        time.sleep(1)
+    assert nb["state"] == "succeeded" and nb["version"] == 4, nb
+    assert nb["buffer"]["steps"] == 4 and nb["output_dir"] != st["output_dir"]
+    assert client.get(name)["state"] == "running"
+
     # generators 1 -> 2: the new engine joins through the bus (current weights first), then takes traffic
     client.scale(name, generators=2, trainers=None)
     v0 = st["version"]
@@ -151,4 +169,4 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     assert final["duplicates"] == 0 and final["dead_letter"] == 0
     assert final["produced"] == final["consumed"] + final["dropped_stale"] + final["depth"]
     assert final["consumed"] == 2 * final["steps"] and buf["consumed"] <= final["consumed"]
-    assert [j["name"] for j in client.list()] == [name]
+    assert [j["name"] for j in client.list()] == ["neighbour", name]
