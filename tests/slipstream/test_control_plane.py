@@ -122,14 +122,18 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
 
     # generators 1 -> 2: the new engine joins through the bus (current weights first), then takes traffic
     client.scale(name, generators=2, trainers=None)
-    v0 = st["version"]
-    st = _wait(
-        client, name, "2 generators", lambda s: s["pools"]["generators"] == 2 and s["version"] > v0 + 2
-    )
     trainer_log = Path(st["output_dir"]) / "logs" / "trainer-0.log"
-    assert "joined ['http://" in trainer_log.read_text()
+    # joined: the bus admitted the new engine at an update (it was in the registry's joining set till then)
+    st = _wait(
+        client,
+        name,
+        "2 generators, the new one given the weights",
+        lambda s: s["pools"]["generators"] == 2 and "joined ['http://" in trainer_log.read_text(),
+    )
     engine1 = (Path(st["output_dir"]) / "logs" / "engine-1.log").read_text()
     assert "weights updated" in engine1
+    v0 = st["version"]
+    st = _wait(client, name, "steps with 2 generators", lambda s: s["version"] > v0 + 2)
 
     # ... and back to 1
     client.scale(name, generators=1, trainers=None)
