@@ -4,7 +4,6 @@ cluster YAML, promtool, and a real Prometheus reading the targets file Slipstrea
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ import httpx
 import pytest
 import redis
 import yaml
+from prom import start_prometheus
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -205,24 +205,14 @@ def test_real_prometheus_discovers_written_targets(tmp_path, redis_client, job_i
     write_file_sd(redis_client, tmp_path / "targets")
     redis_client.delete(f"slipstream:{job_id}:metrics_targets")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            "prometheus",
-            f"--config.file={tmp_path / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp_path / 'data'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "HOME": str(tmp_path)},
-    )
+    proc = start_prometheus(tmp_path / "prometheus.yml", tmp_path / "data", port, tmp_path)
     try:
         deadline = time.monotonic() + WAIT_S
         while True:
             assert proc.poll() is None, "prometheus exited"
             try:
                 active = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets").json()["data"]["activeTargets"]
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):  # not up yet, or not ready (a plain-text answer)
                 active = []
             labels = [t["labels"] for t in active if t["labels"].get("job") == job_id]
             if labels:
