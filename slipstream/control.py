@@ -16,7 +16,7 @@ import redis
 
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, ray_env
-from slipstream.jobs import JobStore, check_name
+from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
 from slipstream.launcher import PROJECT_ROOT, ProgressReader
 
 log = logging.getLogger(__name__)
@@ -127,9 +127,7 @@ class JobControl:
             try:
                 info = self.ray.get_job_info(ray_id)
                 st["ray_status"] = str(info.status.value if hasattr(info.status, "value") else info.status)
-                if st.get("state") in ("submitted", "starting", "running", "scaling", "stopping") and (
-                    st["ray_status"] in RAY_TERMINAL
-                ):
+                if st.get("state") in ACTIVE_STATES and st["ray_status"] in RAY_TERMINAL:
                     # the driver died without reporting (killed, crashed before it could)
                     st = self.store.update_status(
                         name, state="failed" if st["ray_status"] == "FAILED" else "stopped",

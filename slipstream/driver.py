@@ -39,6 +39,7 @@ from slipstream.launcher import (
     engine_actor,
     prepare_model,
     start_engines,
+    stop_actors,
 )
 
 log = logging.getLogger("slipstream.driver")
@@ -269,7 +270,8 @@ class JobDriver:
             if len(done) == len(self.train_runs):
                 result = ray.get(self.train_runs[0])
                 break
-            dead = [ref for _, ref in self.workers if ray.wait([ref], timeout=0)[0]]
+            runs = [ref for _, ref in self.workers]
+            dead, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
             for ref in dead:
                 ray.get(ref)  # re-raises a worker's failure
             if dead:
@@ -319,14 +321,7 @@ class JobDriver:
         for a, _ in self.workers:
             a.stop.remote()
         ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=STOP_TIMEOUT_S)
-        engines = self.engines + self.attached
-        if engines:
-            ray.wait([e.stop.remote() for e in engines], num_returns=len(engines), timeout=STOP_TIMEOUT_S)
-        for a in [a for a, _ in self.workers] + self.trainers + engines:
-            try:
-                ray.kill(a)
-            except Exception:  # already dead
-                pass
+        stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + self.trainers)
 
 
 def _raise_stop(signum, frame):

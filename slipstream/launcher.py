@@ -208,6 +208,21 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
     return EngineURLs(workers, rollout, api_key)
 
 
+def stop_actors(engine_actors: list, actors: list) -> None:
+    """Stop a job's actors: engines first and politely (an SGLang server is a process of its own, which
+    ray.kill, a SIGKILL of the actor, would leave to the kernel's parent-death signal), then kill all."""
+    import ray
+
+    if engine_actors:
+        stops = [e.stop.remote() for e in engine_actors]
+        ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+    for a in engine_actors + actors:
+        try:
+            ray.kill(a)
+        except Exception:  # already dead
+            pass
+
+
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
     """Run `spec` to completion on a fresh local Ray instance; returns the summary."""
     import ray
@@ -297,17 +312,8 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         write_report_logged(progress, out)  # PNG plots; never fails the job
         return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
     finally:
-        if engine_actors and ray.is_initialized():
-            # Engines first and politely: an SGLang server is a process of its own, which ray.kill (a
-            # SIGKILL of the actor) would leave to the kernel's parent-death signal.
-            stops = [e.stop.remote() for e in engine_actors]
-            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
-        for a in engine_actors + actors:
-            try:
-                ray.kill(a)
-            except Exception:  # already dead
-                pass
         if ray.is_initialized():
+            stop_actors(engine_actors, actors)
             ray.shutdown()
         r.close()
         if managed:

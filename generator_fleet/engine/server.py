@@ -140,7 +140,8 @@ the receive, after it, after the load copy; ms from the first), to see where the
 
 
 def _trace_event():
-    if not torch.cuda.is_available():
+    """A recorded CUDA event when tracing (SLIPSTREAM_WEIGHT_TRACE on a CUDA engine), else None."""
+    if not (_WEIGHT_TRACE and torch.cuda.is_available()):
         return None
     e = torch.cuda.Event(enable_timing=True)
     e.record()
@@ -563,15 +564,16 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
-                trace = _WEIGHT_TRACE and _trace_event()
+                events = [_trace_event()]  # before the receive, after it, after the load copy
                 named = await asyncio.to_thread(state.receiver.receive, body)
                 t2 = time.perf_counter()
                 phases["receive"].observe(t2 - t1)
-                trace = trace and (trace, _trace_event())
+                events.append(_trace_event())
                 await asyncio.to_thread(runner.load_weights, named, body.weight_version)
                 phases["load"].observe(time.perf_counter() - t2)
-                if trace:
-                    _trace_bucket(state, (*trace, _trace_event()), body.weight_version is not None)
+                if events[0] is not None:
+                    events.append(_trace_event())
+                    _trace_bucket(state, events, body.weight_version is not None)
             except Exception as e:
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
