@@ -23,6 +23,10 @@ RESUMED = Counter(
 RECYCLED = Counter(
     "slipstream_rollout_recycled_prompts_total", "Prompts generated again because their group went stale"
 )
+REISSUED = Counter(
+    "slipstream_rollout_reissued_prompts_total",
+    "Prompts generated again because the worker generating them died (its lease expired)",
+)
 TOOL_CALLS = Counter("slipstream_tool_calls_total", "Tool calls made by the agent loop", ["tool"])
 TOOL_ERRORS = Counter(
     "slipstream_tool_errors_total", "Tool calls that failed (bad call, timeout, crash)", ["tool"]

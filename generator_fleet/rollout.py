@@ -125,7 +125,12 @@ class RolloutWorker:
             await self.producer.heartbeat()
 
     async def _next_problem(self):
-        """A recycled prompt (its group went stale) first, else a fresh sample from the task."""
+        """A prompt a dead worker left unfinished first, then a recycled one (its group went stale), else a
+        fresh sample from the task."""
+        if prompt_id := await self.producer.next_reissued():
+            metrics.REISSUED.inc()
+            log.info("generating prompt %s again: a dead worker left it unfinished", prompt_id)
+            return self.task.get(prompt_id)
         if self.spec.buffer.stale_policy == "recycle" and (prompt_id := await self.producer.next_recycled()):
             metrics.RECYCLED.inc()
             return self.task.get(prompt_id)
@@ -142,10 +147,11 @@ class RolloutWorker:
                     pass
                 continue
             problem = await self._next_problem()
+            await self.producer.begin(problem.prompt_id)
             try:
                 samples = await self._group(problem)
             except EngineError as e:
-                await self.producer.release()
+                await self.producer.release(problem.prompt_id)
                 log.error("group for %s given up: %s", problem.prompt_id, e)
                 continue
             await self.producer.put(make_group(self.spec.name, problem.prompt_id, samples))

@@ -55,6 +55,25 @@ class JobKeys(msgspec.Struct, frozen=True):
         """List of prompt_ids whose groups were too stale (stale_policy: recycle); generated again first."""
         return self._k("recycle")
 
+    def inflight(self, worker: str) -> str:
+        """List of the prompt_ids `worker` is generating groups for right now (admitted, not yet put or
+        released). When the worker's lease expires (it died), they move to `reissue`."""
+        return self._k(f"inflight:{worker}")
+
+    @property
+    def inflight_prefix(self) -> str:
+        return self._k("inflight:")
+
+    @property
+    def reissue(self) -> str:
+        """List of prompt_ids a dead worker had in flight; any worker generates them first."""
+        return self._k("reissue")
+
+    @property
+    def ledger(self) -> str:
+        """List of every trained group_id, in commit order (buffer.ledger: on; audits and fault tests)."""
+        return self._k("ledger")
+
     @property
     def stats(self) -> str:
         """Hash of counters: produced, consumed, dropped_stale, recycled, dead_letter, duplicates, ..."""

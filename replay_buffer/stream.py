@@ -72,6 +72,10 @@ class BufferProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._leave = client.register_script(scripts.LEAVE)
+        self._inflight = self.keys.inflight(worker_id)
+        self._lease_keys = [
+            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats
+        ]  # fmt: skip
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)
@@ -80,27 +84,37 @@ class BufferProducer:
         """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
         versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
         n = await self._admit(
-            keys=[self.keys.started, self.keys.reservations, self.keys.workers, self.keys.version],
-            args=[groups_per_step, max_staleness, self.worker_id, self.lease_ms],
+            keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
+            args=[groups_per_step, max_staleness, self.worker_id, self.lease_ms, self.keys.inflight_prefix],
         )
         return int(n) > 0
+
+    async def begin(self, prompt_id: str) -> None:
+        """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
+        dies before `put` or `release`, the prompt is reissued to the others once its lease expires."""
+        await self.r.rpush(self._inflight, prompt_id)
+
+    async def next_reissued(self) -> str | None:
+        """A prompt_id that a dead worker had in flight, to generate again (served before anything else)."""
+        return _str(await self.r.lpop(self.keys.reissue))
 
     async def heartbeat(self) -> None:
         """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
         await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
 
-    async def release(self) -> None:
-        """Give back a reserved slot whose group will not be produced (e.g. the rollout failed)."""
+    async def release(self, prompt_id: str | None = None) -> None:
+        """Give back a reserved slot whose group will not be produced (e.g. the rollout failed); the
+        prompt `begin` recorded, if any, is no longer in flight."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)
         pipe.decr(self.keys.started)
+        if prompt_id is not None:
+            pipe.lrem(self._inflight, 1, prompt_id)
         await pipe.execute()
 
     async def leave(self) -> int:
         """Worker shutdown: release every reservation it still holds; returns how many."""
-        n = await self._leave(
-            keys=[self.keys.started, self.keys.reservations, self.keys.workers], args=[self.worker_id]
-        )
+        n = await self._leave(keys=self._lease_keys, args=[self.worker_id, self.keys.inflight_prefix])
         return int(n)
 
     async def next_recycled(self) -> str | None:
@@ -114,7 +128,8 @@ class BufferProducer:
         pipe.xadd(self.keys.groups, {"d": data})
         pipe.hincrby(self.keys.stats, "produced", 1)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
-        entry_id, _, _ = await pipe.execute()
+        pipe.lrem(self._inflight, 1, group.prompt_id)
+        entry_id, *_ = await pipe.execute()
         metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
         metrics.GROUPS_PRODUCED.inc()
         return _str(entry_id)
@@ -131,6 +146,7 @@ class ReplayBuffer:
         reclaim_idle_ms: int = 30_000,
         stale_policy: str = "drop",
         trim_interval_s: float = 1.0,
+        ledger: bool = False,
     ) -> None:
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy {stale_policy!r}: expected one of {STALE_POLICIES}")
@@ -140,6 +156,7 @@ class ReplayBuffer:
         self.reclaim_idle_ms = reclaim_idle_ms
         self.stale_policy = stale_policy
         self.trim_interval_s = trim_interval_s
+        self.ledger = ledger
         self._own_pending_done = False
         self._next_claim = 0.0
         self._next_trim = 0.0
@@ -160,8 +177,10 @@ class ReplayBuffer:
         self.r.set(self.keys.version, version)
 
     def reap_workers(self) -> int:
-        """Release the reservations of workers whose lease expired; returns how many were released."""
-        return int(self._reap(keys=[self.keys.started, self.keys.reservations, self.keys.workers]))
+        """Release the reservations of workers whose lease expired (their in-flight prompts are
+        reissued); returns how many reservations were released."""
+        keys = [self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats]
+        return int(self._reap(keys=keys, args=[self.keys.inflight_prefix]))
 
     def put(self, group: GroupRecord) -> str:
         """Synchronous XADD without a reservation (tests, tools); rollout workers use BufferProducer."""
@@ -305,6 +324,8 @@ class ReplayBuffer:
         pipe.xack(self.keys.groups, TRAINER_GROUP, *[e.entry_id for e in entries])
         pipe.hincrby(self.keys.stats, "consumed", len(entries))
         pipe.hincrby(self.keys.stats, "steps", 1)
+        if self.ledger:
+            pipe.rpush(self.keys.ledger, *[e.group.group_id for e in entries])
         for e in entries:
             s = staleness(version, e.group.min_version)
             pipe.hincrby(self.keys.staleness, str(s), 1)
@@ -371,6 +392,7 @@ class ReplayBuffer:
             "consumed",
             "dropped_stale",
             "recycled",
+            "reissued",
             "dead_letter",
             "duplicates",
             "reclaimed",
@@ -385,6 +407,7 @@ class ReplayBuffer:
             "started": int(self.r.get(self.keys.started) or 0),
             "workers": self.r.zcard(self.keys.workers),
             "recycle_queue": self.r.llen(self.keys.recycle),
+            "reissue_queue": self.r.llen(self.keys.reissue),
             **{k: raw.get(k, 0) for k in counters},
             "staleness": dict(sorted(hist.items())),
         }

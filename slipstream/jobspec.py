@@ -236,7 +236,11 @@ class BufferSpec(Spec):
     reclaim_idle_ms: Pos = 30_000
     """Entries a trainer read but did not commit for this long are claimed by another (milliseconds)."""
     worker_lease_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
-    """A rollout worker silent for this long is presumed dead; its admission reservations are released."""
+    """A rollout worker silent for this long is presumed dead; its admission reservations are released
+    and the prompts it had in flight are generated again by the others."""
+    ledger: bool = False
+    """Also record every trained group_id, in order, in the list `slipstream:{job}:ledger` (one entry
+    per group: audits, fault-injection tests); off by default (it grows with the job)."""
 
 
 class TrainerSpec(Spec):

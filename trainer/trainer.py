@@ -84,6 +84,7 @@ class Trainer:
                 spec.name,
                 reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
                 stale_policy=spec.buffer.stale_policy,
+                ledger=spec.buffer.ledger,
             )
             self.bus = WeightBus(
                 engine_urls,

@@ -1,5 +1,5 @@
 """Admission control against a real redis-server: the AReaL cap, shared by all workers, correct when
-workers join, leave, or die holding reservations."""
+workers join, leave, or die holding reservations (a dead worker's in-flight prompts are reissued)."""
 
 import asyncio
 import os
@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
 
 
-def _group(job):
+def _group(job, prompt_id="p"):
     s = Sample.build(
         prompt_ids=[1],
         response_ids=[2],
@@ -23,7 +23,7 @@ def _group(job):
         reward=1.0,
         finish_reason="stop",
     )
-    return make_group(job, "p", [s, s])
+    return make_group(job, prompt_id, [s, s])
 
 
 def _run(coro):
@@ -114,8 +114,10 @@ import asyncio, sys, redis.asyncio as aioredis
 from replay_buffer import BufferProducer
 async def main():
     p = BufferProducer(aioredis.Redis.from_url(sys.argv[1]), sys.argv[2], worker_id="child", lease_ms=500)
-    for _ in range(3):
+    for i in range(3):
         assert await p.try_admit(3, 0)
+        await p.begin(f"prompt-{i}")
+    await p.release("prompt-1")  # given up: not in flight any more
     print("reserved", flush=True)
     await asyncio.Event().wait()  # holds its reservations until killed
 asyncio.run(main())
@@ -139,3 +141,35 @@ def test_killed_worker_process_gets_its_reservations_released(redis_server, redi
         time.sleep(0.05)
     st = buf.stats()
     assert st["started"] == 0 and st["workers"] == 0
+    assert st["reissued"] == 2 and st["reissue_queue"] == 2
+    assert [p.decode() for p in redis_client.lrange(f"slipstream:{job_id}:reissue", 0, -1)] == [
+        "prompt-0",
+        "prompt-2",
+    ]
+
+    async def next_two():
+        clients, (p,) = await _producers(redis_server.url, job_id, ["heir"])
+        got = [await p.next_reissued() for _ in range(3)]
+        await _close(clients)
+        return got
+
+    assert _run(next_two()) == ["prompt-0", "prompt-2", None]
+
+
+def test_in_flight_prompts_follow_put_release_and_leave(redis_server, redis_client, job_id):
+    async def scenario():
+        clients, (w,) = await _producers(redis_server.url, job_id, ["w"])
+        for prompt in ("a", "b", "c", "d"):
+            assert await w.try_admit(4, 0)
+            await w.begin(prompt)
+        await w.put(_group(job_id, "a"))
+        await w.release("b")  # given up: not reissued
+        key = w.keys.inflight("w")
+        assert [x.decode() for x in await w.r.lrange(key, 0, -1)] == ["c", "d"]
+        assert await w.leave() == 2  # stopped with c and d unfinished: they go to the others
+        assert [x.decode() for x in await w.r.lrange(w.keys.reissue, 0, -1)] == ["c", "d"]
+        assert not await w.r.exists(key)
+        await _close(clients)
+
+    _run(scenario())
+    assert ReplayBuffer(redis_client, job_id).stats()["reissued"] == 2
