@@ -1,0 +1,90 @@
+"""Async-vs-sync benchmark: the rate and learning-summary arithmetic on hand-made progress records, and a
+--quick CPU run (three real jobs on local Ray: max_staleness 0 and 2, then the generator-only /
+trainer-only session) that writes a result file in the BENCHMARKS.md format with the headline names. No
+timing thresholds: timings belong to the benchmark."""
+
+import json
+
+import pytest
+
+from benchmarks.async_vs_sync import learning_summary, main, rates
+
+
+def _rec(step, elapsed, step_s, wait_s, tokens, stale):
+    return {
+        "step": step,
+        "elapsed_s": elapsed,
+        "step_s": step_s,
+        "wait_s": wait_s,
+        "publish_s": 0.1,
+        "response_tokens": tokens,
+        "staleness_mean": stale,
+        "staleness_max": stale,
+        "reward_mean": 0.5,
+    }
+
+
+def test_rates_exclude_warmup_steps():
+    progress = [
+        _rec(1, 10.0, 5.0, 5.0, 999, 0),
+        _rec(2, 12.0, 1.0, 0.5, 40, 1),
+        _rec(3, 14.0, 1.5, 0.2, 60, 2),
+    ]
+    m = rates(progress, [100.0, 102.0, 104.0], warmup=1, samples_per_step=8)
+    # two timed steps of 8 samples over elapsed 14 - 10 = 4 s; the warm-up step's 999 tokens are not counted
+    assert m["steps_timed"] == 2 and m["window_s"] == 4.0
+    assert m["samples_per_s"] == 16 / 4 and m["tokens_per_s"] == 100 / 4
+    assert m["trainer_busy_fraction"] == 2.5 / 4 and m["trainer_wait_fraction"] == 0.7 / 4
+    assert m["trainer_publish_fraction"] == 0.2 / 4
+    assert m["staleness_max"] == 2 and m["wall_window"] == [100.0, 104.0]
+
+
+def test_learning_summary_spread_verdicts():
+    curve = [{"reward_mean": 0.2}, {"reward_mean": 0.4}]
+    curves = {k: {"0": curve, "1": curve} for k in ("sync", "async", "async_no_is")}
+    finals = {
+        "sync": {"0": 0.60, "1": 0.70},
+        "async": {"0": 0.62, "1": 0.66},  # mean 0.64: inside sync's [0.60, 0.70]
+        "async_no_is": {"0": 0.30, "1": 0.34},  # mean 0.32: 0.33 below sync's mean, spread 0.10
+    }
+    out = learning_summary(finals, curves, [0, 1], steps=2, window=1)
+    assert out["sync_seed_range"] == [0.60, 0.70]
+    assert out["async_within_sync_seed_range"] and out["async_within_seed_spread"]
+    assert not out["async_no_is_within_sync_seed_range"] and not out["async_no_is_within_seed_spread"]
+    assert out["async_no_is_minus_sync"] == pytest.approx(0.32 - 0.65)
+    assert out["first_window_reward_mean"]["sync"] == 0.2
+
+
+@pytest.mark.slow
+def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
+    result = main(["--quick", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
+
+    [path] = tmp_path.glob("async_vs_sync-cpu-*.json")
+    on_disk = json.loads(path.read_text())
+    assert on_disk == json.loads(json.dumps(result))
+    assert on_disk["errors"] == []
+    assert {"benchmark", "device", "date", "command", "config", "metrics", "ratios"} <= on_disk.keys()
+    assert on_disk["benchmark"] == "async_vs_sync" and on_disk["device"] == "cpu"
+    assert path.name == f"async_vs_sync-cpu-{on_disk['date'].replace('-', '')}.json"
+    cfg, m, r = on_disk["config"], on_disk["metrics"], on_disk["ratios"]
+    assert cfg["async_vs_sync_uses"] == "max_staleness=2" and m["headline_staleness"] == 2
+    sync, async_ = m["runs"]["0"], m["runs"]["2"]
+    # the same job: same number of trained samples; sync is strictly on-policy, async stays within its bound
+    steps = cfg["steps_timed"] + cfg["warmup_steps"]
+    for run in (sync, async_):
+        assert len(run["progress"]) == steps and run["buffer"]["consumed"] == steps * 4
+    assert sync["staleness_histogram"] == {"0": steps * 4}
+    assert all(p["staleness_max"] <= 2 for p in async_["progress"])
+    assert m["generator_only"]["samples_per_s"] > 0 and m["trainer_only"]["samples_per_s"] > 0
+    assert m["trainer_only"]["steps_timed"] == cfg["steps_timed"]
+    bound = min(m["generator_only"]["samples_per_s"], m["trainer_only"]["samples_per_s"])
+    assert r["async_vs_sync"] == async_["samples_per_s"] / sync["samples_per_s"]
+    assert r["async_vs_pipeline_bound"] == async_["samples_per_s"] / bound
+    assert 0 < sync["trainer_busy_fraction"] <= 1
+    assert [p.rsplit("-", 1)[-1] for p in on_disk["plots"]] == [
+        "throughput.png",
+        "reward_vs_samples.png",
+        "reward_vs_time.png",
+    ]
+    assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 0 for p in on_disk["plots"])
+    assert capsys.readouterr().out.splitlines()[-1].startswith("async_vs_sync async_vs_sync=")
