@@ -107,15 +107,20 @@ class ManagedRedis:
     def start(self) -> ManagedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         conf = self.data_dir / "redis.conf"
-        conf.write_text(self.config_text())
-        conf.chmod(0o600)  # holds the password
+        # It holds the password: created 0600 (a write then chmod would leave it readable under the umask
+        # for a moment), and narrowed if an older run left it wider.
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config_text())
         binary = find_redis_server()
-        self.proc = subprocess.Popen(
-            [binary, str(conf)],
-            stdout=open(self.log_path, "ab"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop Redis last
-        )
+        with open(self.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [binary, str(conf)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop Redis last
+            )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         client = self.client(socket_connect_timeout=1)
         while True:

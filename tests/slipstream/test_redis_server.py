@@ -1,5 +1,8 @@
 """The managed redis-server: real process, password and ACL user required, AOF on, clean stop."""
 
+import os
+import stat
+
 import pytest
 import redis
 from redis.backoff import NoBackoff
@@ -68,3 +71,22 @@ def test_a_new_run_does_not_inherit_the_previous_runs_redis(tmp_path):
     assert not (tmp_path / "samples.txt").exists()
     with ManagedRedis(data_dir=tmp_path / "redis", password="pw") as r:
         assert r.client().get("slipstream:demo:version") is None
+
+
+def test_the_config_holding_the_password_is_never_readable_by_others(tmp_path, monkeypatch):
+    """Created 0600, not written under the umask and narrowed afterwards: with a permissive umask and no
+    later chmod, the file's mode is its creation mode."""
+    from pathlib import Path
+
+    monkeypatch.setattr(Path, "chmod", lambda self, mode: None)
+    old_umask = os.umask(0)
+    try:
+        with ManagedRedis(data_dir=tmp_path / "r") as r:
+            conf = r.data_dir / "redis.conf"
+            assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+            assert r.password in conf.read_text()
+    finally:
+        os.umask(old_umask)
+    os.chmod(conf, 0o644)  # left wide by something else: the next start narrows it
+    with ManagedRedis(data_dir=tmp_path / "r"):
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600
