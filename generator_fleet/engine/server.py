@@ -23,7 +23,8 @@ import msgspec
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from generator_fleet.engine.metrics import EngineMetrics
 from generator_fleet.engine.runner import Completion, Runner, SamplingParams
@@ -38,6 +39,15 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 """SGLANG_HEALTH_CHECK_TIMEOUT's default."""
 PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
+MAX_BODY_BYTES = 64 << 20
+"""Default bound on a request body: a batch of long prompts as token ids is a few MiB; larger is a 413."""
+MAX_REQUESTS_PER_CALL = 1 << 14
+"""Default bound on the requests one /generate call makes (prompts x n): each is queued and kept until
+the call returns, so an unbounded `n` would stall the engine for every client."""
+MAX_LOGIT_BIAS = 100.0
+"""|logit_bias| bound (OpenAI's range): +-100 already forces or bans a token; more overflows the logits."""
+SEED_RANGE = (-(1 << 63), 1 << 64)
+"""What torch.Generator.manual_seed takes."""
 
 # ---- request bodies ------------------------------------------------------------------------------
 
@@ -131,6 +141,10 @@ class BadRequest(Exception):
     """A handler's ValueError-class failure, rendered as {"error": {"message"}} (SGLang)."""
 
 
+class BodyTooLarge(Exception):
+    """A chunked request body that grew past the limit while being read (a 413)."""
+
+
 # ---- responses -----------------------------------------------------------------------------------
 
 
@@ -195,6 +209,24 @@ async def _decode(request: Request, typ: type[T]) -> T:
     return msgspec.json.decode(body or b"{}", type=typ)
 
 
+def _group_problem(req: InitWeightsUpdateGroup) -> str | None:
+    """What is wrong with a group request, named by field, before it reaches torch's rendezvous (whose
+    errors for these are pybind signatures, or a wait on a peer that cannot exist)."""
+    try:
+        port = int(req.master_port)
+    except ValueError:
+        return f"master_port must be a port number, got {req.master_port!r}"
+    if not 0 <= port <= 65535:
+        return f"master_port must be in [0, 65535], got {port}"
+    if req.world_size < 2:
+        return f"world_size must be at least 2 (the trainer and this engine), got {req.world_size}"
+    if not 1 <= req.rank_offset < req.world_size:
+        return f"rank_offset must be in [1, world_size={req.world_size}) (rank 0 is the trainer), got {req.rank_offset}"
+    if req.timeout_s is not None and not req.timeout_s > 0:
+        return f"timeout_s must be positive, got {req.timeout_s}"
+    return None
+
+
 # ---- /generate helpers ---------------------------------------------------------------------------
 
 
@@ -231,6 +263,10 @@ def _resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> 
             fields["logit_bias"] = {int(k): float(v) for k, v in sp.logit_bias.items()}
         except ValueError:
             raise BadRequest("logit_bias keys must be token ids") from None
+        if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in fields["logit_bias"].values()):
+            raise BadRequest(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}].")
+    if sp.sampling_seed is not None and not SEED_RANGE[0] <= sp.sampling_seed < SEED_RANGE[1]:
+        raise BadRequest(f"sampling_seed must be a 64-bit integer, got {sp.sampling_seed}.")
     # SGLang: an explicit max_new_tokens that does not fit is an error; the default is clamped.
     max_total = runner.context_length - 1
     if sp.max_new_tokens is not None and prompt_len + sp.max_new_tokens > max_total:
@@ -249,7 +285,9 @@ def _resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> 
     return params
 
 
-def _expand(body: GenerateReqIn, runner: Runner) -> tuple[list[_Item], bool]:
+def _expand(
+    body: GenerateReqIn, runner: Runner, max_requests: int = MAX_REQUESTS_PER_CALL
+) -> tuple[list[_Item], bool]:
     """Turn a /generate body into runner requests in response order; returns (items, is_batch)."""
     for key in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "token_ids_logprob"):
         if getattr(body, key) is not None:
@@ -296,6 +334,11 @@ def _expand(body: GenerateReqIn, runner: Runner) -> tuple[list[_Item], bool]:
     n = ns.pop()
     if n < 1:
         raise BadRequest(f"n must be at least 1, got {n}.")
+    if len(prompts) * n > max_requests:
+        raise BadRequest(
+            f"the call asks for {len(prompts)} prompt(s) x n={n} = {len(prompts) * n} requests; "
+            f"the engine takes at most {max_requests} per call."
+        )
     rids = body.rid
     if isinstance(rids, list) and len(rids) != len(prompts):
         raise BadRequest("The rid list must match the batch size.")
@@ -400,6 +443,39 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a body over `max_bytes` is a 413, refused by its Content-Length before it is read,
+    or (chunked) as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = dict(scope["headers"]).get(b"content-length")
+        if size is not None and (not size.isdigit() or int(size) > self.max_bytes):
+            await _body_too_large(self.max_bytes)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _body_too_large(max_bytes: int) -> Response:
+    return _http_error(413, f"request body over the engine's limit of {max_bytes} bytes")
+
+
 class _EngineState:
     """Per-app state that lives on the event loop: the pause gate, the weight receiver, metrics."""
 
@@ -417,14 +493,59 @@ class _EngineState:
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
 
 
-def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: str | None = None) -> FastAPI:
-    """The FastAPI app over a started runner (EngineServer wires lifecycle; tests may use this alone)."""
+_BODIES: dict[str, type] = {
+    "/generate": GenerateReqIn,
+    "/abort_request": AbortRequest,
+    "/pause_generation": PauseGeneration,
+    "/continue_generation": ContinueGeneration,
+    "/init_weights_update_group": InitWeightsUpdateGroup,
+    "/update_weights_from_distributed": UpdateWeightsFromDistributed,
+    "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
+    "/update_weights_from_disk": UpdateWeightsFromDisk,
+    "/update_weight_version": UpdateWeightVersion,
+}
+"""The body each route decodes: its handler reads the raw body (msgspec), so FastAPI cannot see it."""
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus each route's request body, generated from the Struct its handler decodes
+    (an empty body means all defaults, so a body is required only where a field is)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=VERSION, routes=app.routes)
+        refs, components = msgspec.json.schema_components(
+            _BODIES.values(), ref_template="#/components/schemas/{name}"
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        for (path, typ), ref in zip(_BODIES.items(), refs, strict=True):
+            required = any(f.required for f in msgspec.structs.fields(typ))
+            for op in schema["paths"][path].values():
+                op["requestBody"] = {"required": required, "content": {"application/json": {"schema": ref}}}
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def build_app(
+    runner: Runner,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_requests_per_call: int = MAX_REQUESTS_PER_CALL,
+) -> FastAPI:
+    """The FastAPI app over a started runner (EngineServer wires lifecycle; tests may use this alone).
+    OpenAPI at /openapi.json (behind the API key like every route but /health and /metrics)."""
     model_name = served_model_name or runner.model_path
-    app = FastAPI(title="slipstream built-in engine", openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="slipstream built-in engine", docs_url=None, redoc_url=None)
+    app.openapi = lambda: _openapi(app)
     state = _EngineState(runner, model_name)
     app.state.engine = state
 
-    app.add_middleware(_BearerAuth, api_key=api_key)
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(_BearerAuth, api_key=api_key)  # the outer one: no key, no 413 either
+
+    @app.exception_handler(BodyTooLarge)
+    async def on_body_too_large(request: Request, exc: Exception) -> Response:
+        return _body_too_large(max_body_bytes)
 
     @app.exception_handler(msgspec.DecodeError)  # also catches its subclass msgspec.ValidationError
     async def on_validation_error(request: Request, exc: Exception) -> Response:
@@ -441,10 +562,9 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
 
     # ---- generation ----
 
-    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body = await _decode(request, GenerateReqIn)
-        items, is_batch = _expand(body, runner)
+        items, is_batch = _expand(body, runner, max_requests_per_call)
         if not state.unpaused.is_set():
             state.waiting += 1
             try:
@@ -505,7 +625,16 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @app.post("/abort_request")
+    for method in ("POST", "PUT"):  # one route per method: each its own OpenAPI operation id
+        app.add_api_route(
+            "/generate",
+            generate,
+            methods=[method],
+            operation_id=f"generate_{method.lower()}",
+            responses={200: {"content": {"text/event-stream": {}}}},  # "stream": true
+        )
+
+    @app.post("/abort_request", response_class=Response)
     async def abort_request(request: Request) -> Response:
         body = await _decode(request, AbortRequest)
         n = runner.abort(body.rid, body.abort_all)
@@ -543,6 +672,8 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
         body = await _decode(request, InitWeightsUpdateGroup)
+        if why := _group_problem(body):
+            return _control(False, f"Failed to init weight update group: {why}")
         async with state.weight_lock:
             try:
                 # Blocks until the trainer (rank 0) and every other engine rank have joined.
@@ -635,11 +766,11 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
 
     # ---- info and health ----
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response)
     async def health() -> Response:
         return Response(status_code=200)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", response_class=Response)
     async def health_generate() -> Response:
         if runner.paused:
             return _http_error(503, "generation is paused")
@@ -702,7 +833,6 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, get_server_info, methods=["GET"])
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         # No prefix cache yet: there is nothing to flush, and nothing can make the flush fail.
         return Response(
@@ -711,7 +841,16 @@ def build_app(runner: Runner, *, api_key: str | None = None, served_model_name: 
             media_type="text/plain",
         )
 
-    @app.get("/metrics")
+    for method in ("GET", "POST"):
+        app.add_api_route(
+            "/flush_cache",
+            flush_cache,
+            methods=[method],
+            operation_id=f"flush_cache_{method.lower()}",
+            response_class=PlainTextResponse,
+        )
+
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         data, content_type = state.metrics.render()
         return Response(data, media_type=content_type)
@@ -742,10 +881,15 @@ class EngineServer:
         kv_cache_tokens: int | None = None,
         cuda_graphs: bool = True,
         load_format: str | None = None,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_requests_per_call: int = MAX_REQUESTS_PER_CALL,
     ) -> None:
         """`dtype`: "bfloat16", "float16", "float32" or None (bf16 on CUDA, fp32 on CPU); `kv_cache_tokens`:
         KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA; `load_format`:
-        "dummy" for random weights from the config (see Runner)."""
+        "dummy" for random weights from the config (see Runner); `max_body_bytes`: larger requests are
+        a 413; `max_requests_per_call`: a /generate asking for more (prompts x n) is a 400."""
+        self.max_body_bytes = max_body_bytes
+        self.max_requests_per_call = max_requests_per_call
         self.model_path = str(model_path)
         self.dtype = dtype
         self.kv_cache_tokens = kv_cache_tokens
@@ -785,7 +929,13 @@ class EngineServer:
             load_format=self.load_format,
         )
         self.runner.start()
-        self.app = build_app(self.runner, api_key=self.api_key, served_model_name=self.served_model_name)
+        self.app = build_app(
+            self.runner,
+            api_key=self.api_key,
+            served_model_name=self.served_model_name,
+            max_body_bytes=self.max_body_bytes,
+            max_requests_per_call=self.max_requests_per_call,
+        )
         # Bind here so port=0 resolves before uvicorn starts and the URL is known to the caller.
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
         # it every response on a kept-alive connection (headers, then body) waited ~40 ms for a delayed ACK.
