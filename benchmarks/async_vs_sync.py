@@ -52,7 +52,8 @@ Devices:
   lengths), multi-turn word problems with the calculator (examples/tools_demo.yaml).
 
 Run:
-    python benchmarks/async_vs_sync.py                  # CPU, full (about 10 min on 2 cores)
+    python benchmarks/async_vs_sync.py                  # CPU, full: ~11 min of jobs on 2 cores + the tiny model's
+                                                        # SFT build (1-8 min, by host load)
     python benchmarks/async_vs_sync.py --quick          # CPU smoke (the test)
     python benchmarks/async_vs_sync.py --device cuda --device-kind nvidia-h200-x2
 """
