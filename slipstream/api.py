@@ -29,9 +29,29 @@ class SubmitRequest(BaseModel):
     cwd: str | None = Field(None, description="where relative paths in the spec are resolved")
 
 
+MAX_POOL = 4096
+"""Largest pool size a scale request may ask for: more than a cluster's GPUs, so a bigger number is a typo
+(or a fuzzer), not a plan, and must not reach the driver."""
+
+
 class ScaleRequest(BaseModel):
-    generators: int | None = Field(None, ge=1, description="engines (each with its rollout workers)")
-    trainers: int | None = Field(None, ge=1, description="trainer ranks (restart from a checkpoint)")
+    generators: int | None = Field(
+        None, ge=1, le=MAX_POOL, description="engines (each with its rollout workers)"
+    )
+    trainers: int | None = Field(
+        None, ge=1, le=MAX_POOL, description="trainer ranks (restart from a checkpoint)"
+    )
+
+
+class ErrorBody(BaseModel):
+    detail: str | list[dict] = Field(
+        description="what is wrong: a message, or (a body that does not fit the schema) one entry per field"
+    )
+
+
+ERRORS = {code: {"model": ErrorBody} for code in (401, 404, 409, 413, 422, 503)}
+"""Every route's error answers, in the schema: a refused operation (ControlError) is a 422 with a
+message, not FastAPI's default 422 schema (a list of field errors) alone."""
 
 
 class StopRequest(BaseModel):
@@ -42,7 +62,7 @@ def create_app(token: str, control=None) -> FastAPI:
     """`control`: a slipstream.control.JobControl (None: only /healthz answers, for tests of auth)."""
     if not token:
         raise ValueError("the control API needs a token")
-    app = FastAPI(title="Slipstream control API", version="0.1", description=__doc__)
+    app = FastAPI(title="Slipstream control API", version="0.1", description=__doc__, responses=ERRORS)
     bearer = HTTPBearer(auto_error=False)
 
     def authorized(creds: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import redis
+import yaml
 
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, ray_env
@@ -55,6 +56,23 @@ def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jo
     return msgspec.structs.replace(s, algorithm=alg, output_dir=out, trainer=tr)
 
 
+def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
+    """A path field no filesystem can hold (a NUL byte), named by its key; checked before any is used."""
+    paths = {
+        "cwd": cwd,
+        "$.output_dir": spec.output_dir,
+        "$.model.path": spec.model.path,
+        "$.dataset.path": spec.dataset.path,
+        "$.algorithm.ref_model_path": spec.algorithm.ref_model_path,
+        "$.algorithm.critic_model_path": spec.algorithm.critic_model_path,
+        "$.trainer.checkpoint_dir": spec.trainer.checkpoint_dir,
+    }
+    for key, p in paths.items():
+        if p is not None and "\0" in p:
+            return f"a path cannot hold a NUL byte - at `{key}`"
+    return None
+
+
 class JobControl:
     def __init__(self, info: ClusterInfo) -> None:
         self.info = info
@@ -86,6 +104,12 @@ class JobControl:
             spec = jobspec.loads(spec_text, overrides or [])
         except jobspec.JobSpecError as e:
             raise ControlError(422, str(e)) from None
+        except yaml.YAMLError as e:  # loads reports the spec's own YAML errors: this is an override's value
+            raise ControlError(422, f"invalid job spec: an override's value is not YAML: {e}") from None
+        except RecursionError:
+            raise ControlError(422, "invalid job spec: nested too deeply") from None
+        if why := _path_problem(spec, cwd):
+            raise ControlError(422, f"invalid job spec: {why}")
         if why := check_name(spec.name):
             raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
         if self.store.exists(spec.name) and self.store.active(spec.name):
@@ -93,8 +117,13 @@ class JobControl:
                 409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
             )
         spec = resolve_spec_paths(spec, self.home, cwd)
-        Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
+        try:
+            Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
+            (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
+        except OSError as e:
+            raise ControlError(
+                422, f"invalid job spec: cannot write the output directory: {e} - at `$.output_dir`"
+            ) from None
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )

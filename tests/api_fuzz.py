@@ -53,9 +53,11 @@ def fuzz(
     skip: Callable[[str, str, GenerationMode], bool] = lambda method, path, mode: False,
     after_call: Callable[[str, str], None] = lambda method, path: None,
     timeout_s: float = 30.0,
+    path_parameters: dict[str, Any] | None = None,
 ) -> FuzzRun:
     """Send up to `examples` generated requests per operation and generation mode (`skip` leaves out an
-    operation in one mode; `after_call(method, path)` runs after each request, e.g. to undo a pause)."""
+    operation in one mode; `after_call(method, path)` runs after each request, e.g. to undo a pause;
+    `path_parameters` fixes those path parameters, e.g. to reach an existing resource)."""
     run = FuzzRun()
     session = requests.Session()
 
@@ -102,7 +104,7 @@ def fuzz(
                 deadline=None,
                 phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck),
-            )(given(op.as_strategy(generation_mode=mode))(send))
+            )(given(op.as_strategy(generation_mode=mode, path_parameters=path_parameters))(send))
             t0 = time.perf_counter()
             try:
                 test()
