@@ -120,6 +120,11 @@ class EngineRegistry:
         self.r, self.live_key, self.joining_key = client, engines_key(job), joining_key(job)
         self._promote = client.register_script(_PROMOTE)
 
+    def live(self) -> list[str]:
+        """URLs with a live lease in the live set, sorted."""
+        urls = self.r.eval(_LIVE, 1, self.live_key)
+        return sorted(u.decode() if isinstance(u, bytes) else u for u in urls)
+
     def joining(self) -> list[str]:
         """URLs with a live lease in the joining set, sorted."""
         urls = self.r.eval(_LIVE, 1, self.joining_key)

@@ -80,3 +80,16 @@ LEAVE = (
 return release(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], ARGV[1])
 """
 )
+
+REWIND = """
+-- KEYS: version, started   ARGV: to_version, groups_per_step
+-- The trainer resumed from a checkpoint older than the published version (it died and lost the steps in
+-- between): those steps' groups were trained into weights that are gone, and the steps will be trained
+-- again on new groups, so their admission slots are given back; otherwise the cap
+-- (version + max_staleness + 1) * groups_per_step would stay below what was already started.
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local to = tonumber(ARGV[1])
+if cur > to then redis.call('DECRBY', KEYS[2], (cur - to) * tonumber(ARGV[2])) end
+redis.call('SET', KEYS[1], to)
+return cur - to
+"""

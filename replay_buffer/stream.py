@@ -161,6 +161,7 @@ class ReplayBuffer:
         self._next_claim = 0.0
         self._next_trim = 0.0
         self._reap = client.register_script(scripts.REAP)
+        self._rewind = client.register_script(scripts.REWIND)
 
     def ensure_group(self) -> None:
         try:
@@ -176,10 +177,26 @@ class ReplayBuffer:
     def set_version(self, version: int) -> None:
         self.r.set(self.keys.version, version)
 
+    def rewind(self, version: int, groups_per_step: int) -> int:
+        """Set the published version back to `version` (a resumed checkpoint older than it) and give back
+        the admission slots of the steps in between; returns how many versions were rewound."""
+        n = int(self._rewind(keys=[self.keys.version, self.keys.started], args=[version, groups_per_step]))
+        if n > 0:
+            log.warning(
+                "version rewound by %d to %d: %d admission slots given back", n, version, n * groups_per_step
+            )
+        return n
+
     def reap_workers(self) -> int:
         """Release the reservations of workers whose lease expired (their in-flight prompts are
         reissued); returns how many reservations were released."""
-        keys = [self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats]
+        keys = [
+            self.keys.started,
+            self.keys.reservations,
+            self.keys.workers,
+            self.keys.reissue,
+            self.keys.stats,
+        ]
         return int(self._reap(keys=keys, args=[self.keys.inflight_prefix]))
 
     def put(self, group: GroupRecord) -> str:

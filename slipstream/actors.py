@@ -56,7 +56,7 @@ def _export(registry) -> None:
     REGISTRY.register(Forward())
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)  # watch() blocks; stop() must still get through
 class EngineActor:
     """One built-in engine. `joining`: started mid-job (scaling up): it waits in the registry's joining set,
     taking no rollout traffic, until the weight bus has given it the current weights."""
@@ -88,6 +88,14 @@ class EngineActor:
         )
         return self.server.url
 
+    def watch(self) -> None:
+        """Returns when the server stopped; the job driver holds this call to learn of the engine's death
+        (the call fails with the actor)."""
+        self.server.serve_forever()
+
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self, drain_s: float = 0.0) -> None:
         """Leave the registry, give rollout workers `drain_s` to notice (scaling down: new requests go to
         the other engines), then stop; requests still running here fail and are retried elsewhere."""
@@ -99,7 +107,7 @@ class EngineActor:
         self.server.stop()
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=2)  # watch() blocks; stop() must still get through
 class SGLangEngineActor:
     """One real SGLang server (`engine: sglang`), a subprocess of this actor logging to
     `<output_dir>/logs/sglang-<index>.log`. The launcher reserves its GPUs (`.options(num_gpus=...)`);
@@ -137,6 +145,16 @@ class SGLangEngineActor:
                 alive=self.server.alive,
             )
         return self.server.url
+
+    def watch(self) -> None:
+        """Returns when the SGLang server process has exited (see EngineActor.watch)."""
+        import time
+
+        while self.server.alive():
+            time.sleep(1.0)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def stop(self) -> None:
         from generator_fleet.launch import router_remove_worker
@@ -188,6 +206,9 @@ class RolloutActor:
         self.worker.stop()
         await asyncio.sleep(0)
 
+    async def pid(self) -> int:
+        return os.getpid()
+
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through
 class TrainerActor:
@@ -228,3 +249,6 @@ class TrainerActor:
 
     def request_checkpoint(self) -> None:
         self.trainer.request_checkpoint()
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -11,6 +11,17 @@ then reconciles them with what the user wants, as recorded in Redis by the contr
 - checkpoint: the trainer writes one after its current step. stop: the trainer ends after its current
   step (final checkpoint and HF export as the spec says), then everything stops.
 
+It also supervises the pools (at most MAX_RESTARTS replacements per kind):
+- a rollout worker that dies is replaced; the prompts it had in flight are reissued to the others once
+  its buffer lease expires (replay_buffer admission);
+- an engine whose process dies, or whose registry lease stays lapsed for LAPSED_S (hung, e.g. stuck in a
+  weight update that the bus gave up on), is killed and replaced by a new one that joins through the
+  weight bus before it takes traffic; its requests are retried on the other engines meanwhile;
+- a trainer rank that dies takes its pool down: every rank is killed, the engines are told to continue
+  (a rank 0 that died mid-update leaves them paused), and a pool of the same size resumes from the
+  latest checkpoint (or the initial model if none was written); the groups it had read but not committed
+  are redelivered to the new rank 0, and the commit ledger never trains a group twice.
+
 It reports the job's state and progress to Redis (slipstream/jobs.py) for `slipstream status`.
 """
 
@@ -29,6 +40,7 @@ from pathlib import Path
 import msgspec
 import redis
 
+from generator_fleet.registry import EngineRegistry, engines_key, joining_key
 from replay_buffer import ReplayBuffer
 from slipstream import jobspec
 from slipstream.jobs import JobStore
@@ -49,6 +61,12 @@ POLL_S = 0.5
 DRAIN_S = 2.5
 """A removed engine's grace between leaving the registry and stopping (rollout workers refresh the
 registry every generator_fleet.rollout.ENGINE_REFRESH_S = 2 s)."""
+LAPSED_S = 10.0
+"""An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
+is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
+MAX_RESTARTS = 20
+"""Replacements of one kind (rollout worker, engine, trainer pool) a job survives; one more fails it: a
+crash loop is a bug to report, not bad luck to retry forever."""
 
 
 class _Stop(Exception):
@@ -82,6 +100,11 @@ class JobDriver:
         self.records: list[dict] = []  # every progress record read (the end-of-job report)
         self._next_engine = 0
         self._next_worker = 0
+        self.engine_watch: list = []  # per engine in self.engines: its watch() call, which fails on death
+        self.restarts = {"rollout_workers": 0, "engines": 0, "trainer_pool": 0}
+        self._lapsed_since: dict[str, float] = {}
+        self.closing = False  # close() began: what stops now is not a failure to repair
+        self._next_registry_check = 0.0
 
     # --- status ---------------------------------------------------------------------------------------
     def report(self, state: str | None = None, **extra) -> None:
@@ -93,6 +116,7 @@ class JobDriver:
                 "rollout_workers": len(self.workers),
                 "trainers": len(self.trainers),
             },
+            "restarts": self.restarts,
             "elapsed_s": time.monotonic() - self.t0,
             "samples_per_s": self.samples / max(time.monotonic() - self.t0, 1e-9),
             "output_dir": self.spec.output_dir,
@@ -139,6 +163,7 @@ class JobDriver:
             self.engines = []
         else:
             self.engines = started
+            self.engine_watch = [e.watch.remote() for e in started]
         self._next_engine = n
         self.add_workers(workers_per_engine(self.spec) * n)
 
@@ -187,6 +212,7 @@ class JobDriver:
             self.engines += new
             urls = ray.get([e.start.remote() for e in new])
             self.engine_urls += urls
+            self.engine_watch += [e.watch.remote() for e in new]
             self.add_workers(per * (n - have))
             log.info(
                 "generators %d -> %d: engines %s joined (rollouts reach them after the next weight update)",
@@ -198,6 +224,7 @@ class JobDriver:
             self.remove_workers(max(0, len(self.workers) - per * n))
             gone = self.engines[n:]
             self.engines = self.engines[:n]
+            self.engine_watch = self.engine_watch[:n]
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
             ray.get(
@@ -251,10 +278,134 @@ class JobDriver:
         self.report("running", scaling=None)
         return None
 
-    # --- the loop -------------------------------------------------------------------------------------
-    def run(self) -> dict:
+    # --- supervision ----------------------------------------------------------------------------------
+    def _count_restart(self, kind: str) -> None:
+        self.restarts[kind] += 1
+        if self.restarts[kind] > MAX_RESTARTS:
+            raise RuntimeError(f"{kind}: more than {MAX_RESTARTS} replacements; giving up (see the logs)")
+
+    def check_workers(self) -> None:
+        """Replace rollout workers that died (or returned: they only do when told to stop)."""
         import ray
 
+        runs = [ref for _, ref in self.workers]
+        if not runs or self.closing:
+            return
+        done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        for ref in done:
+            i = next(i for i, (_, r) in enumerate(self.workers) if r == ref)
+            actor, _ = self.workers.pop(i)
+            why = _outcome(ref)
+            self._count_restart("rollout_workers")
+            log.warning(
+                "rollout worker %s; starting a replacement (its unfinished prompts are reissued once its "
+                "lease expires, buffer.worker_lease_s)",
+                why,
+            )
+            _kill(actor)
+            self.add_workers(1)
+        if done:
+            self.report()
+
+    def check_engines(self) -> None:
+        """Replace engines whose process died, or that stayed out of the registry for LAPSED_S (hung)."""
+        import ray
+
+        if not self.engines or self.closing:
+            return
+        done, _ = ray.wait(self.engine_watch, num_returns=len(self.engine_watch), timeout=0)
+        failed = {i: f"died ({_outcome(ref)})" for i, ref in enumerate(self.engine_watch) if ref in done}
+        now = time.monotonic()
+        if now >= self._next_registry_check:
+            self._next_registry_check = now + 1.0
+            reg = EngineRegistry(self.r, self.job)
+            present = set(reg.live()) | set(reg.joining())
+            for i, url in enumerate(self.engine_urls):
+                if url in present:
+                    self._lapsed_since.pop(url, None)
+                elif now - self._lapsed_since.setdefault(url, now) >= LAPSED_S and i not in failed:
+                    failed[i] = f"is hung (no registry lease for {now - self._lapsed_since[url]:.0f} s)"
+        for i, why in sorted(failed.items()):
+            self._replace_engine(i, why)
+        if failed:
+            self.report()
+
+    def _replace_engine(self, i: int, why: str) -> None:
+        import ray
+
+        old, url = self.engines[i], self.engine_urls[i]
+        self._count_restart("engines")
+        log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
+        _kill(old)
+        for key in (engines_key(self.job), joining_key(self.job)):
+            self.r.zrem(key, url)  # rollout workers stop routing to it at their next refresh
+        self._lapsed_since.pop(url, None)
+        cls, _ = engine_actor(self.spec)
+        joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
+        new = cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining)
+        self._next_engine += 1
+        new_url = ray.get(new.start.remote())
+        self.engines[i], self.engine_urls[i], self.engine_watch[i] = new, new_url, new.watch.remote()
+        self.rollout_urls = [new_url if u == url else u for u in self.rollout_urls]
+        log.info("engine %s replaced by %s (it takes traffic after the next weight update)", url, new_url)
+
+    def check_trainers(self) -> dict | None:
+        """The pool's result once every rank finished; restarts the pool when a rank died. None while
+        it trains."""
+        import ray
+
+        done, _ = ray.wait(self.train_runs, num_returns=len(self.train_runs), timeout=0)
+        failed = [why for ref in done if (why := _outcome(ref, failed_only=True))]
+        if failed and self.closing:
+            raise RuntimeError(f"trainer rank {failed[0]} while the job was closing")
+        if failed:
+            self.restart_trainers(failed[0])
+            return None
+        if len(done) == len(self.train_runs):
+            return ray.get(self.train_runs[0])
+        return None
+
+    def restart_trainers(self, why: str) -> None:
+        m = len(self.trainers)
+        self._count_restart("trainer_pool")
+        for t in self.trainers:
+            _kill(t)
+        self._continue_engines()
+        from trainer import checkpoint
+
+        try:
+            resume = str(checkpoint.resolve(checkpoint.LATEST, self._checkpoint_dir()))
+        except FileNotFoundError:
+            resume = None
+        log.warning(
+            "trainer rank %s; restarting the pool of %d ranks from %s",
+            why,
+            m,
+            resume or "the initial model (no checkpoint was written yet: trainer.checkpoint_every)",
+        )
+        self.start_trainers(m, resume_from=resume)
+        self.report()
+
+    def _checkpoint_dir(self) -> Path:
+        return Path(self.spec.trainer.checkpoint_dir or Path(self.spec.output_dir) / "checkpoints")
+
+    def _continue_engines(self) -> None:
+        """A trainer that died between pause and continue of a weight update left the engines paused."""
+        import httpx
+
+        for url in self.engine_urls:
+            try:
+                httpx.post(
+                    f"{url}/continue_generation",
+                    json={},
+                    headers={"Authorization": f"Bearer {self.api_key}"},
+                    timeout=10.0,
+                ).raise_for_status()
+            except httpx.HTTPError as e:
+                log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
+
+    # --- the loop -------------------------------------------------------------------------------------
+    def run(self) -> dict:
         desired = self.store.desired(self.job)
         self.report("starting")
         prepare_model(self.spec)
@@ -266,16 +417,10 @@ class JobDriver:
         self.report("running")
         stopping = False
         while True:
-            done, _ = ray.wait(self.train_runs, num_returns=len(self.train_runs), timeout=0)
-            if len(done) == len(self.train_runs):
-                result = ray.get(self.train_runs[0])
+            if (result := self.check_trainers()) is not None:
                 break
-            runs = [ref for _, ref in self.workers]
-            dead, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
-            for ref in dead:
-                ray.get(ref)  # re-raises a worker's failure
-            if dead:
-                raise RuntimeError("a rollout worker exited before the trainer finished")
+            self.check_workers()
+            self.check_engines()
             for rec in self.progress.read(block_ms=int(POLL_S * 1000)):
                 self.last = rec
                 self.records.append(rec)
@@ -318,10 +463,31 @@ class JobDriver:
     def close(self) -> None:
         import ray
 
+        self.closing = True
         for a, _ in self.workers:
             a.stop.remote()
         ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=STOP_TIMEOUT_S)
         stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + self.trainers)
+
+
+def _outcome(ref, failed_only: bool = False) -> str | None:
+    """How a finished Ray call ended, in a few words (None with failed_only when it returned)."""
+    import ray
+
+    try:
+        value = ray.get(ref)
+    except Exception as e:  # RayActorError (killed, OOM), or the actor's own exception
+        return f"died: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    return None if failed_only else f"exited ({value})"
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor)
+    except Exception as e:  # already gone
+        log.debug("ray.kill: %s", e)
 
 
 def _raise_stop(signum, frame):

@@ -157,7 +157,8 @@ class Trainer:
         # Engines started from model.path: give them the restored weights before any rollout starts.
         self.publish(version)
         if self.is_main:
-            self.buffer.set_version(version)
+            # after a crash Redis may be ahead (steps after the checkpoint were lost): give their slots back
+            self.buffer.rewind(version, self.spec.algorithm.groups_per_step)
 
     def stop(self, restart: bool = False) -> None:
         """End `run` after the step in progress. restart: the pool is being restarted (e.g. with another

@@ -173,3 +173,23 @@ def test_in_flight_prompts_follow_put_release_and_leave(redis_server, redis_clie
 
     _run(scenario())
     assert ReplayBuffer(redis_client, job_id).stats()["reissued"] == 2
+
+
+def test_rewind_gives_back_the_slots_of_lost_steps(redis_server, redis_client, job_id):
+    buf = ReplayBuffer(redis_client, job_id)
+    buf.set_version(10)
+    redis_client.set(f"slipstream:{job_id}:started", 26)  # the cap at version 10, max_staleness 2, 2/step
+
+    async def admits(n: int) -> int:
+        clients, (w,) = await _producers(redis_server.url, job_id, ["w"])
+        got = sum([await w.try_admit(2, 2) for _ in range(n)])
+        await _close(clients)
+        return got
+
+    assert _run(admits(1)) == 0
+    assert buf.rewind(7, groups_per_step=2) == 3  # resumed from a checkpoint 3 steps back
+    assert buf.version() == 7 and int(redis_client.get(f"slipstream:{job_id}:started")) == 20
+    buf.set_version(8)  # each step trained again frees its groups' slots as before
+    assert _run(admits(5)) == 2
+    assert buf.rewind(8, groups_per_step=2) == 0  # not behind: nothing given back
+    assert int(redis_client.get(f"slipstream:{job_id}:started")) == 22
