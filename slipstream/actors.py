@@ -74,6 +74,8 @@ class EngineActor:
             max_batch_size=spec.generators.max_batch_size,
             torch_threads=spec.generators.torch_threads,
             weight_version="0",
+            # Ray limits this actor to its own GPUs (the launcher reserves gpus_per_engine of them)
+            device="cuda" if spec.generators.gpus_per_engine > 0 else "cpu",
         )
 
     def start(self) -> str:

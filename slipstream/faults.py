@@ -1,0 +1,233 @@
+"""Fault injection into a running job's real processes, for the fault tests and the soak run
+(benchmarks/soak.py): a job driver (slipstream/driver.py) in a thread of this process, over a local Ray
+and a private Redis, and functions that kill -9 or hang (SIGSTOP) its rollout workers, engines and
+trainer, each waiting until the driver replaced what it broke.
+
+`books(job)` checks what every fault must leave intact: each group produced was trained, dropped as
+stale, dead-lettered, skipped as a duplicate or is still in the stream, and no group_id was trained
+twice (the ledger; the spec needs `buffer.ledger: true`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from replay_buffer import JobKeys, ReplayBuffer
+from slipstream import driver as driver_mod
+from slipstream import jobspec
+from slipstream.jobs import JobStore
+from slipstream.launcher import PROJECT_ROOT
+from slipstream.redis_server import ManagedRedis
+
+log = logging.getLogger("slipstream.faults")
+
+WAIT_S = 120.0
+"""Bound on each wait for the driver to repair a fault or the trainer to make progress."""
+
+
+class JobFailed(AssertionError):
+    """The job failed, ended, or did not get where it should within WAIT_S."""
+
+
+class LocalJob:
+    """`spec` run by a JobDriver in a thread; `with LocalJob(spec, data_dir) as job: ...`. Leaving the
+    block asks the job to stop (as `slipstream stop` does) and tears everything down."""
+
+    def __init__(self, spec: jobspec.JobSpec, data_dir: Path, num_cpus: int = 4) -> None:
+        self.spec, self.data_dir, self.num_cpus = spec, Path(data_dir), num_cpus
+        self.keys = JobKeys(spec.name)
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> LocalJob:
+        import ray
+
+        self.redis = ManagedRedis(data_dir=self.data_dir / "redis").start()
+        self.r = redis.Redis.from_url(self.redis.url)
+        self.store = JobStore(self.r)
+        spec = self.spec
+        self.store.create(
+            spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
+        )
+        ray.init(
+            address="local",
+            num_cpus=self.num_cpus,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1"}},
+        )
+        self.driver = driver_mod.JobDriver(spec, self.redis.url, self.store)
+        self.buffer = ReplayBuffer(self.r, spec.name)
+        self.thread = threading.Thread(target=self._run, name="job-driver", daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.result = self.driver.run()
+        except BaseException as e:  # reported by wait()
+            self.error = e
+
+    def stop(self, timeout_s: float = WAIT_S) -> dict:
+        """Ask the trainer to end after its step; returns the job's result."""
+        self.store.request_stop(self.spec.name)
+        self.thread.join(timeout_s)
+        if self.error is not None:
+            raise JobFailed(f"job failed: {self.error!r}") from self.error
+        if self.result is None:
+            raise JobFailed(f"job did not stop within {timeout_s:.0f} s")
+        return self.result
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        try:
+            if self.thread.is_alive() and self.error is None:
+                try:
+                    self.stop()
+                except JobFailed as e:
+                    log.warning("%s", e)
+        finally:
+            self.driver.close()
+            self.thread.join(60)
+            ray.shutdown()
+            self.r.close()
+            self.redis.stop()
+
+    # --- watching -------------------------------------------------------------------------------------
+    def version(self) -> int:
+        return self.buffer.version()
+
+    def wait(self, what: str, cond: Callable[[], bool], timeout_s: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if self.error is not None:
+                raise JobFailed(f"job failed while waiting for {what}: {self.error!r}") from self.error
+            if self.result is not None:
+                raise JobFailed(f"job ended while waiting for {what}: {self.result}")
+            if time.monotonic() > deadline:
+                raise JobFailed(f"timed out ({timeout_s:.0f} s) waiting for {what}")
+            time.sleep(0.2)
+
+    def wait_progress(self, what: str, steps: int = 3) -> None:
+        v0 = self.version()
+        self.wait(f"{steps} more steps after {what}", lambda: self.version() >= v0 + steps)
+
+    def pids(self) -> dict[str, int]:
+        """Process ids of every actor of the job now, by role."""
+        import ray
+
+        d = self.driver
+        out = {f"engine-{i}": ray.get(e.pid.remote()) for i, e in enumerate(d.engines)}
+        out |= {f"rollout-{i}": ray.get(a.pid.remote()) for i, (a, _) in enumerate(d.workers)}
+        out |= {f"trainer-{i}": ray.get(t.pid.remote()) for i, t in enumerate(d.trainers)}
+        return out
+
+
+# --- faults ---------------------------------------------------------------------------------------------
+def _pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.pid.remote())
+
+
+def kill_worker(job: LocalJob, attempts: int = 5) -> dict:
+    """kill -9 a rollout worker that has prompts in flight; wait for its replacement and for the prompts
+    to be reissued. (A worker that put its last group just before the kill is tried again.)"""
+    d = job.driver
+    for _ in range(attempts):
+        before = d.restarts["rollout_workers"]
+        reissued0 = int(job.r.hget(job.keys.stats, "reissued") or 0)
+        pid = _pid(d.workers[0][0])
+        mine = f"-{pid}-".encode()
+
+        def in_flight() -> int:
+            return sum(job.r.llen(k) for k in job.r.scan_iter(job.keys.inflight("*")) if mine in k)  # noqa: B023
+
+        job.wait("a worker with prompts in flight", lambda: in_flight() > 0)
+        os.kill(pid, signal.SIGKILL)
+        n = in_flight()  # frozen with the process; reaped only when its lease expires
+        log.warning("injected: kill -9 rollout worker pid %d with %d prompts in flight", pid, n)
+        job.wait("the worker's replacement", lambda: d.restarts["rollout_workers"] > before)  # noqa: B023
+        if n:
+            job.wait(
+                "its prompts reissued",
+                lambda: int(job.r.hget(job.keys.stats, "reissued") or 0) >= reissued0 + n,  # noqa: B023
+            )
+            return {"fault": "kill_worker", "pid": pid, "prompts_in_flight": n}
+    raise JobFailed(f"no worker was caught with prompts in flight in {attempts} kills")
+
+
+def kill_engine(job: LocalJob, index: int = 0) -> dict:
+    """kill -9 an engine (mid-generation: engines are always busy); wait until a new one holds the
+    current weights and takes traffic."""
+    d = job.driver
+    old, url = d.engines[index], d.engine_urls[index]
+    pid = _pid(old)
+    os.kill(pid, signal.SIGKILL)
+    log.warning("injected: kill -9 engine %s (pid %d)", url, pid)
+    job.wait("the engine's replacement", lambda: d.engines[index] is not old)
+    new_url = d.engine_urls[index]  # the OS may hand the dead engine's port to the new one
+    job.wait("the new engine to take traffic", lambda: new_url in d_live(job))
+    return {"fault": "kill_engine", "pid": pid, "url": url, "replacement": new_url}
+
+
+def hang_engine(job: LocalJob, index: int = 0) -> dict:
+    """SIGSTOP an engine while the trainer keeps publishing: the weight bus drops it after bus.timeout_s,
+    the driver replaces it once its registry lease lapsed. Returns the versions trained meanwhile."""
+    d = job.driver
+    old, url = d.engines[index], d.engine_urls[index]
+    pid = _pid(old)
+    v0 = job.version()
+    os.kill(pid, signal.SIGSTOP)
+    log.warning("injected: SIGSTOP engine %s (pid %d) at version %d", url, pid, v0)
+    try:
+        job.wait("the hung engine's replacement", lambda: d.engines[index] is not old)
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # Ray's kill is already on its way; let it land
+        except ProcessLookupError:
+            pass
+    return {"fault": "hang_engine", "pid": pid, "url": url, "versions_while_hung": job.version() - v0}
+
+
+def kill_trainer(job: LocalJob) -> dict:
+    """kill -9 trainer rank 0 mid-step; wait for the pool to resume from the latest checkpoint."""
+    d = job.driver
+    before = d.restarts["trainer_pool"]
+    pid = _pid(d.trainers[0])
+    v0 = job.version()
+    os.kill(pid, signal.SIGKILL)
+    log.warning("injected: kill -9 trainer rank 0 pid %d at version %d", pid, v0)
+    job.wait("the trainer pool's restart", lambda: d.restarts["trainer_pool"] > before)
+    return {"fault": "kill_trainer", "pid": pid, "killed_at": v0, "resumed_at": job.version()}
+
+
+def d_live(job: LocalJob) -> list[str]:
+    from generator_fleet.registry import EngineRegistry
+
+    return EngineRegistry(job.r, job.spec.name).live()
+
+
+# --- the books ------------------------------------------------------------------------------------------
+def books(job: LocalJob) -> dict:
+    """Buffer counters plus the two numbers every fault must keep at zero: `lost` (produced groups not
+    accounted for) and `trained_twice` (ledger entries beyond the distinct ones)."""
+    st = job.buffer.stats()
+    ledger = [g.decode() for g in job.r.lrange(job.keys.ledger, 0, -1)]
+    accounted = st["consumed"] + st["dropped_stale"] + st["dead_letter"] + st["duplicates"]
+    accounted += st["pending"] + st["unread"]
+    return {
+        **{k: v for k, v in st.items() if k != "staleness"},
+        "ledger": len(ledger),
+        "trained_twice": len(ledger) - len(set(ledger)),
+        "lost": st["produced"] - accounted,
+        "ledger_matches_consumed": len(ledger) == st["consumed"],
+    }
