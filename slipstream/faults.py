@@ -201,12 +201,13 @@ def hang_engine(job: LocalJob, index: int = 0) -> dict:
 def kill_trainer(job: LocalJob) -> dict:
     """kill -9 trainer rank 0 mid-step; wait for the pool to resume from the latest checkpoint."""
     d = job.driver
-    before = d.restarts["trainer_pool"]
+    runs = d.train_runs
     pid = _pid(d.trainers[0])
     v0 = job.version()
     os.kill(pid, signal.SIGKILL)
     log.warning("injected: kill -9 trainer rank 0 pid %d at version %d", pid, v0)
-    job.wait("the trainer pool's restart", lambda: d.restarts["trainer_pool"] > before)
+    # the new pool's runs start once it has resumed (and rewound the version to its checkpoint)
+    job.wait("the trainer pool's restart", lambda: d.train_runs is not runs)
     return {"fault": "kill_trainer", "pid": pid, "killed_at": v0, "resumed_at": job.version()}
 
 
