@@ -21,6 +21,7 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     import torch
     from prometheus_client import start_http_server
 
+    from slipstream import gpu_metrics
     from slipstream.redis_server import free_port
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,6 +40,7 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
     port = free_port()
     start_http_server(port, addr="127.0.0.1")
+    gpu_metrics.register()  # this process's GPUs, if it has any
     redis.Redis.from_url(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
 
