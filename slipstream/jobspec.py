@@ -366,7 +366,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise JobSpecError(f"override {item!r}: $.{'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(value)
+        try:
+            node[parts[-1]] = yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise JobSpecError(f"override {item!r}: the value is not YAML: {e}") from None
     return raw
 
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+
+API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
+"""Where the key is read from when --api-key is absent: a command line is visible to every local user."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -12,7 +16,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>'")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}; prefer it: `ps` shows arguments)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--torch-threads", type=int, default=None)
@@ -34,15 +42,33 @@ def main(argv: list[str] | None = None) -> None:
         choices=["auto", "dummy"],
         help="dummy: random weights from the model's config (benchmarks; SGLang's flag)",
     )
+    p.add_argument(
+        "--max-body-bytes", type=int, default=None, help="larger requests get 413 (default 64 MiB)"
+    )
+    p.add_argument(
+        "--max-requests-per-call",
+        type=int,
+        default=None,
+        help="a /generate asking for more prompts x n gets 400 (default 16384)",
+    )
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from generator_fleet.engine.server import EngineServer  # after parsing: --help stays instant
 
+    limits = {
+        k: v
+        for k, v in (
+            ("max_body_bytes", args.max_body_bytes),
+            ("max_requests_per_call", args.max_requests_per_call),
+        )
+        if v is not None
+    }
     server = EngineServer(
         args.model,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        **limits,
         host=args.host,
         port=args.port,
         device=args.device,

@@ -48,6 +48,11 @@ def test_override_into_scalar_is_an_error(tmp_path):
         jobspec.load(_write(tmp_path, "name: x"), ["name.sub=1"])
 
 
+def test_override_whose_value_is_not_yaml_names_it(tmp_path):
+    with pytest.raises(jobspec.JobSpecError, match=r"override 'algorithm.lr=\[': the value is not YAML"):
+        jobspec.load(_write(tmp_path, "name: x"), ["algorithm.lr=["])
+
+
 def test_resolved_spec_round_trips_through_json():
     import json
 

@@ -407,3 +407,24 @@ def test_no_secret_value_in_logs_output_or_command_lines(cluster_up, home, engin
     assert "ray_auth_token" in up_output  # the hint names where the token is, not what it is
     for path in holders:
         assert path.stat().st_mode & 0o077 == 0, path
+
+
+def test_engine_cli_takes_its_key_from_the_environment(tiny_model_dir):
+    """`python -m generator_fleet.engine` reads $SLIPSTREAM_ENGINE_API_KEY: the key stays off the command
+    line, which every local user can read."""
+    key = "env-key-" + "7" * 24
+    env = {**_env(), "SLIPSTREAM_ENGINE_API_KEY": key}
+    cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(tiny_model_dir), "--port", "0"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("engine ready at "), line
+        url = line.split()[-1]
+        assert httpx.post(f"{url}/flush_cache").status_code == 401
+        assert httpx.post(f"{url}/flush_cache", headers={"Authorization": "Bearer nope"}).status_code == 401
+        ok = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+        assert key not in " ".join(psutil.Process(proc.pid).cmdline())
+    finally:
+        proc.terminate()
+        proc.wait(30)
