@@ -35,6 +35,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -79,8 +80,15 @@ def workers_per_engine(spec: JobSpec) -> int:
 
 
 class JobDriver:
-    def __init__(self, spec: JobSpec, redis_url: str, store: JobStore) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        redis_url: str,
+        store: JobStore,
+        on_progress: Callable[[dict], None] | None = None,
+    ) -> None:
         self.spec, self.redis_url, self.store = spec, redis_url, store
+        self.on_progress = on_progress
         self.job = spec.name
         self.r = redis.Redis.from_url(redis_url)
         self.buffer = ReplayBuffer(self.r, self.job)
@@ -104,6 +112,7 @@ class JobDriver:
         self.restarts = {"rollout_workers": 0, "engines": 0, "trainer_pool": 0}
         self._lapsed_since: dict[str, float] = {}
         self.closing = False  # close() began: what stops now is not a failure to repair
+        self._closed = False
         self._next_registry_check = 0.0
 
     # --- status ---------------------------------------------------------------------------------------
@@ -165,7 +174,8 @@ class JobDriver:
             self.engines = started
             self.engine_watch = [e.watch.remote() for e in started]
         self._next_engine = n
-        self.add_workers(workers_per_engine(self.spec) * n)
+        g = self.spec.generators  # the spec's own worker count at its own engine count
+        self.add_workers(g.num_workers if n == g.num_engines else workers_per_engine(self.spec) * n)
 
     def add_workers(self, count: int) -> None:
         from slipstream.actors import RolloutActor
@@ -426,6 +436,8 @@ class JobDriver:
                 self.records.append(rec)
                 self.version = rec["version"]
                 self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
+                if self.on_progress:
+                    self.on_progress(rec)
                 log.info(
                     "version %d/%d reward %.3f staleness %.2f tok/s %.0f",
                     rec["version"],
@@ -463,7 +475,9 @@ class JobDriver:
     def close(self) -> None:
         import ray
 
-        self.closing = True
+        if self._closed:
+            return
+        self.closing = self._closed = True
         for a, _ in self.workers:
             a.stop.remote()
         ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=STOP_TIMEOUT_S)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import shutil
 import signal
 import threading
@@ -224,10 +223,12 @@ def stop_actors(engine_actors: list, actors: list) -> None:
 
 
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
-    """Run `spec` to completion on a fresh local Ray instance; returns the summary."""
+    """Run `spec` to completion on a fresh local Ray instance with the cluster's job driver
+    (slipstream/driver.py: the same pools, supervision and teardown); returns the summary."""
     import ray
 
-    from slipstream.actors import RolloutActor, TrainerActor
+    from slipstream.driver import JobDriver
+    from slipstream.jobs import JobStore
 
     spec = resolve_paths(spec)
     out = Path(spec.output_dir)
@@ -244,12 +245,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     url_file.touch(mode=0o600)
     url_file.write_text(redis_url)
     r = redis.Redis.from_url(redis_url)
-    buffer = ReplayBuffer(r, spec.name)
-    keys = JobKeys(spec.name)
-    api_key = secrets.token_hex(16)  # every engine's control surface requires it
-    actors: list = []
-    engine_actors: list = []
-    progress: list[dict] = []
+    driver = None
     t0 = time.monotonic()
     try:
         ray.init(
@@ -268,52 +264,22 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         )
         log.info("ray started; job %s", spec.name)
         _interrupt_on_signals()
-        buffer.ensure_group()
-        if buffer.r.get(keys.version) is None:
-            buffer.set_version(0)
-        urls, rollout_urls, api_key = start_engines(spec, redis_url, api_key, engine_actors)
-        log.info("engines up: %s (rollout requests go to %s)", urls, rollout_urls)
-        n_ranks = spec.trainer.num_trainers
-        rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
-        trainers = [rank_cls.remote(spec, redis_url, urls, api_key, r, n_ranks) for r in range(n_ranks)]
-        actors += trainers
-        trainer = trainers[0]  # rank 0 reads the buffer and publishes; the others only compute
-        master = ray.get(trainer.rendezvous.remote()) if n_ranks > 1 else None
-        ray.get([t.setup.remote(master) for t in trainers])
-        workers = [
-            RolloutActor.remote(spec, redis_url, rollout_urls, api_key, i)
-            for i in range(spec.generators.num_workers)
-        ]
-        actors += workers
-        worker_runs = [w.run.remote() for w in workers]
-        train_runs = [t.run.remote() for t in trainers]
-        train_run = train_runs[0]
-        reader = ProgressReader(r, spec.name)
-        while True:
-            done, _ = ray.wait([*train_runs, *worker_runs], num_returns=1, timeout=0)
-            for ref in done:
-                ray.get(ref)  # re-raises an actor's failure here
-                if not any(ref is t for t in train_runs):
-                    raise RuntimeError("a rollout worker exited before the trainer finished")
-            for rec in reader.read(block_ms=500):
-                progress.append(rec)
-                if on_progress:
-                    on_progress(rec)
-            if done:
-                break
-        result = ray.get(train_run)
-        for w in workers:
-            w.stop.remote()
-        ray.wait(worker_runs, num_returns=len(worker_runs), timeout=STOP_TIMEOUT_S)
-        stats = buffer.stats()
+        store = JobStore(r)
+        store.create(spec.name, to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers)
+        driver = JobDriver(spec, redis_url, store, on_progress=on_progress)
+        result = driver.run()
+        driver.close()
+        stats = ReplayBuffer(r, spec.name).stats()
+        progress = driver.records
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
         from slipstream.report import write_report_logged
 
         write_report_logged(progress, out)  # PNG plots; never fails the job
         return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
     finally:
+        if driver is not None:
+            driver.close()  # idempotent: a second call finds nothing left to stop
         if ray.is_initialized():
-            stop_actors(engine_actors, actors)
             ray.shutdown()
         r.close()
         if managed:
