@@ -111,6 +111,7 @@ class JobDriver:
         self.engine_watch: list = []  # per engine in self.engines: its watch() call, which fails on death
         self.restarts = {"rollout_workers": 0, "engines": 0, "trainer_pool": 0}
         self._lapsed_since: dict[str, float] = {}
+        self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
         self.closing = False  # close() began: what stops now is not a failure to repair
         self._closed = False
         self._next_registry_check = 0.0
@@ -235,6 +236,7 @@ class JobDriver:
             gone = self.engines[n:]
             self.engines = self.engines[:n]
             self.engine_watch = self.engine_watch[:n]
+            self._starting = {i: u for i, u in self._starting.items() if i < n}
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
             ray.get(
@@ -324,14 +326,21 @@ class JobDriver:
         if not self.engines or self.closing:
             return
         done, _ = ray.wait(self.engine_watch, num_returns=len(self.engine_watch), timeout=0)
-        failed = {i: f"died ({_outcome(ref)})" for i, ref in enumerate(self.engine_watch) if ref in done}
+        failed: dict[int, str] = {}
+        for i, ref in enumerate(self.engine_watch):
+            if ref not in done:
+                continue
+            if i in self._starting:  # a replacement's start() answered
+                self._started(i, ref, failed)
+            else:
+                failed[i] = f"died ({_outcome(ref)})"
         now = time.monotonic()
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
             reg = EngineRegistry(self.r, self.job)
             present = set(reg.live()) | set(reg.joining())
             for i, url in enumerate(self.engine_urls):
-                if url in present:
+                if url in present or i in self._starting:
                     self._lapsed_since.pop(url, None)
                 elif now - self._lapsed_since.setdefault(url, now) >= LAPSED_S and i not in failed:
                     failed[i] = f"is hung (no registry lease for {now - self._lapsed_since[url]:.0f} s)"
@@ -341,8 +350,8 @@ class JobDriver:
             self.report()
 
     def _replace_engine(self, i: int, why: str) -> None:
-        import ray
-
+        """Kill engine i and start its replacement; the loop goes on meanwhile (a start takes seconds, more
+        on a loaded host) and `_started` takes the new engine in when its start() answers."""
         old, url = self.engines[i], self.engine_urls[i]
         self._count_restart("engines")
         log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
@@ -354,10 +363,25 @@ class JobDriver:
         joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
         new = cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining)
         self._next_engine += 1
-        new_url = ray.get(new.start.remote())
-        self.engines[i], self.engine_urls[i], self.engine_watch[i] = new, new_url, new.watch.remote()
-        self.rollout_urls = [new_url if u == url else u for u in self.rollout_urls]
-        log.info("engine %s replaced by %s (it takes traffic after the next weight update)", url, new_url)
+        self.engines[i], self.engine_watch[i] = new, new.start.remote()
+        self._starting[i] = url
+
+    def replacing(self, i: int) -> bool:
+        """Engine i is a replacement still starting."""
+        return i in self._starting
+
+    def _started(self, i: int, ref, failed: dict[int, str]) -> None:
+        import ray
+
+        old_url = self._starting.pop(i)
+        try:
+            new_url = ray.get(ref)
+        except Exception as e:
+            failed[i] = f"(a replacement) did not start: {type(e).__name__}: {str(e)[:200]}"
+            return
+        self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
+        self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
+        log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)
 
     def check_trainers(self) -> dict | None:
         """The pool's result once every rank finished; restarts the pool when a rank died. None while

@@ -173,7 +173,7 @@ def kill_engine(job: LocalJob, index: int = 0) -> dict:
     pid = _pid(old)
     os.kill(pid, signal.SIGKILL)
     log.warning("injected: kill -9 engine %s (pid %d)", url, pid)
-    job.wait("the engine's replacement", lambda: d.engines[index] is not old)
+    job.wait("the engine's replacement", lambda: d.engines[index] is not old and not d.replacing(index))
     new_url = d.engine_urls[index]  # the OS may hand the dead engine's port to the new one
     job.wait("the new engine to take traffic", lambda: new_url in d_live(job))
     return {"fault": "kill_engine", "pid": pid, "url": url, "replacement": new_url}
@@ -189,7 +189,9 @@ def hang_engine(job: LocalJob, index: int = 0) -> dict:
     os.kill(pid, signal.SIGSTOP)
     log.warning("injected: SIGSTOP engine %s (pid %d) at version %d", url, pid, v0)
     try:
-        job.wait("the hung engine's replacement", lambda: d.engines[index] is not old)
+        job.wait(
+            "the hung engine's replacement", lambda: d.engines[index] is not old and not d.replacing(index)
+        )
     finally:
         try:
             os.kill(pid, signal.SIGCONT)  # Ray's kill is already on its way; let it land
