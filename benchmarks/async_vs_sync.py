@@ -411,8 +411,8 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
     from replay_buffer import ReplayBuffer
     from slipstream.actors import RolloutActor, TrainerActor
     from slipstream.launcher import (
-        PROJECT_ROOT,
         ProgressReader,
+        init_local_ray,
         reset_run_state,
         resolve_paths,
         start_engines,
@@ -442,21 +442,7 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
     G = spec.rollout.group_size
     gps = spec.algorithm.groups_per_step
     try:
-        ray.init(  # as launcher.run_job does
-            address="local",
-            num_cpus=max(2, os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=True,
-            logging_level=logging.WARNING,
-            runtime_env={
-                "env_vars": {
-                    "PYTHONPATH": str(PROJECT_ROOT),
-                    "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false",
-                    **({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else {}),
-                }
-            },
-        )
+        init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
         buffer.ensure_group()
         buffer.set_version(0)
         urls, rollout_urls, api_key = start_engines(spec, managed.url, secrets.token_hex(16), engine_actors)

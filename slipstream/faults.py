@@ -24,7 +24,7 @@ from replay_buffer import JobKeys, ReplayBuffer
 from slipstream import driver as driver_mod
 from slipstream import jobspec
 from slipstream.jobs import JobStore
-from slipstream.launcher import PROJECT_ROOT
+from slipstream.launcher import init_local_ray
 from slipstream.redis_server import ManagedRedis
 
 log = logging.getLogger("slipstream.faults")
@@ -48,7 +48,6 @@ class LocalJob:
         self.error: BaseException | None = None
 
     def __enter__(self) -> LocalJob:
-        import ray
 
         self.redis = ManagedRedis(data_dir=self.data_dir / "redis").start()
         self.r = redis.Redis.from_url(self.redis.url)
@@ -57,12 +56,7 @@ class LocalJob:
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )
-        ray.init(
-            address="local",
-            num_cpus=self.num_cpus,
-            include_dashboard=False,
-            runtime_env={"env_vars": {"PYTHONPATH": str(PROJECT_ROOT), "HF_HUB_OFFLINE": "1"}},
-        )
+        init_local_ray(num_cpus=self.num_cpus)
         self.driver = driver_mod.JobDriver(spec, self.redis.url, self.store)
         self.buffer = ReplayBuffer(self.r, spec.name)
         self.thread = threading.Thread(target=self._run, name="job-driver", daemon=True)

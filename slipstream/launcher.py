@@ -222,6 +222,28 @@ def stop_actors(engine_actors: list, actors: list) -> None:
             pass
 
 
+def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = None) -> None:
+    """A private Ray instance for one job on this machine; every actor gets the project on its path,
+    no hub access, and `env`."""
+    import ray
+
+    ray.init(
+        address="local",
+        num_cpus=num_cpus or max(2, os.cpu_count() or 2),
+        include_dashboard=False,
+        log_to_driver=True,
+        logging_level=logging.WARNING,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": str(PROJECT_ROOT),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                **(env or {}),
+            }
+        },
+    )
+
+
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
     """Run `spec` to completion on a fresh local Ray instance with the cluster's job driver
     (slipstream/driver.py: the same pools, supervision and teardown); returns the summary."""
@@ -248,20 +270,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     driver = None
     t0 = time.monotonic()
     try:
-        ray.init(
-            address="local",
-            num_cpus=max(2, os.cpu_count() or 2),
-            include_dashboard=False,
-            log_to_driver=True,
-            logging_level=logging.WARNING,
-            runtime_env={
-                "env_vars": {
-                    "PYTHONPATH": str(PROJECT_ROOT),
-                    "HF_HUB_OFFLINE": "1",
-                    "TOKENIZERS_PARALLELISM": "false",
-                }
-            },
-        )
+        init_local_ray()
         log.info("ray started; job %s", spec.name)
         _interrupt_on_signals()
         store = JobStore(r)
