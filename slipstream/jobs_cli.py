@@ -149,6 +149,8 @@ def render_status(st: dict):
          f"dropped stale {buf.get('dropped_stale', '-')}"),
         ("output", str(st.get("output_dir", "-"))),
     ]  # fmt: skip
+    if any((restarts := st.get("restarts") or {}).values()):
+        rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
     if st.get("scaling"):
         rows.append(("scaling", st["scaling"]))
     if st.get("error"):

@@ -1,0 +1,24 @@
+"""`slipstream status` rendering: replaced processes are shown only when there were any."""
+
+from rich.console import Console
+
+from slipstream.jobs_cli import render_status
+
+
+def _text(st: dict) -> str:
+    console = Console(width=120, record=True)
+    console.print(render_status(st))
+    return console.export_text()
+
+
+def test_status_shows_replacements_when_there_were_some():
+    st = {
+        "name": "j",
+        "state": "running",
+        "restarts": {"rollout_workers": 1, "engines": 0, "trainer_pool": 2},
+    }
+    text = _text(st)
+    assert "replaced" in text and "rollout workers 1" in text and "trainer pool 2" in text
+    assert "engines 0" not in text
+    calm = _text({"name": "j", "state": "running", "restarts": {"rollout_workers": 0, "engines": 0}})
+    assert "replaced" not in calm
