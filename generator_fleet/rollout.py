@@ -13,8 +13,6 @@ import socket
 import tempfile
 import time
 
-import redis.asyncio as aioredis
-
 from generator_fleet import metrics
 from generator_fleet.agent import build_agent
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
@@ -23,6 +21,7 @@ from generator_fleet.rewards import format_reward, math_verify_reward
 from generator_fleet.tasks import build_task
 from generator_fleet.tools.base import ToolContext
 from replay_buffer import BufferProducer, Sample, make_group
+from replay_buffer.client import connect_async
 from slipstream.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
@@ -88,7 +87,7 @@ class RolloutWorker:
         self.task = build_task(spec.dataset)
         self.agent = build_agent(spec, self.tokenizer) if spec.agent else None
         self.engines = EnginePool(self.engine_urls, self.api_key)
-        r = aioredis.Redis.from_url(self.redis_url)
+        r = connect_async(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
         name = f"{socket.gethostname()}-{os.getpid()}-{self.worker_id}"
         self.producer = BufferProducer(

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import ray
 
+from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec
 
 
 def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> None:
-    import redis
     import torch
     from prometheus_client import start_http_server
 
@@ -41,7 +41,7 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     port = free_port()
     start_http_server(port, addr="127.0.0.1")
     gpu_metrics.register()  # this process's GPUs, if it has any
-    redis.Redis.from_url(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
+    connect(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
 
 
@@ -81,14 +81,13 @@ class EngineActor:
         )
 
     def start(self) -> str:
-        import redis
 
         from generator_fleet.registry import EngineRegistration
 
         self.server.start()
         _export(self.server.app.state.engine.metrics.registry)
         self.registration = EngineRegistration(
-            redis.Redis.from_url(self.redis_url), self.job, self.server.url, joining=self.joining
+            connect(self.redis_url), self.job, self.server.url, joining=self.joining
         )
         return self.server.url
 
@@ -133,7 +132,6 @@ class SGLangEngineActor:
         self.registration = None
 
     def start(self) -> str:
-        import redis
 
         from generator_fleet.launch import HealthCheckedRegistration, router_add_worker
 
@@ -142,7 +140,7 @@ class SGLangEngineActor:
             router_add_worker(self.router_url, self.server.url, self.api_key)
         else:
             self.registration = HealthCheckedRegistration(
-                redis.Redis.from_url(self.redis_url),
+                connect(self.redis_url),
                 self.job,
                 self.server.url,
                 api_key=self.api_key,
@@ -185,9 +183,8 @@ class ExternalEnginesActor:
         self.engines = ExternalEngines(urls, router_url, api_key)
 
     def attach(self) -> list[str]:
-        import redis
 
-        return self.engines.attach(redis.Redis.from_url(self.redis_url), self.job)
+        return self.engines.attach(connect(self.redis_url), self.job)
 
     def stop(self) -> None:
         self.engines.detach()

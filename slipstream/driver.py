@@ -43,6 +43,7 @@ import redis
 
 from generator_fleet.registry import EngineRegistry, engines_key, joining_key
 from replay_buffer import ReplayBuffer
+from replay_buffer.client import connect
 from slipstream import jobspec
 from slipstream.jobs import JobStore
 from slipstream.jobspec import JobSpec
@@ -90,7 +91,7 @@ class JobDriver:
         self.spec, self.redis_url, self.store = spec, redis_url, store
         self.on_progress = on_progress
         self.job = spec.name
-        self.r = redis.Redis.from_url(redis_url)
+        self.r = connect(redis_url)
         self.buffer = ReplayBuffer(self.r, self.job)
         self.progress = ProgressReader(self.r, self.job)
         self.api_key = secrets.token_hex(16)
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     info = cluster.load_info(args.home)
-    store = JobStore(redis.Redis.from_url(info.redis_url))
+    store = JobStore(connect(info.redis_url))
     spec = jobspec.from_dict(msgspec.json.decode(store.spec_json(args.job) or "null"))
     out = Path(spec.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)

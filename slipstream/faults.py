@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
-
 from replay_buffer import JobKeys, ReplayBuffer
+from replay_buffer.client import connect
 from slipstream import driver as driver_mod
 from slipstream import jobspec
 from slipstream.jobs import JobStore
@@ -50,7 +49,7 @@ class LocalJob:
     def __enter__(self) -> LocalJob:
 
         self.redis = ManagedRedis(data_dir=self.data_dir / "redis").start()
-        self.r = redis.Redis.from_url(self.redis.url)
+        self.r = connect(self.redis.url)
         self.store = JobStore(self.r)
         spec = self.spec
         self.store.create(
@@ -205,6 +204,19 @@ def kill_trainer(job: LocalJob) -> dict:
     # the new pool's runs start once it has resumed (and rewound the version to its checkpoint)
     job.wait("the trainer pool's restart", lambda: d.train_runs is not runs)
     return {"fault": "kill_trainer", "pid": pid, "killed_at": v0, "resumed_at": job.version()}
+
+
+def restart_redis(job: LocalJob, down_s: float = 1.0) -> dict:
+    """kill -9 redis-server, leave it down for `down_s`, start it again on the same AOF, port and
+    password: every process's client retries through the outage (replay_buffer/client.py)."""
+    v0 = job.version()
+    pid = job.redis.proc.pid
+    os.kill(pid, signal.SIGKILL)
+    job.redis.proc.wait()
+    log.warning("injected: kill -9 redis-server pid %d at version %d; down for %.1f s", pid, v0, down_s)
+    time.sleep(down_s)
+    job.redis.start()
+    return {"fault": "restart_redis", "pid": pid, "at_version": v0, "down_s": down_s}
 
 
 def d_live(job: LocalJob) -> list[str]:

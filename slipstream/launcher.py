@@ -19,6 +19,7 @@ import msgspec
 import redis
 
 from replay_buffer import JobKeys, ReplayBuffer
+from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec, to_json
 from slipstream.redis_server import ManagedRedis
 
@@ -266,7 +267,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     url_file = out / "redis.url"  # for `slipstream buffer stats JOB` while the job runs; holds a secret
     url_file.touch(mode=0o600)
     url_file.write_text(redis_url)
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     driver = None
     t0 = time.monotonic()
     try:

@@ -19,11 +19,11 @@ import logging
 import time
 from pathlib import Path
 
-import redis
 import torch
 
 from generator_fleet.registry import EngineRegistry
 from replay_buffer import ReplayBuffer
+from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples
@@ -80,7 +80,7 @@ class Trainer:
         self.buffer = self.bus = None
         if rank == 0:
             self.buffer = ReplayBuffer(
-                redis.Redis.from_url(redis_url),
+                connect(redis_url),
                 spec.name,
                 reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
                 stale_policy=spec.buffer.stale_policy,
@@ -94,7 +94,7 @@ class Trainer:
                 pause_mode=spec.bus.pause_mode,
                 dtype=spec.bus.dtype,
                 timeout_s=spec.bus.timeout_s,
-                registry=EngineRegistry(redis.Redis.from_url(redis_url), spec.name),
+                registry=EngineRegistry(connect(redis_url), spec.name),
                 master_address=spec.bus.master_address or master_address_for(engine_urls),
             )
         self.learner: Learner | None = None

@@ -1,8 +1,9 @@
 """Faults injected into a running job's real processes (local Ray, real redis-server, two built-in
 engines, gloo trainer; slipstream/faults.py): kill -9 a rollout worker mid-episode, kill -9 an engine
 mid-generation, hang an engine (SIGSTOP) while the trainer keeps publishing, kill -9 the trainer
-mid-step. The job driver replaces each and training goes on; at the end no group is lost or trained
-twice (group_id ledger).
+mid-step, kill -9 redis-server and restart it on its AOF (appendfsync always). The job driver replaces
+each process and every client rides out the Redis outage; training goes on, and at the end no group is
+lost or trained twice (group_id ledger).
 
 Each step prints what it injected and what it checked (visible with `pytest -s`)."""
 
@@ -28,6 +29,7 @@ algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
 buffer: {{max_staleness: 2, worker_lease_s: 2.0, ledger: true, reclaim_idle_ms: 2000}}
 trainer: {{checkpoint_every: 5}}
 bus: {{backend: gloo, timeout_s: 5.0}}
+redis: {{appendfsync: always}}
 """
     )  # total_steps is never reached: the test stops the job, as `slipstream stop` does
 
@@ -53,13 +55,17 @@ def test_job_survives_killed_and_hung_processes(tmp_path, tiny_model_dir, monkey
         job.wait_progress("the engine hang")
         print(f"injected {f}; checked: the trainer went on while it hung, and it was replaced")
 
-        f = faults.kill_trainer(job)
+        f = trainer_fault = faults.kill_trainer(job)
         assert f["resumed_at"] <= f["killed_at"]  # the latest checkpoint (every 5 steps)
         job.wait_progress("the trainer kill")
         print(f"injected {f}; checked: the pool resumed from its checkpoint and trains on")
 
+        f = faults.restart_redis(job, down_s=1.0)
+        job.wait_progress("the Redis restart")
+        print(f"injected {f}; checked: every process reconnected and training goes on ({job.version()})")
+
         result = job.stop()
-        assert result["version"] >= f["resumed_at"] + 3
+        assert result["version"] >= trainer_fault["resumed_at"] + 3
         assert (
             d.restarts["engines"] == 2
             and d.restarts["trainer_pool"] == 1

@@ -1,0 +1,40 @@
+"""Redis clients that ride out a Redis restart: every command is retried on a connection error or
+timeout with capped exponential backoff for up to ~OUTAGE_S, so a restart of redis-server (its AOF
+replays in a second or two) pauses a job instead of killing its processes.
+
+A command whose reply was lost may have been applied (an XADD, a counter): the buffer tolerates that
+(a group stored twice is skipped as a duplicate by the trainer's trained-id check and counted in
+`duplicates`).
+"""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+from redis.retry import Retry
+
+OUTAGE_S = 60.0
+"""How long a client keeps retrying one command (backoff 0.05 s doubling to 1 s, then 1 s apart)."""
+_RETRIES = int(OUTAGE_S)
+_ERRORS = [ConnectionError, TimeoutError]
+
+
+def _backoff() -> ExponentialBackoff:
+    return ExponentialBackoff(cap=1.0, base=0.05)
+
+
+def connect(url: str, **kw) -> redis.Redis:
+    """A sync client for `url` that retries through an outage of up to ~OUTAGE_S."""
+    kw.setdefault("retry", Retry(_backoff(), _RETRIES))
+    kw.setdefault("retry_on_error", _ERRORS)
+    return redis.Redis.from_url(url, **kw)
+
+
+def connect_async(url: str, **kw) -> aioredis.Redis:
+    """The asyncio counterpart of `connect`."""
+    kw.setdefault("retry", AsyncRetry(_backoff(), _RETRIES))
+    kw.setdefault("retry_on_error", _ERRORS)
+    return aioredis.Redis.from_url(url, **kw)
