@@ -1,5 +1,6 @@
 """Soak run (not in CI): a CPU job for `--minutes` with a random fault every `--fault-every-s` seconds
-(kill -9 a rollout worker, kill -9 an engine, SIGSTOP an engine, kill -9 the trainer; slipstream/faults.py).
+(kill -9 a rollout worker, kill -9 an engine, SIGSTOP an engine, kill -9 the trainer, kill -9 and restart
+redis-server; slipstream/faults.py).
 Reports RSS growth per role (sampled every 30 s: first vs last quarter of the run), stuck periods (no
 trainer progress for `--stuck-s`), and the books at the end: lost and trained-twice groups (both must be 0).
 
@@ -56,6 +57,7 @@ algorithm: {{groups_per_step: 2, total_steps: 10000000, lr: 1.0e-4}}
 buffer: {{max_staleness: 2, worker_lease_s: 3.0, ledger: true, reclaim_idle_ms: 3000}}
 trainer: {{checkpoint_every: 20, keep_checkpoints: 2}}
 bus: {{backend: gloo, timeout_s: 10.0}}
+redis: {{appendfsync: always}}
 """
     )
 
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             ("kill_engine", lambda j: faults.kill_engine(j, rng.randrange(len(j.driver.engines)))),
             ("hang_engine", lambda j: faults.hang_engine(j, rng.randrange(len(j.driver.engines)))),
             ("kill_trainer", faults.kill_trainer),
+            ("restart_redis", faults.restart_redis),
         ]
         while time.monotonic() + args.fault_every_s < end:
             time.sleep(rng.uniform(0.5, 1.5) * args.fault_every_s)
