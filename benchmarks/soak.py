@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stuck-s", type=float, default=60.0, help="no trainer progress for this long = stuck")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--label", default="", help="suffix of the result file name (several runs in a day)")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_samples": watch.rss,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"soak-cpu-{datetime.date.today():%Y%m%d}.json"
+    path = args.out / f"soak-cpu-{datetime.date.today():%Y%m%d}{'-' + args.label if args.label else ''}.json"
     path.write_text(json.dumps(doc, indent=1) + "\n")
     log(f"wrote {path}")
     print(
