@@ -593,8 +593,12 @@ class WeightBus:
         candidates = {u for u in candidates if self._retry_at.get(u, 0) <= now}
         infos = self._probe(self.urls + sorted(candidates))
         dead = [u for u in self.urls if isinstance(infos[u], BaseException)]
+        left = self._deregistered(dead)
         for u in dead:
-            log.warning("engine %s does not answer; dropped from the update group: %s", u, infos[u])
+            if u in left:  # scaled down or replaced on purpose: expected, not a failure
+                log.info("engine %s left the registry; dropped from the update group", u)
+            else:
+                log.warning("engine %s does not answer; dropped from the update group: %s", u, infos[u])
         dropped = self._drop(dead)
         joined = []
         for u in sorted(candidates):
@@ -610,6 +614,18 @@ class WeightBus:
         if self.engines and (self.group is None or joined or dropped):
             self._rebuild()
         return [u for u in joined if u in self.urls], dropped
+
+    def _deregistered(self, urls: list[str]) -> set[str]:
+        """Those of `urls` that are in neither registry set (their engine left it: scaled down, or the
+        job driver replaced it); empty without a registry that can list its live engines."""
+        live = getattr(self.registry, "live", None)
+        if not urls or live is None:
+            return set()
+        try:
+            return set(urls) - set(live()) - set(self.registry.joining())
+        except Exception as e:  # Redis down: call them failures
+            log.debug("registry: %s", e)
+            return set()
 
     def _wire_dtype(self) -> torch.dtype | None:
         """The bus's `dtype`, else the engines' common concrete dtype (SGLang may say "auto": no cast)."""

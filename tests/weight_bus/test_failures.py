@@ -6,6 +6,7 @@ registry shows it to rollout workers."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -43,7 +44,7 @@ def victims(models, tmp_path_factory):
     """Engine processes started side by side (each test kills or stops one)."""
     logs = tmp_path_factory.mktemp("engine-logs")
     with ThreadPoolExecutor(4) as pool:
-        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(4)))
+        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(5)))
     yield procs
     for p in procs:
         p.kill()
@@ -140,6 +141,36 @@ def test_engine_killed_between_broadcasts_is_demoted_and_not_rejoined(
         bus.close()
         for r in registrations:
             r.close()
+
+
+def test_engine_that_left_the_registry_is_dropped_without_a_warning(
+    models, survivor, victims, redis_client, job_id, caplog
+):
+    """Scaling down: the driver deregisters an engine, then stops it; the next update drops it quietly."""
+    victim = victims[4]
+    registrations = [EngineRegistration(redis_client, job_id, u) for u in (survivor.url, victim.url)]
+    bus = WeightBus(
+        [survivor.url, victim.url],
+        api_key=KEY,
+        bucket_bytes=BUCKET_BYTES,
+        timeout_s=TIMEOUT_S,
+        registry=EngineRegistry(redis_client, job_id),
+    )
+    bus.connect()
+    try:
+        publish_bounded(bus, models.b.named_parameters(), version=1)
+        registrations[1].close()
+        victim.kill(signal.SIGKILL)
+        with caplog.at_level(logging.INFO, logger="weight_bus.bus"):
+            stats = publish_bounded(bus, models.c.named_parameters(), version=2)
+        assert stats.dropped == [victim.url] and stats.engines == [survivor.url]
+        assert_holds(survivor, models.c)
+        about = [r for r in caplog.records if victim.url in r.getMessage()]
+        assert any("left the registry" in r.getMessage() for r in about), about
+        assert not [r for r in about if r.levelno >= logging.WARNING], about
+    finally:
+        bus.close()
+        registrations[0].close()
 
 
 def test_engine_that_hangs_mid_update_is_dropped_after_the_timeout(models, survivor, victims):
