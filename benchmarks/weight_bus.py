@@ -1,24 +1,30 @@
-"""Weight-bus benchmark: one full `WeightBus.publish` of Qwen2.5-shaped bf16 weights to a real built-in
-engine process, side by side in one run with a raw torch.distributed broadcast of one flat buffer of the
-same byte size between the same two devices.
+"""Weight-bus benchmark: one full `WeightBus.publish` of Qwen2.5-shaped bf16 weights to N real built-in
+engine processes (`--engines`, default 1), side by side in one run with a raw torch.distributed broadcast
+of one flat buffer of the same byte size from the same trainer device to N peers on the engines' devices.
 
-Setup (nvidia-h200-x2): this process is the trainer on GPU `--trainer-gpu` (0); the engine
-(`python -m generator_fleet.engine --load-format dummy`, random weights initialised from the config on
-its GPU, so nothing is saved or loaded) and the raw peer (a plain torch.distributed rank) both run with
-CUDA_VISIBLE_DEVICES=`--engine-gpu` (1). The trainer's weights are random bf16 tensors with the model's
-real HF names and shapes, already on the trainer GPU, handed to the bus as a lazy iterator (a trainer
-with FSDP would gather each one there). On CPU (`--quick`) the same runs over gloo with a tiny shape.
+Setup: this process is the trainer on GPU `--trainer-gpu` (0). Engine i (`python -m
+generator_fleet.engine --load-format dummy`, random weights initialised from the config on its GPU, so
+nothing is saved or loaded) and raw peer i (a plain torch.distributed rank) both run with
+CUDA_VISIBLE_DEVICES = the i-th of `--engine-gpus` (default: `--engine-gpu`, 1, for one engine; 1..N for
+N). The trainer's weights are random bf16 tensors with the model's real HF names and shapes, already on
+the trainer GPU, handed to the bus as a lazy iterator (a trainer with FSDP would gather each one there).
+On CPU every engine and peer is a CPU process and both sides run over gloo (`--quick`: a tiny shape).
+
+  nvidia-h200-x2, one engine:   python benchmarks/weight_bus.py
+  nvidia-h200-x4, two engines:  python benchmarks/weight_bus.py --engines 2 --engine-gpus 1,2 --label 2engines
 
 Per model, after one untimed publish (NCCL communicator setup, allocator warm-up; reported as
 first_publish_ms) and one untimed raw broadcast, `--repeats` rounds alternate raw and bus:
-- raw: rank 0 broadcasts one flat uint8 buffer of the model's byte size to the peer; timed on rank 0
-  from after a barrier (both sides ready, buffers allocated) to the end of the broadcast (device synced).
-- bus: wall time of `bus.publish(...)`: membership probe, gather/cast/pack of the first bucket, pause,
-  every bucket announced over HTTP and broadcast, continue. Its PublishStats give transfer_ms (first
-  announcement to last confirmation) and pause_ms (pause sent to continue answered).
+- raw: one group of world N+1 (rank 0 here, ranks 1..N the raw peers); rank 0 broadcasts one flat uint8
+  buffer of the model's byte size to all peers; timed on rank 0 from after a barrier (every rank ready,
+  buffers allocated) to the end of the broadcast (device synced).
+- bus: wall time of `bus.publish(...)` to all N engines: membership probe, gather/cast/pack of the first
+  bucket, pause, every bucket announced over HTTP and broadcast, continue. Its PublishStats give
+  transfer_ms (first announcement to last confirmation by every engine) and pause_ms (pause sent to
+  continue answered). After the rounds every engine must report the final weight version.
 Medians over the rounds. bus_vs_raw_broadcast = raw time / bus publish time (= bus bandwidth ÷ raw
 bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publish. Headline
-(BENCHMARKS.md): the largest model of the run.
+(BENCHMARKS.md): the largest model of the run. Result file: weight_bus-<device>[-<label>]-<date>.json.
 """
 
 from __future__ import annotations
@@ -64,13 +70,13 @@ def log(msg: str) -> None:
     print(f"[weight-bus-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def child_env(args: argparse.Namespace) -> dict[str, str]:
+def child_env(args: argparse.Namespace, gpu: int | None) -> dict[str, str]:
     path = os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p
     )  # keep carried wheels
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     if args.device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(args.engine_gpu)
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return env
 
 
@@ -125,9 +131,10 @@ def trainer_weights(shape: str, device: torch.device, seed: int) -> list[tuple[s
 
 
 class EngineProcess:
-    """A built-in engine with random weights on the engine device; ready on return."""
+    """A built-in engine with random weights on `gpu` (None: CPU); started here, ready after wait_ready()
+    (so that several engines boot at once)."""
 
-    def __init__(self, args: argparse.Namespace, path: Path, log_path: Path, timeout_s: float) -> None:
+    def __init__(self, args: argparse.Namespace, path: Path, log_path: Path, gpu: int | None) -> None:
         cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(path), "--port", "0"]
         cmd += [
             "--api-key",
@@ -153,20 +160,24 @@ class EngineProcess:
             cmd += ["--device", "cpu", "--torch-threads", "1"]
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
+        self.t0 = perf_counter()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env(args), cwd=ROOT
+            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=child_env(args, gpu), cwd=ROOT
         )
-        t0 = perf_counter()
+        self.url = ""
+        self.start_s = float("nan")
+
+    def wait_ready(self) -> None:
+        # readline returns when the engine is ready or dead; the job's limit bounds the rest
         line = "-"
         while line and not line.startswith("engine ready at "):  # "engine ready at URL"; "" if it died
             line = self.proc.stdout.readline()
         if not line:
             self.stop()
-            tail = log_path.read_text()[-2000:]
+            tail = self.log_path.read_text()[-2000:]
             raise RuntimeError(f"engine did not start ({line!r}); log tail:\n{tail}")
         self.url = line.split()[-1]
-        self.start_s = perf_counter() - t0
-        del timeout_s  # readline returns when the engine is ready or dead; the job's limit bounds the rest
+        self.start_s = perf_counter() - self.t0
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -175,40 +186,64 @@ class EngineProcess:
         self.log.close()
 
 
-class RawPeer:
-    """Rank 1 of a plain 2-rank group on the engine device (`--raw-peer` mode of this script): it receives
-    broadcasts of whatever size rank 0 announces, until told to stop."""
+def start_engines(args: argparse.Namespace, path: Path, tmp: Path, shape: str) -> list[EngineProcess]:
+    """One engine per engine GPU (CPU: `--engines` CPU processes), all booting at once; ready on return."""
+    engines: list[EngineProcess] = []
+    try:
+        for i, gpu in enumerate(args.engine_gpus):
+            engines.append(EngineProcess(args, path, tmp / f"engine-{shape}-{i}.log", gpu))
+        for e in engines:
+            e.wait_ready()
+    except BaseException:
+        for e in engines:
+            e.stop()
+        raise
+    return engines
 
-    def __init__(self, args: argparse.Namespace, log_path: Path) -> None:
+
+class RawPeers:
+    """Ranks 1..N of a plain group of world N+1 (`--raw-peer` mode of this script), peer i on engine i's
+    device; rank 0 is this process on the trainer device. The peers receive broadcasts of whatever size
+    rank 0 announces, until told to stop."""
+
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         from weight_bus.group import free_port
 
         self.device = (
             torch.device(args.device, args.trainer_gpu) if args.device == "cuda" else torch.device("cpu")
         )
         self.backend = "nccl" if args.device == "cuda" else "gloo"
-        port = free_port()
-        cmd = [
-            sys.executable,
-            str(Path(__file__).resolve()),
-            "--raw-peer",
-            str(port),
-            "--device",
-            args.device,
-        ]
-        self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=child_env(args), cwd=ROOT
-        )
-        self.port = port
-        self.group = None  # joined at first use: the peer boots while the first engine does
+        self.world_size = len(args.engine_gpus) + 1
+        self.port = free_port()
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        for rank, gpu in enumerate(args.engine_gpus, start=1):
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--raw-peer", str(self.port)]
+            cmd += [
+                "--raw-rank",
+                str(rank),
+                "--raw-world-size",
+                str(self.world_size),
+                "--device",
+                args.device,
+            ]
+            self.logs.append(open(tmp / f"raw-peer-{rank}.log", "w"))  # noqa: SIM115 (closed in stop())
+            self.procs.append(
+                subprocess.Popen(
+                    cmd, stdout=self.logs[-1], stderr=subprocess.STDOUT, env=child_env(args, gpu), cwd=ROOT
+                )
+            )
+        self.group = None  # joined at first use: the peers boot while the first engines do
         self.buf: torch.Tensor | None = None
 
     def _header(self, nbytes: int) -> None:
         from weight_bus.group import broadcast, new_group
 
         if self.group is None:
-            self.group = new_group("127.0.0.1", self.port, 0, 2, self.backend, "raw", timeout_s=600)
-            log(f"raw peer joined ({self.backend})")
+            self.group = new_group(
+                "127.0.0.1", self.port, 0, self.world_size, self.backend, "raw", timeout_s=600
+            )
+            log(f"raw peers joined ({self.backend}, world {self.world_size})")
         broadcast(self.group, torch.tensor([nbytes], dtype=torch.int64, device=self.device))
 
     def _barrier(self) -> None:
@@ -217,7 +252,7 @@ class RawPeer:
         sync(self.device)
 
     def measure(self, nbytes: int) -> float:
-        """Seconds for one broadcast of `nbytes` from rank 0, both sides ready."""
+        """Seconds for one broadcast of `nbytes` from rank 0 to every peer, all ranks ready."""
         from weight_bus.group import broadcast
 
         if self.buf is None or self.buf.numel() != nbytes:
@@ -235,19 +270,24 @@ class RawPeer:
             if self.group is None:
                 raise RuntimeError("never joined")
             self._header(0)
-            self.proc.wait(60)
+            for proc in self.procs:
+                proc.wait(60)
         except Exception:  # noqa: BLE001 - tearing down either way
-            self.proc.kill()
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(60)
         self.buf = None
-        self.log.close()
+        for f in self.logs:
+            f.close()
 
 
-def raw_peer_main(port: int, device_type: str) -> None:
+def raw_peer_main(port: int, rank: int, world_size: int, device_type: str) -> None:
     from weight_bus.group import broadcast, new_group
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
-    group = new_group("127.0.0.1", port, 1, 2, backend, "raw", timeout_s=600)
+    group = new_group("127.0.0.1", port, rank, world_size, backend, "raw", timeout_s=600)
     buf = None
     while True:
         hdr = torch.zeros(1, dtype=torch.int64, device=device)
@@ -304,7 +344,7 @@ def engine_phases(url: str) -> dict[str, float]:
     return {ph: round(sums[ph] / counts[ph] * 1e3, 3) for ph in sums if counts.get(ph)}
 
 
-def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save) -> dict[str, Any]:
+def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save) -> dict[str, Any]:
     from weight_bus import WeightBus
 
     device = raw.device
@@ -317,13 +357,13 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save)
     log(
         f"{shape}: {len(params)} tensors, {nbytes / 2**30:.2f} GiB bf16 on {device} ({perf_counter() - t0:.1f}s)"
     )
-    engine = EngineProcess(
-        args, model_dir(tmp / shape, shape), tmp / f"engine-{shape}.log", args.engine_timeout_s
-    )
-    m["engine_start_s"] = engine.start_s
-    log(f"{shape}: engine at {engine.url} after {engine.start_s:.1f}s")
+    engines = start_engines(args, model_dir(tmp / shape, shape), tmp, shape)
+    urls = [e.url for e in engines]
+    m["engine_start_s"] = max(e.start_s for e in engines)  # booted at once: until the last is ready
+    m["engine_start_s_per_engine"] = [e.start_s for e in engines]
+    log(f"{shape}: {len(engines)} engine(s) at {urls} after {m['engine_start_s']:.1f}s")
     bus = WeightBus(
-        [engine.url],
+        urls,
         api_key=API_KEY,
         backend=raw.backend,
         bucket_bytes=args.bucket_mb * 2**20,
@@ -354,7 +394,7 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save)
                     transfer_ms.append(stats.transfer_ms)
                     pause_ms.append(stats.pause_ms)
                     gather_ms.append(stats.gather_ms)
-                    if stats.engines != [engine.url] or stats.bytes != nbytes:
+                    if sorted(stats.engines) != sorted(urls) or stats.bytes != nbytes:
                         raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
             log(
                 f"{shape} round {r + 1}/{args.repeats}: raw {raw_s[-1] * 1e3:.2f} ms, bus {bus_s[-1] * 1e3:.2f} ms "
@@ -362,17 +402,31 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeer, result: dict, save)
             )
         import httpx
 
-        info = httpx.get(
-            engine.url + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}
-        ).json()
-        if info["weight_version"] != str(1 + args.repeats):
-            raise RuntimeError(f"engine at version {info['weight_version']}, expected {1 + args.repeats}")
+        m["final_version"] = 1 + args.repeats
+        m["engine_weight_versions"] = [
+            httpx.get(u + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()[
+                "weight_version"
+            ]
+            for u in urls
+        ]
+        if m["engine_weight_versions"] != [str(m["final_version"])] * len(urls):
+            raise RuntimeError(
+                f"engines at versions {m['engine_weight_versions']}, expected {m['final_version']}"
+            )
         m["timeline_last"] = stats.timeline  # per bucket: [index, launched, sent, answered] ms
-        m["engine_bucket_phase_ms"] = engine_phases(engine.url)
-        log(f"{shape}: engine host time per bucket (ms, mean): {m['engine_bucket_phase_ms']}")
+        per_engine = [engine_phases(u) for u in urls]
+        m["engine_bucket_phase_ms_per_engine"] = per_engine  # in --engine-gpus order
+        m["engine_bucket_phase_ms"] = {  # mean over the engines (one engine: its own)
+            ph: round(statistics.fmean(p[ph] for p in per_engine), 3)
+            for ph in per_engine[0]
+            if all(ph in p for p in per_engine)
+        }
+        for i, p in enumerate(per_engine):
+            log(f"{shape}: engine {i} host time per bucket (ms, mean): {p}")
     finally:
         bus.close()
-        engine.stop()
+        for e in engines:
+            e.stop()
         del params
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -401,7 +455,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         torch.cuda.set_device(args.trainer_gpu)
     models = args.models.split(",")
     today = datetime.date.today()
-    out_path = args.out_dir / f"weight_bus-{args.device_kind}-{today:%Y%m%d}.json"
+    label = f"-{args.label}" if args.label else ""
+    out_path = args.out_dir / f"weight_bus-{args.device_kind}{label}-{today:%Y%m%d}.json"
     result: dict[str, Any] = {
         "benchmark": "weight_bus",
         "device": args.device_kind,
@@ -414,12 +469,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "device": args.device,
             "backend": "nccl" if args.device == "cuda" else "gloo",
             "trainer_gpu": args.trainer_gpu if args.device == "cuda" else None,
-            "engine_gpu": args.engine_gpu if args.device == "cuda" else None,
+            "engines": args.engines,
+            "engine_gpu": args.engine_gpus[0] if args.device == "cuda" and args.engines == 1 else None,
+            "engine_gpus": args.engine_gpus if args.device == "cuda" else None,
+            "raw_world_size": args.engines + 1,
+            "label": args.label,
             "bucket_bytes": args.bucket_mb * 2**20,
             "max_inflight": args.max_inflight,
             "repeats": args.repeats,
             "pause_mode": "in_place",
-            "engine": "built-in, --load-format dummy, separate process",
+            "engine": "built-in, --load-format dummy, one process per engine",
             "env": env_info(args),
         },
         "metrics": {},
@@ -436,7 +495,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         tmp = Path(tmp)
         raw = None
         try:
-            raw = RawPeer(args, tmp / "raw-peer.log")
+            raw = RawPeers(args, tmp)
             for shape in models:
                 try:
                     m = measure_model(args, shape, tmp, raw, result, save)
@@ -477,8 +536,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 def report(result: dict) -> str:
     m, r, cfg = result["metrics"], result["ratios"], result["config"]
     lines = [
-        f"weight bus on {result['device']} ({cfg['env']['device_name']}, {cfg['backend']}), bf16, buckets of "
-        f"{cfg['bucket_bytes'] / 2**20:.0f} MiB, median of {cfg['repeats']}",
+        f"weight bus to {cfg['engines']} engine(s) vs raw broadcast to as many peers on {result['device']} "
+        f"({cfg['env']['device_name']}, {cfg['backend']}), bf16, buckets of {cfg['bucket_bytes'] / 2**20:.0f} MiB, "
+        f"median of {cfg['repeats']}",
         f"{'model':<20} {'GiB':>6} {'raw ms':>8} {'raw GB/s':>9} {'bus ms':>8} {'bus GB/s':>9} {'bus/raw':>8} "
         f"{'transfer':>9} {'pause':>8} {'1st ms':>8}",
     ]
@@ -496,7 +556,7 @@ def report(result: dict) -> str:
     if head is not None:
         lines.append(
             f"weight_bus bus_vs_raw_broadcast={r['bus_vs_raw_broadcast']:.3f} pause_ms={m['pause_ms']:.2f} "
-            f"transfer_ms={m['transfer_ms']:.2f} (model={head}, device={result['device']})"
+            f"transfer_ms={m['transfer_ms']:.2f} (model={head}, engines={cfg['engines']}, device={result['device']})"
         )
     return "\n".join(lines)
 
@@ -513,21 +573,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
+    p.add_argument("--engines", type=int, default=1, help="engines the bus publishes to (and raw peers)")
     p.add_argument("--trainer-gpu", type=int, default=0)
-    p.add_argument("--engine-gpu", type=int, default=1)
+    p.add_argument("--engine-gpu", type=int, help="the engine's GPU with one engine (default 1)")
+    p.add_argument(
+        "--engine-gpus", help="comma-separated, one GPU per engine (default: --engine-gpu for one, else 1..N)"
+    )
+    p.add_argument("--label", help="suffix of the result file name: weight_bus-<device>-<label>-<date>.json")
     p.add_argument("--device-kind", help="for the result file name (default: from the GPU name and count)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="the bus's bound on calls and collectives")
     p.add_argument("--engine-timeout-s", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--raw-peer", type=int, help=argparse.SUPPRESS)  # internal: run as the raw peer
+    p.add_argument("--raw-peer", type=int, help=argparse.SUPPRESS)  # internal: run as a raw peer
+    p.add_argument("--raw-rank", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--raw-world-size", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.raw_peer is not None:
+        return args
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     unknown = set(args.models.split(",")) - set(SHAPES)
     if unknown:
         p.error(f"unknown models {sorted(unknown)}")
+    if args.engines < 1:
+        p.error("--engines must be at least 1")
+    if args.label is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.label):
+        p.error(f"--label {args.label!r}: letters, digits, ., _ and - only")
+    args.engine_gpus = engine_gpus(p, args)
     if args.device_kind is None:
         if args.device == "cuda":
             name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
@@ -538,12 +612,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def engine_gpus(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[int | None]:
+    """One GPU per engine (and its raw peer); on CPU, None for each (CPU processes)."""
+    if args.device != "cuda":
+        return [None] * args.engines
+    if args.engine_gpus is not None:
+        if args.engine_gpu is not None:
+            p.error("give --engine-gpu or --engine-gpus, not both")
+        gpus = [int(g) for g in args.engine_gpus.split(",")]
+    elif args.engines == 1:
+        gpus = [1 if args.engine_gpu is None else args.engine_gpu]
+    elif args.engine_gpu is not None:
+        p.error("--engine-gpu names one engine's GPU: with --engines N > 1 give --engine-gpus")
+    else:
+        gpus = list(range(1, args.engines + 1))
+    if len(gpus) != args.engines or len(set(gpus)) != len(gpus) or args.trainer_gpu in gpus:
+        p.error(f"--engine-gpus {gpus}: need {args.engines} distinct GPUs other than the trainer's")
+    return gpus
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     args = parse_args(argv)
     if args.raw_peer is not None:
-        raw_peer_main(args.raw_peer, args.device)
+        raw_peer_main(args.raw_peer, args.raw_rank, args.raw_world_size, args.device)
         return None
     from transformers.utils import logging as hf_logging
 

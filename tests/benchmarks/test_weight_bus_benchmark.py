@@ -5,7 +5,9 @@ thresholds: timings belong to the benchmark."""
 
 import json
 
-from benchmarks.weight_bus import QUICK, SHAPES, main
+import pytest
+
+from benchmarks.weight_bus import QUICK, SHAPES, main, parse_args
 
 
 def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
@@ -27,3 +29,54 @@ def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
     assert r["bus_vs_raw_broadcast"] == r["tiny_bus_vs_raw_broadcast"] > 0
     assert m["pause_ms"] >= m["transfer_ms"] > 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("weight_bus bus_vs_raw_broadcast=")
+
+
+def test_two_engines_reach_final_version_beside_raw_broadcast_to_two_peers(tmp_path, capsys):
+    result = main(
+        ["--quick", "--device", "cpu", "--engines", "2", "--label", "2engines", "--out-dir", str(tmp_path)]
+    )
+
+    [path] = tmp_path.glob("weight_bus-*.json")
+    assert path.name == f"weight_bus-cpu-2engines-{result['date'].replace('-', '')}.json"
+    on_disk = json.loads(path.read_text())
+    assert on_disk["errors"] == []
+    cfg, m, r = on_disk["config"], on_disk["metrics"], on_disk["ratios"]
+    assert cfg["engines"] == 2 and cfg["raw_world_size"] == 3 and cfg["label"] == "2engines"
+    assert cfg["engine_gpus"] is None and cfg["backend"] == "gloo"  # CPU: every engine and peer a CPU process
+    assert m["tiny_final_version"] == 1 + QUICK["repeats"]
+    assert m["tiny_engine_weight_versions"] == [str(1 + QUICK["repeats"])] * 2
+    assert len(m["tiny_engine_bucket_phase_ms_per_engine"]) == 2
+    assert all(p["receive"] > 0 for p in m["tiny_engine_bucket_phase_ms_per_engine"])
+    assert len(m["tiny_raw_ms_all"]) == len(m["tiny_bus_publish_ms_all"]) == QUICK["repeats"]
+    assert r["bus_vs_raw_broadcast"] == r["tiny_bus_vs_raw_broadcast"] > 0
+    assert r["transfer_vs_raw_broadcast"] > 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(model=tiny, engines=2, device=cpu)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "gpus"),
+    [
+        ([], [1]),
+        (["--engine-gpu", "3"], [3]),
+        (["--engines", "2"], [1, 2]),
+        (["--engines", "2", "--engine-gpus", "2,3"], [2, 3]),
+    ],
+)
+def test_engine_gpus_one_per_engine(argv, gpus):
+    args = parse_args(["--device", "cuda", "--device-kind", "x", *argv])  # no GPU touched: the kind is given
+    assert args.engine_gpus == gpus
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--engines", "2", "--engine-gpu", "1"],  # one GPU for two engines
+        ["--engines", "2", "--engine-gpus", "1"],  # too few
+        ["--engines", "2", "--engine-gpus", "1,1"],  # shared
+        ["--engines", "2", "--engine-gpus", "0,1"],  # the trainer's
+        ["--label", "a/b"],
+    ],
+)
+def test_bad_engine_gpus_or_label_refused(argv):
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda", "--device-kind", "x", *argv])
