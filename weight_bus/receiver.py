@@ -5,16 +5,65 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from weight_bus.group import DEFAULT_TIMEOUT_S, broadcast, dtype_from_name, new_group, shutdown_group
+from weight_bus.group import (
+    DEFAULT_TIMEOUT_S,
+    broadcast,
+    broadcast_async,
+    dtype_from_name,
+    new_group,
+    shutdown_group,
+)
 from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 
 log = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+class _Ring:
+    """Two CUDA receive buffers of one group, reused by the buckets of an update, so that bucket k+1 is
+    received (on a side stream) while bucket k is copied into the weights (on the caller's stream).
+
+    Without it, a bucket's receive waits for the copy of the bucket before (NCCL's stream waits on the
+    current stream at launch) and every bucket allocates a fresh buffer. A slot is written again only
+    after an event recorded behind the copies out of its previous bucket. The buffers are dropped when
+    the update ends (the bucket that carries the version), so an engine holds them only during updates.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.slots: list[torch.Tensor | None] = [None, None]
+        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.next = 0
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        i, self.next = self.next, self.next ^ 1
+        slot = self.slots[i]
+        if slot is None or slot.numel() < nbytes:
+            if self.free[i] is not None:
+                self.free[i].synchronize()  # the slot's last copy is done before its memory goes back
+            self.slots[i] = None
+            slot = self.slots[i] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.free[i] = _recorded()  # the allocation is ordered on the current stream: wait for it
+        return i, slot[:nbytes]
+
+    def released(self, i: int) -> None:
+        """The copies out of slot i are queued on the current stream."""
+        self.free[i] = _recorded()
+
+
+def _recorded() -> torch.cuda.Event:
+    e = torch.cuda.Event()
+    e.record()
+    return e
 
 
 class WeightReceiver:
@@ -24,6 +73,7 @@ class WeightReceiver:
         self.device = torch.device(device)
         self.tp_rank = tp_rank
         self.groups: dict[str, dist.ProcessGroup] = {}
+        self.rings: dict[str, _Ring] = {}
         self.broken: set[str] = set()
         """Groups a receive failed on (a peer died, the sender left): their later receives fail at once
         instead of each waiting out the group timeout; the bus builds a new group."""
@@ -49,39 +99,73 @@ class WeightReceiver:
         """Leave a group; the bus drops one this way after a peer died in it and rebuilds without it."""
         group = self.groups.pop(group_name, None)
         self.broken.discard(group_name)
+        self.rings.pop(group_name, None)
         if group is None:
             raise ValueError(f"no group {group_name!r}")
         shutdown_group(group)
 
-    def receive(self, req: UpdateWeightsFromDistributed) -> list[tuple[str, torch.Tensor]]:
-        """Receive the tensors named in `req` from rank 0; returns (name, tensor) in order."""
+    def receive(
+        self, req: UpdateWeightsFromDistributed, load: Callable[[Named], None] | None = None
+    ) -> Named:
+        """Receive the tensors named in `req` from rank 0; returns (name, tensor) in order.
+
+        With `load` (which copies them into the model on the current stream), a CUDA engine receives a
+        flattened bucket into a reused buffer on a side stream (_Ring), overlapping the next bucket's
+        receive with this one's copy; the returned tensors are then only valid inside `load`. Without it,
+        each call receives into fresh tensors that the caller keeps."""
         group = self.groups.get(req.group_name)
         if group is None:
             raise ValueError(f"no weight update group {req.group_name!r}; call /init_weights_update_group")
         if req.group_name in self.broken:
             raise RuntimeError(f"weight update group {req.group_name!r} failed earlier; it must be rebuilt")
         try:
-            return self._receive(group, req)
+            named = self._receive(group, req, load)
+        except _LoadFailed as e:  # the bytes arrived: the group is still in step with rank 0
+            raise e.__cause__ from None
         except Exception:
             # Whatever failed, this engine and rank 0 no longer agree on which broadcast comes next.
             self.broken.add(req.group_name)
+            self.rings.pop(req.group_name, None)
             raise
+        if req.weight_version is not None:  # the update's last bucket: its buffers go back
+            self.rings.pop(req.group_name, None)
+        return named
 
     def _receive(
-        self, group: dist.ProcessGroup, req: UpdateWeightsFromDistributed
-    ) -> list[tuple[str, torch.Tensor]]:
+        self,
+        group: dist.ProcessGroup,
+        req: UpdateWeightsFromDistributed,
+        load: Callable[[Named], None] | None,
+    ) -> Named:
         if not (len(req.names) == len(req.dtypes) == len(req.shapes)):
             raise ValueError("names, dtypes and shapes must have the same length")
         dtypes = [dtype_from_name(d) for d in req.dtypes]
         if req.load_format == FLATTENED_BUCKET:
             sizes = [math.prod(s) * d.itemsize for s, d in zip(req.shapes, dtypes, strict=True)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            broadcast(group, flat)
+            ring = None
+            if load is not None and self.device.type == "cuda":
+                ring = self.rings.get(req.group_name)
+                if ring is None:
+                    ring = self.rings[req.group_name] = _Ring(self.device)
+                slot, flat = ring.take(sum(sizes))
+                with torch.cuda.stream(ring.stream):
+                    ring.stream.wait_event(ring.free[slot])
+                    work = broadcast_async(group, flat)  # its stream waits on ring.stream, not on ours
+                work.wait()  # our stream (the copies in `load`) waits for the broadcast
+            else:
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+                broadcast(group, flat)
             parts = flat.split(sizes)
-            return [
+            named = [
                 (name, part.view(dtype).view(shape))
                 for name, part, dtype, shape in zip(req.names, parts, dtypes, req.shapes, strict=True)
             ]
+            try:
+                _load(load, named)
+            finally:
+                if ring is not None:
+                    ring.released(slot)
+            return named
         if req.load_format is not None:
             raise ValueError(f"load_format {req.load_format!r}: expected null or {FLATTENED_BUCKET!r}")
         out = []
@@ -89,4 +173,18 @@ class WeightReceiver:
             t = torch.empty(shape, dtype=dtype, device=self.device)
             broadcast(group, t)
             out.append((name, t))
+        _load(load, out)
         return out
+
+
+class _LoadFailed(Exception):
+    """`load` raised (its error is the __cause__) after the receive itself succeeded."""
+
+
+def _load(load: Callable[[Named], None] | None, named: Named) -> None:
+    if load is None:
+        return
+    try:
+        load(named)
+    except Exception as e:
+        raise _LoadFailed from e

@@ -103,7 +103,9 @@ class EngineMetrics:
             **labels,
         ).labels(model_name)
         self.weight_updates = Counter(
-            "slipstream_engine_weight_updates", "Successful weight updates (distributed or disk).", **labels
+            "slipstream_engine_weight_updates",
+            "Successful weight update calls (each weight-bus bucket, or a load from disk).",
+            **labels,
         ).labels(model_name)
 
         phase = Histogram(

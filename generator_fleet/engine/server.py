@@ -174,6 +174,30 @@ def _trace_bucket(state, events, last: bool) -> None:
         f.write(msgspec.json.encode(rows).decode() + "\n")
 
 
+def _receive_and_load(state: _EngineState, body: UpdateWeightsFromDistributed, t1: float) -> list:
+    """One bucket of /update_weights_from_distributed, in one worker thread: receive (a CUDA engine
+    overlaps it with the copy of the bucket before: weight_bus.receiver._Ring), then copy into the weights
+    at a step boundary. Observes the receive and load phases (host time) and, when tracing, CUDA events
+    before the receive, after it and after the copy."""
+    phases = state.metrics.bucket_phase
+    events = [_trace_event()]
+    marks: list[float] = []
+
+    def load(named: list) -> None:
+        marks.append(time.perf_counter())
+        events.append(_trace_event())
+        state.runner.load_weights(named, body.weight_version)
+
+    named = state.receiver.receive(body, load)
+    t3 = time.perf_counter()
+    phases["receive"].observe(marks[0] - t1)
+    phases["load"].observe(t3 - marks[0])
+    if events[0] is not None:
+        events.append(_trace_event())
+        _trace_bucket(state, events, body.weight_version is not None)
+    return named
+
+
 def _json(obj: Any, status_code: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
 
@@ -695,21 +719,14 @@ def build_app(
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
-                events = [_trace_event()]  # before the receive, after it, after the load copy
-                named = await asyncio.to_thread(state.receiver.receive, body)
-                t2 = time.perf_counter()
-                phases["receive"].observe(t2 - t1)
-                events.append(_trace_event())
-                await asyncio.to_thread(runner.load_weights, named, body.weight_version)
-                phases["load"].observe(time.perf_counter() - t2)
-                if events[0] is not None:
-                    events.append(_trace_event())
-                    _trace_bucket(state, events, body.weight_version is not None)
+                named = await asyncio.to_thread(_receive_and_load, state, body, t1)
             except Exception as e:
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
         state.metrics.weight_updates.inc()
-        log.info(
+        # One INFO line per update (its last bucket carries the version), not per bucket.
+        log.log(
+            logging.INFO if body.weight_version is not None else logging.DEBUG,
             "weights updated from %s (%d tensors) to version %s",
             body.group_name,
             len(named),

@@ -234,6 +234,9 @@ def test_unknown_parameter_fails_loudly_and_engines_keep_serving(engines):
             bus.publish([("no.such.weight", torch.zeros(3))], version=99)
         assert all(len(_greedy(u)) == 8 for u in urls)  # continued after the failed swap
         assert all(version(u) != "99" for u in urls)
+        assert all(
+            not s.app.state.engine.receiver.broken for s in servers
+        )  # the bytes arrived; only the load refused
     finally:
         bus.close()
 
