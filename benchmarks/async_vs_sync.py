@@ -155,7 +155,7 @@ def base_spec(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
             },
             "algorithm": {"loss": "decoupled_ppo", "lr": 1.0e-6, "seed": args.seed},
             "trainer": {"device": "cuda", "micro_batch_tokens": 16384},
-            "bus": {"backend": "nccl", "pause_mode": "in_place"},
+            "bus": {"backend": args.bus_backend, "pause_mode": "in_place"},
         }
     raw["algorithm"]["groups_per_step"] = args.groups_per_step
     raw["trainer"] = {**raw.get("trainer", {}), "export_hf": False}
@@ -900,6 +900,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine-max-batch", type=int, default=256, help="cuda: engine --max-batch-size")
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--engine-gpu", type=int, default=1)
+    p.add_argument(
+        "--bus-backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="cuda: the weight bus's backend; gloo (through host memory) lets a smoke run put trainer and "
+        "engine on one GPU (--engine-gpu 0), which NCCL refuses",
+    )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -926,6 +933,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.device == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("math_verify") is None:  # the cuda job's reward (word problems)
+            sys.exit(
+                "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
+            )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

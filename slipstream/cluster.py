@@ -37,6 +37,8 @@ from pathlib import Path
 
 import msgspec
 
+from slipstream.launcher import project_pythonpath
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -394,7 +396,7 @@ def _start_ray(home: Path, state: _State, sec: dict[str, str], num_cpus, num_gpu
         # On SIGTERM the head would first wait up to 30 s for its node to drain (for Serve replicas to
         # migrate); this node is the whole cluster, so there is nowhere to drain to.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": project_pythonpath(),
         # Job entrypoints run through /bin/sh with this PATH: `python` there is this environment's.
         "PATH": os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
     }
@@ -479,7 +481,7 @@ def _start_api(home: Path, state: _State, info: ClusterInfo) -> int:
     cmd += ["--port", str(state.ports["api"])]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": project_pythonpath(),
         "HF_HUB_OFFLINE": "1",
         **ray_env(info),
     }

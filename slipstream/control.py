@@ -18,7 +18,7 @@ import yaml
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, ray_env
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
-from slipstream.launcher import PROJECT_ROOT, ProgressReader
+from slipstream.launcher import ProgressReader, project_pythonpath
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class JobControl:
                 entrypoint=entry,
                 runtime_env={
                     "env_vars": {
-                        "PYTHONPATH": str(PROJECT_ROOT),
+                        "PYTHONPATH": project_pythonpath(),
                         "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false",
                     }

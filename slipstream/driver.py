@@ -69,6 +69,10 @@ is presumed hung and replaced. A dropped engine is briefly in neither set, until
 MAX_RESTARTS = 20
 """Replacements of one kind (rollout worker, engine, trainer pool) a job survives; one more fails it: a
 crash loop is a bug to report, not bad luck to retry forever."""
+EARLY_DEATH_S = 20.0
+CRASH_LOOP = 3
+"""CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
+reward that cannot load) fail the job at once with the last one's error, instead of after MAX_RESTARTS."""
 
 
 class _Stop(Exception):
@@ -116,6 +120,8 @@ class JobDriver:
         self.closing = False  # close() began: what stops now is not a failure to repair
         self._closed = False
         self._next_registry_check = 0.0
+        self._worker_born: dict = {}  # run ref -> monotonic start
+        self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
 
     # --- status ---------------------------------------------------------------------------------------
     def report(self, state: str | None = None, **extra) -> None:
@@ -187,7 +193,9 @@ class JobDriver:
                 self.spec, self.redis_url, self.rollout_urls, self.api_key, self._next_worker
             )
             self._next_worker += 1
-            self.workers.append((a, a.run.remote()))
+            ref = a.run.remote()
+            self._worker_born[ref] = time.monotonic()
+            self.workers.append((a, ref))
 
     def remove_workers(self, count: int) -> None:
         import ray
@@ -196,6 +204,8 @@ class JobDriver:
             return
         gone = self.workers[len(self.workers) - count :]
         self.workers = self.workers[: len(self.workers) - count]
+        for _, ref in gone:
+            self._worker_born.pop(ref, None)
         for a, _ in gone:
             a.stop.remote()
         runs = [ref for _, ref in gone]
@@ -309,6 +319,13 @@ class JobDriver:
             i = next(i for i, (_, r) in enumerate(self.workers) if r == ref)
             actor, _ = self.workers.pop(i)
             why = _outcome(ref)
+            lived = time.monotonic() - self._worker_born.pop(ref, 0.0)
+            self._early_deaths = self._early_deaths + 1 if lived < EARLY_DEATH_S else 0
+            if self._early_deaths >= CRASH_LOOP:
+                raise RuntimeError(
+                    f"rollout workers die right after they start ({self._early_deaths} in a row, each "
+                    f"within {EARLY_DEATH_S:.0f} s); the last one: {why}"
+                )
             self._count_restart("rollout_workers")
             log.warning(
                 "rollout worker %s; starting a replacement (its unfinished prompts are reissued once its "
@@ -516,7 +533,9 @@ def _outcome(ref, failed_only: bool = False) -> str | None:
     try:
         value = ray.get(ref)
     except Exception as e:  # RayActorError (killed, OOM), or the actor's own exception
-        return f"died: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [""]
+        cause = f" ... {lines[-1][:300]}" if len(lines) > 1 else ""  # a task error's traceback ends in it
+        return f"died: {type(e).__name__}: {lines[0][:200]}{cause}"
     return None if failed_only else f"exited ({value})"
 
 

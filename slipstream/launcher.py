@@ -26,6 +26,14 @@ from slipstream.redis_server import ManagedRedis
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def project_pythonpath() -> str:
+    """PYTHONPATH for processes Ray starts: the project first, then this process's own entries
+    (packages installed with `pip --target`, as on the GPU machine, live only there)."""
+    return os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
+
+
 STOP_TIMEOUT_S = 30.0
 TOOLS_WARMUP_PROBLEMS = 4000
 
@@ -236,7 +244,7 @@ def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = Non
         logging_level=logging.WARNING,
         runtime_env={
             "env_vars": {
-                "PYTHONPATH": str(PROJECT_ROOT),
+                "PYTHONPATH": project_pythonpath(),
                 "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
                 **(env or {}),
