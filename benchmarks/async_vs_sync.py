@@ -61,13 +61,11 @@ Run:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import os
 import platform
 import secrets
-import shlex
 import statistics
 import subprocess
 import sys
@@ -698,23 +696,11 @@ def env_info(args) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
-    today = datetime.date.today()
-    out_path = args.out_dir / f"async_vs_sync-{args.device_kind}-{today:%Y%m%d}.json"
-    stalenesses = [int(s) for s in args.staleness.split(",")]
-    result: dict[str, Any] = {
-        "benchmark": "async_vs_sync",
-        "device": args.device_kind,
-        "date": today.isoformat(),
-        "command": shlex.join(["python", "benchmarks/async_vs_sync.py", *argv]),
-        "config": {},
-        "metrics": {"runs": {}},
-        "ratios": {},
-        "errors": [],
-    }
+    from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
 
-    def save() -> None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
+    stalenesses = [int(s) for s in args.staleness.split(",")]
+    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, metrics={"runs": {}})
+    result, out_path, save = rf.result, rf.path, rf.save
 
     t_start = time.monotonic()
     work_root = Path(args.work_dir) if args.work_dir else None

@@ -31,14 +31,11 @@ max_new_tokens here, so the pool is small and HF's transient memory fits beside 
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import inspect
-import json
 import os
 import platform
 import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -51,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.common import ResultFile
 from benchmarks.shapes import COMMON, SHAPES, VOCAB, config_kwargs
 
 TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
@@ -340,19 +338,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     n_new = args.max_new_tokens
-    today = datetime.date.today()
-    out_path = args.out_dir / f"engine-{args.device_kind}-{today:%Y%m%d}.json"
     prompts = make_prompts(max(concurrencies), args.prompt_len, args.seed)
     warm_prompts = make_prompts(max(concurrencies), args.prompt_len, args.seed + 1)
     prompt_lens = [len(p) for p in prompts]
     context_length = max(map(len, prompts + warm_prompts)) + n_new
 
-    result: dict[str, Any] = {
-        "benchmark": "engine",
-        "device": args.device_kind,
-        "date": today.isoformat(),
-        "command": shlex.join(["python", "benchmarks/engine.py", *argv]),
-        "config": {
+    rf = ResultFile(
+        "engine",
+        args.device_kind,
+        argv,
+        args.out_dir,
+        config={
             "model": args.model,
             "device": str(device),
             "dtype": args.dtype,
@@ -366,16 +362,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "seed": args.seed,
             "env": env_info(device),
         },
-        "metrics": {},
-        "ratios": {},
-        "errors": [],
-    }
+    )
+    result, out_path, save = rf.result, rf.path, rf.save
     m, r = result["metrics"], result["ratios"]
     sides: dict[tuple[int, str], dict] = {}
-
-    def save() -> None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
 
     def record(c: int, side: str, metrics: dict[str, Any]) -> None:
         sides[c, side] = metrics

@@ -60,12 +60,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
-import json
 import logging
 import os
 import re
-import shlex
 import statistics
 import sys
 import tempfile
@@ -475,23 +472,10 @@ def summarise(result: dict) -> None:
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.async_vs_sync import env_info
+    from benchmarks.common import ResultFile
 
-    today = datetime.date.today()
-    out_path = args.out_dir / f"scale_run-{args.device_kind}-{today:%Y%m%d}.json"
-    result: dict[str, Any] = {
-        "benchmark": "scale_run",
-        "device": args.device_kind,
-        "date": today.isoformat(),
-        "command": shlex.join(["python", "benchmarks/scale_run.py", *argv]),
-        "config": {},
-        "metrics": {},
-        "ratios": {},
-        "errors": [],
-    }
-
-    def save() -> None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
+    rf = ResultFile("scale_run", args.device_kind, argv, args.out_dir)
+    result, out_path, save = rf.result, rf.path, rf.save
 
     t_start = time.monotonic()
     work_root = Path(args.work_dir) if args.work_dir else None

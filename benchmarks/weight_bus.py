@@ -30,12 +30,9 @@ bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publ
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import platform
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -48,6 +45,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import ResultFile
 from benchmarks.shapes import SHAPES, config_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,15 +452,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     if args.device == "cuda":
         torch.cuda.set_device(args.trainer_gpu)
     models = args.models.split(",")
-    today = datetime.date.today()
-    label = f"-{args.label}" if args.label else ""
-    out_path = args.out_dir / f"weight_bus-{args.device_kind}{label}-{today:%Y%m%d}.json"
-    result: dict[str, Any] = {
-        "benchmark": "weight_bus",
-        "device": args.device_kind,
-        "date": today.isoformat(),
-        "command": shlex.join(["python", "benchmarks/weight_bus.py", *argv]),
-        "config": {
+    rf = ResultFile(
+        "weight_bus",
+        args.device_kind,
+        argv,
+        args.out_dir,
+        label=args.label,
+        config={
             "models": models,
             "shapes": {s: SHAPES[s] for s in models},
             "dtype": "bfloat16",
@@ -481,14 +477,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "engine": "built-in, --load-format dummy, one process per engine",
             "env": env_info(args),
         },
-        "metrics": {},
-        "ratios": {},
-        "errors": [],
-    }
-
-    def save() -> None:
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=2) + "\n")
+    )
+    result, out_path, save = rf.result, rf.path, rf.save
 
     t_start = perf_counter()
     with tempfile.TemporaryDirectory(prefix="weight-bus-bench-") as tmp:

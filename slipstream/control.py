@@ -16,9 +16,9 @@ import redis
 import yaml
 
 from slipstream import jobspec
-from slipstream.cluster import ClusterInfo, ray_env
+from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
-from slipstream.launcher import ProgressReader, project_pythonpath
+from slipstream.launcher import ProgressReader
 
 log = logging.getLogger(__name__)
 

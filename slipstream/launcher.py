@@ -20,18 +20,13 @@ import redis
 
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
+from slipstream.cluster import project_pythonpath
 from slipstream.jobspec import JobSpec, to_json
 from slipstream.redis_server import ManagedRedis
 
 log = logging.getLogger(__name__)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-
-
-def project_pythonpath() -> str:
-    """PYTHONPATH for processes Ray starts: the project first, then this process's own entries
-    (packages installed with `pip --target`, as on the GPU machine, live only there)."""
-    return os.pathsep.join(filter(None, [str(PROJECT_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 STOP_TIMEOUT_S = 30.0

@@ -32,13 +32,6 @@ def _greedy(url: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bus") / "a"
-    noisy_model(path, 1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engines(model_dir):
     servers = [EngineServer(str(model_dir), api_key=KEY, torch_threads=1).start() for _ in range(2)]
     yield servers

@@ -16,13 +16,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bus-cuda") / "a"
-    noisy_model(path, 1)
-    return path
-
-
-@pytest.fixture(scope="module")
 def engines(model_dir):
     servers = [
         EngineServer(str(model_dir), api_key=KEY, device="cuda", dtype="bfloat16").start() for _ in range(2)

@@ -1,0 +1,41 @@
+"""The result file every benchmark writes (shared/BENCHMARKS.md): its name, its skeleton, saving it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+
+class ResultFile:
+    """`benchmarks/results/<benchmark>-<device>[-<label>]-<YYYYMMDD>.json`: `result` holds what was measured
+    so far; `save()` writes it (benchmarks save after every measurement and on every way out)."""
+
+    def __init__(
+        self,
+        benchmark: str,
+        device_kind: str,
+        argv: list[str],
+        out_dir: Path,
+        label: str | None = None,
+        **fields: Any,
+    ) -> None:
+        today = datetime.date.today()
+        self.path = out_dir / f"{benchmark}-{device_kind}{f'-{label}' if label else ''}-{today:%Y%m%d}.json"
+        self.result: dict[str, Any] = {
+            "benchmark": benchmark,
+            "device": device_kind,
+            "date": today.isoformat(),
+            "command": shlex.join(["python", f"benchmarks/{benchmark}.py", *argv]),
+            "config": {},
+            "metrics": {},
+            "ratios": {},
+            "errors": [],
+        }
+        self.result.update(fields)  # e.g. config=...: keeps the key order above
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.result, indent=2) + "\n")
