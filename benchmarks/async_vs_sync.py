@@ -35,9 +35,11 @@ Headlines (BENCHMARKS.md): ratios.async_vs_sync = samples/s at max_staleness 2 /
 = the same async samples/s / min(generator-only, trainer-only).
 
 Learning equivalence (part of the default run; `--no-learning` skips it, `--learning-only` runs only it):
-a tiny model, `--learning-seeds` seeds (algorithm.seed and dataset.seed), three jobs per seed: sync
-(max_staleness 0, decoupled_ppo), async (max_staleness 2, decoupled_ppo) and async without the
-importance correction (max_staleness 2, `ppo`: PPO-clip with the ratio pi/pi_behav, i.e. the behaviour
+the demo's a+b job on the tiny SFT-warmed `tiny-arith` model on either device (on cuda through the same
+stack as the throughput jobs: external bf16 engine, CUDA trainer; `--learning-model job` uses the
+throughput job instead, which on cuda has random weights and nothing to learn), `--learning-seeds`
+seeds (algorithm.seed and dataset.seed), three jobs per seed: sync (max_staleness 0, decoupled_ppo),
+async (max_staleness 2, decoupled_ppo) and async without the importance correction (max_staleness 2, `ppo`: PPO-clip with the ratio pi/pi_behav, i.e. the behaviour
 policy is the clipping anchor, no proximal policy and no truncated IS weight; see trainer/losses.py).
 Reported: final-window reward (mean training-batch reward of the last `--learning-window` steps) per seed,
 and whether the async mean lies within the seed spread of sync (see `learning.definition` in the JSON).
@@ -56,6 +58,9 @@ Run:
                                                         # SFT build (1-8 min, by host load)
     python benchmarks/async_vs_sync.py --quick          # CPU smoke (the test)
     python benchmarks/async_vs_sync.py --device cuda --device-kind nvidia-h200-x2
+    # learning equivalence alone on one GPU (trainer and engine share it; gloo bus through host memory):
+    python benchmarks/async_vs_sync.py --device cuda --learning-only --engine-gpu 0 --trainer-gpu 0 \
+        --bus-backend gloo --device-kind nvidia-h100-x1
 """
 
 from __future__ import annotations
@@ -103,7 +108,7 @@ QUICK = {
     "learning_window": 2,
     "model_warmup_steps": 20,
 }
-CUDA_DEFAULTS = {"groups_per_step": 32, "model_warmup_steps": 0}
+CUDA_DEFAULTS = {"groups_per_step": 32}
 
 
 def log(msg: str) -> None:
@@ -113,9 +118,14 @@ def log(msg: str) -> None:
 # --- specs and model ------------------------------------------------------------------------------
 
 
-def base_spec(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
-    """The job every configuration runs (raw spec dict; name, output_dir, staleness set per run)."""
-    if args.device == "cpu":
+def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = None) -> dict[str, Any]:
+    """The job every configuration runs (raw spec dict; name, output_dir, staleness set per run).
+
+    task: `arith` (the demo's a+b job; the CPU default) or `tools` (multi-turn word problems with the
+    calculator; the cuda default). The device part: cpu runs the job's built-in engine actor and a gloo
+    bus; cuda points the job at this script's external engine and trains on the GPU."""
+    task = task or ("arith" if args.device == "cpu" else "tools")
+    if task == "arith":
         raw: dict[str, Any] = {
             "model": {"path": str(model_path)},
             "dataset": {"name": "arith", "max_operand": 19, "seed": args.seed},
@@ -125,11 +135,9 @@ def base_spec(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
                 "concurrency": 16,
                 "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 6},
             },
-            "generators": {"engine": "builtin", "num_engines": 1, "num_workers": 1},
             "algorithm": {"loss": "decoupled_ppo", "lr": 5.0e-4, "seed": args.seed},
-            "bus": {"backend": "gloo", "pause_mode": "in_place"},
         }
-    else:
+    elif task == "tools":
         raw = {
             "model": {"path": str(model_path)},
             "dataset": {
@@ -146,15 +154,21 @@ def base_spec(args: argparse.Namespace, model_path: Path) -> dict[str, Any]:
                 "concurrency": 64,
                 "sampling": {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": args.max_new_tokens},
             },
-            "generators": {
-                "engine": "external",
-                "urls": ["http://placeholder:1"],
-                "api_key_env": ENGINE_KEY_ENV,
-            },
             "algorithm": {"loss": "decoupled_ppo", "lr": 1.0e-6, "seed": args.seed},
-            "trainer": {"device": "cuda", "micro_batch_tokens": 16384},
-            "bus": {"backend": args.bus_backend, "pause_mode": "in_place"},
         }
+    else:
+        raise ValueError(f"task {task!r}: expected arith or tools")
+    if args.device == "cpu":
+        raw["generators"] = {"engine": "builtin", "num_engines": 1, "num_workers": 1}
+        raw["bus"] = {"backend": "gloo", "pause_mode": "in_place"}
+    else:
+        raw["generators"] = {
+            "engine": "external",
+            "urls": ["http://placeholder:1"],
+            "api_key_env": ENGINE_KEY_ENV,
+        }
+        raw["trainer"] = {"device": "cuda", "micro_batch_tokens": 16384}
+        raw["bus"] = {"backend": args.bus_backend, "pause_mode": "in_place"}
     raw["algorithm"]["groups_per_step"] = args.groups_per_step
     raw["trainer"] = {**raw.get("trainer", {}), "export_hf": False}
     return raw
@@ -173,12 +187,13 @@ def make_spec(raw: dict, *, name: str, out: Path, max_staleness: int, total_step
     return jobspec.from_dict(raw)
 
 
-def build_cpu_model(args: argparse.Namespace, work: Path) -> Path:
-    """The demo's tiny-arith model (SFT warm-up included), built once; every job loads it via model.path."""
+def build_tiny_arith(args: argparse.Namespace, work: Path) -> Path:
+    """The demo's tiny-arith model (SFT warm-up included), built once; every job loads it via model.path.
+    With --tiny-model-dir it is built there, or reused from there when that directory already holds one."""
     from slipstream import jobspec
     from slipstream.launcher import prepare_model
 
-    path = work / "model"
+    path = Path(args.tiny_model_dir).resolve() if args.tiny_model_dir else work / "tiny-arith"
     spec = jobspec.from_dict(
         {
             "model": {"path": str(path), "build": "tiny-arith", "warmup_steps": args.model_warmup_steps},
@@ -538,7 +553,29 @@ LEARNING_CONFIGS = (  # (label, max_staleness, loss)
 )
 
 
-def learning(args, raw: dict, model: Path, work: Path) -> dict[str, Any]:
+def learning_job(args, raw: dict, model: Path, work: Path) -> tuple[dict, Path]:
+    """The learning-equivalence job and its model. `--learning-model tiny-arith` (the default): the demo's
+    a+b job on the tiny SFT-warmed model, which learns within 60 steps (a random-weight shape model, as the
+    cuda throughput jobs use, has nothing to learn from); on cuda it runs on the same GPU stack as the
+    throughput jobs (bf16 engine, CUDA trainer). `job`: the throughput jobs' own job and model."""
+    if args.learning_model == "job":
+        return raw, model
+    if args.device == "cpu":  # the throughput job is already the tiny-arith job
+        lraw = json.loads(json.dumps(raw))
+        lmodel = model
+    else:
+        t = time.monotonic()
+        lmodel = build_tiny_arith(args, work)
+        log(f"learning model (tiny-arith) at {lmodel} in {time.monotonic() - t:.1f} s")
+        lraw = base_spec(args, lmodel, task="arith")
+    if args.learning_groups_per_step or args.device != "cpu":
+        lraw["algorithm"]["groups_per_step"] = args.learning_groups_per_step or DEFAULTS["groups_per_step"]
+    return lraw, lmodel
+
+
+def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str, Any]:
+    """Three jobs per seed (LEARNING_CONFIGS); `on_seed(summary of the seeds done so far)` after each seed,
+    so that a run cut short keeps its finished seeds."""
     seeds = list(range(args.seed, args.seed + args.learning_seeds))
     curves: dict[str, dict[str, list]] = {c[0]: {} for c in LEARNING_CONFIGS}
     finals: dict[str, dict[str, float]] = {c[0]: {} for c in LEARNING_CONFIGS}
@@ -561,6 +598,9 @@ def learning(args, raw: dict, model: Path, work: Path) -> dict[str, Any]:
             tail = progress[-args.learning_window :]
             finals[label][str(seed)] = statistics.mean(r["reward_mean"] for r in tail)
             log(f"learning {label} seed {seed}: final-window reward {finals[label][str(seed)]:.3f}")
+        if on_seed is not None:
+            done = seeds[: seeds.index(seed) + 1]
+            on_seed(learning_summary(finals, curves, done, args.learning_steps, args.learning_window))
     return learning_summary(finals, curves, seeds, args.learning_steps, args.learning_window)
 
 
@@ -709,7 +749,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         if args.device == "cuda":
             os.environ[ENGINE_KEY_ENV] = secrets.token_hex(16)
         t = time.monotonic()
-        model = build_cpu_model(args, work) if args.device == "cpu" else build_cuda_model(args, work)
+        if args.device == "cpu":
+            model = build_tiny_arith(args, work)
+        elif args.learning_only and args.learning_model != "job":
+            model = work / "throughput-model-not-built"  # --learning-only: no throughput job runs
+        else:
+            model = build_cuda_model(args, work)
         log(f"model at {model} in {time.monotonic() - t:.1f} s")
         raw = base_spec(args, model)
         spec0 = make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)
@@ -766,7 +811,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 summarise(result, stalenesses)
                 save()
             if args.learning_steps > 0:
-                result["learning"] = learning(args, raw, model, work)
+                lraw, lmodel = learning_job(args, raw, model, work)
+                result["config"]["learning_job"] = json.loads(json.dumps(lraw))
+                save()
+
+                def partial(summary: dict) -> None:
+                    result["learning"] = summary
+                    save()
+
+                result["learning"] = learning(args, lraw, lmodel, work, on_seed=partial)
                 save()
         except BaseException as exc:  # what was measured is still written
             result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
@@ -879,7 +932,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--learning-window", type=int, help="final-window steps of the learning reward")
     p.add_argument("--no-learning", action="store_true", help="skip the learning-equivalence jobs")
     p.add_argument("--learning-only", action="store_true", help="only the learning-equivalence jobs")
-    p.add_argument("--model-warmup-steps", type=int, help="SFT warm-up of the tiny CPU model")
+    p.add_argument("--model-warmup-steps", type=int, help="SFT warm-up of the tiny-arith model")
+    p.add_argument(
+        "--tiny-model-dir",
+        help="build the tiny-arith model here, or reuse the one already here (saves its SFT warm-up)",
+    )
+    p.add_argument(
+        "--learning-model",
+        choices=["tiny-arith", "job"],
+        default="tiny-arith",
+        help="learning jobs: the demo's a+b job on the tiny-arith model (default), or the throughput job",
+    )
+    p.add_argument(
+        "--learning-groups-per-step",
+        type=int,
+        help=f"algorithm.groups_per_step of the tiny-arith learning jobs (default {DEFAULTS['groups_per_step']})",
+    )
     p.add_argument("--model-shape", default="qwen2.5-0.5b-shape", help="cuda: benchmarks/shapes.py shape")
     p.add_argument("--full-vocab", action="store_true", help="cuda: keep the shape's real vocabulary")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cuda: tokens per model turn")

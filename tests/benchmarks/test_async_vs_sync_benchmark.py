@@ -7,7 +7,15 @@ import json
 
 import pytest
 
-from benchmarks.async_vs_sync import learning_summary, main, rates
+from benchmarks.async_vs_sync import (
+    base_spec,
+    learning_job,
+    learning_summary,
+    main,
+    make_spec,
+    parse_args,
+    rates,
+)
 
 
 def _rec(step, elapsed, step_s, wait_s, tokens, stale):
@@ -53,6 +61,44 @@ def test_learning_summary_spread_verdicts():
     assert not out["async_no_is_within_sync_seed_range"] and not out["async_no_is_within_seed_spread"]
     assert out["async_no_is_minus_sync"] == pytest.approx(0.32 - 0.65)
     assert out["first_window_reward_mean"]["sync"] == 0.2
+
+
+def _valid(raw, tmp_path):
+    return make_spec(raw, name="x", out=tmp_path / "x", max_staleness=2, total_steps=3)
+
+
+def test_cuda_learning_jobs_use_the_tiny_arith_job_on_the_gpu_stack(tmp_path):
+    """On cuda the throughput job (random-weight shape model, tool task) has nothing to learn, so the
+    learning jobs run the demo's a+b job on the tiny-arith model through the same GPU stack."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    (tiny / "config.json").write_text("{}")  # an already-built model directory is reused as is
+    args = parse_args(["--device", "cuda", "--tiny-model-dir", str(tiny), "--bus-backend", "gloo"])
+    raw = base_spec(args, tmp_path / "shape-model")
+    assert raw["dataset"]["name"] == "word_problems" and raw["algorithm"]["groups_per_step"] == 32
+
+    lraw, lmodel = learning_job(args, raw, tmp_path / "shape-model", tmp_path)
+    assert lmodel == tiny.resolve()
+    assert lraw["model"]["path"] == str(tiny.resolve())
+    assert lraw["dataset"]["name"] == "arith" and lraw["reward"]["name"] == "arith"
+    assert lraw["generators"]["engine"] == "external" and lraw["trainer"]["device"] == "cuda"
+    assert lraw["bus"]["backend"] == "gloo" and lraw["algorithm"]["groups_per_step"] == 16
+    spec = _valid(lraw, tmp_path)
+    assert spec.trainer.device == "cuda" and spec.algorithm.lr == 5.0e-4
+
+    job_args = parse_args(["--device", "cuda", "--learning-model", "job"])
+    assert learning_job(job_args, raw, tmp_path / "m", tmp_path) == (raw, tmp_path / "m")
+
+
+def test_cpu_learning_jobs_are_the_throughput_job(tmp_path):
+    args = parse_args(["--groups-per-step", "8"])
+    raw = base_spec(args, tmp_path / "tiny")
+    assert raw["generators"]["engine"] == "builtin" and raw["bus"]["backend"] == "gloo"
+    lraw, lmodel = learning_job(args, raw, tmp_path / "tiny", tmp_path)
+    assert lraw == raw and lmodel == tmp_path / "tiny"
+    _valid(lraw, tmp_path)
+    lraw, _ = learning_job(parse_args(["--learning-groups-per-step", "4"]), raw, tmp_path / "tiny", tmp_path)
+    assert lraw["algorithm"]["groups_per_step"] == 4 and raw["algorithm"]["groups_per_step"] == 8
 
 
 @pytest.mark.slow
