@@ -574,8 +574,9 @@ def learning_job(args, raw: dict, model: Path, work: Path) -> tuple[dict, Path]:
 
 
 def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str, Any]:
-    """Three jobs per seed (LEARNING_CONFIGS); `on_seed(summary of the seeds done so far)` after each seed,
-    so that a run cut short keeps its finished seeds."""
+    """Three jobs per seed (LEARNING_CONFIGS); `on_seed(record)` after each job, so that a run cut short
+    keeps what finished: the summary of the seeds done so far, plus the finished jobs of the seed under way
+    (`partial_seed`)."""
     seeds = list(range(args.seed, args.seed + args.learning_seeds))
     curves: dict[str, dict[str, list]] = {c[0]: {} for c in LEARNING_CONFIGS}
     finals: dict[str, dict[str, float]] = {c[0]: {} for c in LEARNING_CONFIGS}
@@ -598,10 +599,32 @@ def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str
             tail = progress[-args.learning_window :]
             finals[label][str(seed)] = statistics.mean(r["reward_mean"] for r in tail)
             log(f"learning {label} seed {seed}: final-window reward {finals[label][str(seed)]:.3f}")
-        if on_seed is not None:
-            done = seeds[: seeds.index(seed) + 1]
-            on_seed(learning_summary(finals, curves, done, args.learning_steps, args.learning_window))
+            if on_seed is not None:
+                on_seed(_partial(finals, curves, seeds[: seeds.index(seed) + 1], args))
     return learning_summary(finals, curves, seeds, args.learning_steps, args.learning_window)
+
+
+def _partial(finals: dict, curves: dict, seeds: list[int], args) -> dict[str, Any]:
+    """What a learning run cut short keeps: the summary over its complete seeds and the jobs of the last."""
+    whole = [s for s in seeds if all(str(s) in finals[c[0]] for c in LEARNING_CONFIGS)]
+    out: dict[str, Any] = {}
+    if whole:
+        keep = {str(s) for s in whole}
+        out = learning_summary(
+            {c: {k: v for k, v in f.items() if k in keep} for c, f in finals.items()},
+            {c: {k: v for k, v in f.items() if k in keep} for c, f in curves.items()},
+            whole,
+            args.learning_steps,
+            args.learning_window,
+        )
+    last = str(seeds[-1])
+    if seeds[-1] not in whole:
+        out["partial_seed"] = {
+            "seed": seeds[-1],
+            "final_reward": {c: f[last] for c, f in finals.items() if last in f},
+            "curves": {c: f[last] for c, f in curves.items() if last in f},
+        }
+    return out
 
 
 def learning_summary(
