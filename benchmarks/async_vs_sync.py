@@ -578,6 +578,7 @@ def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str
     keeps what finished: the summary of the seeds done so far, plus the finished jobs of the seed under way
     (`partial_seed`)."""
     seeds = list(range(args.seed, args.seed + args.learning_seeds))
+    spp = raw["algorithm"]["groups_per_step"] * raw["rollout"]["group_size"]
     curves: dict[str, dict[str, list]] = {c[0]: {} for c in LEARNING_CONFIGS}
     finals: dict[str, dict[str, float]] = {c[0]: {} for c in LEARNING_CONFIGS}
     for seed in seeds:
@@ -600,11 +601,11 @@ def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str
             finals[label][str(seed)] = statistics.mean(r["reward_mean"] for r in tail)
             log(f"learning {label} seed {seed}: final-window reward {finals[label][str(seed)]:.3f}")
             if on_seed is not None:
-                on_seed(_partial(finals, curves, seeds[: seeds.index(seed) + 1], args))
-    return learning_summary(finals, curves, seeds, args.learning_steps, args.learning_window)
+                on_seed(_partial(finals, curves, seeds[: seeds.index(seed) + 1], args, spp))
+    return learning_summary(finals, curves, seeds, args.learning_steps, args.learning_window, spp)
 
 
-def _partial(finals: dict, curves: dict, seeds: list[int], args) -> dict[str, Any]:
+def _partial(finals: dict, curves: dict, seeds: list[int], args, spp: int) -> dict[str, Any]:
     """What a learning run cut short keeps: the summary over its complete seeds and the jobs of the last."""
     whole = [s for s in seeds if all(str(s) in finals[c[0]] for c in LEARNING_CONFIGS)]
     out: dict[str, Any] = {}
@@ -616,6 +617,7 @@ def _partial(finals: dict, curves: dict, seeds: list[int], args) -> dict[str, An
             whole,
             args.learning_steps,
             args.learning_window,
+            spp,
         )
     last = str(seeds[-1])
     if seeds[-1] not in whole:
@@ -633,12 +635,14 @@ def learning_summary(
     seeds: list[int],
     steps: int,
     window: int,
+    samples_per_step: int | None = None,
 ) -> dict[str, Any]:
     """Per-config seed means and the within-spread verdicts of async vs sync (`definition` below)."""
     out: dict[str, Any] = {
         "seeds": seeds,
         "steps": steps,
         "window_steps": window,
+        "samples_per_step": samples_per_step,
         "configs": {c[0]: {"max_staleness": c[1], "loss": c[2]} for c in LEARNING_CONFIGS},
         "final_reward": finals,
         "final_reward_mean": {k: statistics.mean(v.values()) for k, v in finals.items()},
@@ -650,7 +654,9 @@ def learning_summary(
             "final_reward[config][seed] = mean training-batch reward_mean over the last window_steps steps. "
             "sync_seed_range = [min, max] of sync's per-seed values; <config>_within_sync_seed_range: the "
             "config's seed mean lies in it; <config>_within_seed_spread: |mean(config) - mean(sync)| <= the "
-            "larger of the two configs' seed ranges (max - min over seeds)"
+            "larger of the two configs' seed ranges (max - min over seeds); <config>_not_worse_than_sync: "
+            "mean(config) >= mean(sync) - that same spread (the question asynchrony raises: does it cost "
+            "learning?)"
         ),
         "curves": curves,
     }
@@ -664,6 +670,7 @@ def learning_summary(
         out[f"{label}_minus_sync"] = gap
         out[f"{label}_within_sync_seed_range"] = lo <= statistics.mean(vals) <= hi
         out[f"{label}_within_seed_spread"] = abs(gap) <= spread
+        out[f"{label}_not_worse_than_sync"] = gap >= -spread
     return out
 
 
@@ -688,6 +695,49 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[str]:
         plt.close(fig)
         written.append(str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path))
 
+    if runs:
+        throughput_plot(result, save)
+    learn = result.get("learning")
+    for xkey, name, xlabel in (
+        ("samples", "reward_vs_samples", "trained samples"),
+        ("elapsed_s", "reward_vs_time", "trainer wall time (s)"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        if learn:
+            lspp = learn.get("samples_per_step") or spp
+            for i, (label, by_seed) in enumerate(learn["curves"].items()):
+                for j, (seed, curve) in enumerate(by_seed.items()):
+                    xs = [r["step"] * lspp if xkey == "samples" else r["elapsed_s"] for r in curve]
+                    ax.plot(
+                        xs,
+                        [r["reward_mean"] for r in curve],
+                        color=f"C{i}",
+                        ls=("-", "--", ":", "-.")[j % 4],
+                        lw=1,
+                        label=f"{label} seed {seed}",
+                    )
+            ax.set_title(f"learning equivalence ({result['device']}): training-batch reward", fontsize=9)
+        else:
+            for i, (ms, run) in enumerate(runs.items()):
+                curve = run["progress"]
+                xs = [r["step"] * spp if xkey == "samples" else r["elapsed_s"] for r in curve]
+                ax.plot(
+                    xs, [r["reward_mean"] for r in curve], color=f"C{i}", lw=1, label=f"max_staleness {ms}"
+                )
+            ax.set_title("throughput jobs: training-batch reward", fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6, ncol=2)
+        save(fig, name)
+    return written
+
+
+def throughput_plot(result: dict, save) -> None:
+    import matplotlib.pyplot as plt
+
+    m = result["metrics"]
+    runs = m["runs"]
     labels = [f"stale {k}" for k in runs] + ["gen only", "train only"]
     vals = [runs[k]["samples_per_s"] for k in runs]
     vals += [
@@ -703,39 +753,72 @@ def plots(result: dict, out_dir: Path, stem: str) -> list[str]:
     ax.set_title(f"async vs sync ({result['device']}): max_staleness and pipeline bounds", fontsize=9)
     save(fig, "throughput")
 
-    learn = result.get("learning")
-    for xkey, name, xlabel in (
-        ("samples", "reward_vs_samples", "trained samples"),
-        ("elapsed_s", "reward_vs_time", "trainer wall time (s)"),
-    ):
-        fig, ax = plt.subplots(figsize=(6, 3.2))
-        if learn:
-            for i, (label, by_seed) in enumerate(learn["curves"].items()):
-                for j, (seed, curve) in enumerate(by_seed.items()):
-                    xs = [r["step"] * spp if xkey == "samples" else r["elapsed_s"] for r in curve]
-                    ax.plot(
-                        xs,
-                        [r["reward_mean"] for r in curve],
-                        color=f"C{i}",
-                        ls="-" if j == 0 else "--",
-                        lw=1,
-                        label=f"{label} seed {seed}",
-                    )
-            ax.set_title("learning equivalence: training-batch reward", fontsize=9)
-        else:
-            for i, (ms, run) in enumerate(runs.items()):
-                curve = run["progress"]
-                xs = [r["step"] * spp if xkey == "samples" else r["elapsed_s"] for r in curve]
-                ax.plot(
-                    xs, [r["reward_mean"] for r in curve], color=f"C{i}", lw=1, label=f"max_staleness {ms}"
-                )
-            ax.set_title("throughput jobs: training-batch reward", fontsize=9)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, ncol=2)
-        save(fig, name)
-    return written
+
+# --- merging learning runs -----------------------------------------------------------------------
+
+SEED_FREE = (("dataset", "seed"), ("algorithm", "seed"), ("model", "path"))
+"""Learning-job fields that may differ between the runs merged (each seed sets its own seeds)."""
+
+
+def merge_learning(paths: list[Path], out_dir: Path, argv: list[str]) -> dict[str, Any]:
+    """One learning result from several learning runs of the same job on the same device kind: their
+    complete seeds are pooled and summarised afresh. For runs split across invocations (a one-GPU machine's
+    10-minute command limit); each file must hold whole seeds of the same job, and no seed may repeat."""
+    from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
+
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+
+    def job_key(doc: dict) -> str:
+        job = json.loads(json.dumps(doc["config"].get("learning_job") or doc["config"]["job"]))
+        for section, field in SEED_FREE:
+            job.get(section, {}).pop(field, None)
+        return json.dumps(job, sort_keys=True)
+
+    finals: dict[str, dict[str, float]] = {c[0]: {} for c in LEARNING_CONFIGS}
+    curves: dict[str, dict[str, list]] = {c[0]: {} for c in LEARNING_CONFIGS}
+    first = docs[0]
+    for path, doc in zip(paths, docs, strict=True):
+        learn = doc.get("learning") or {}
+        if doc["benchmark"] != "async_vs_sync" or not learn.get("seeds"):
+            raise SystemExit(f"{path}: no complete learning seed in it")
+        if doc["device"] != first["device"] or job_key(doc) != job_key(first):
+            raise SystemExit(f"{path}: a different device or job than {paths[0]}; only like runs merge")
+        if (learn["steps"], learn["window_steps"]) != (
+            first["learning"]["steps"],
+            first["learning"]["window_steps"],
+        ):
+            raise SystemExit(f"{path}: different learning steps or window than {paths[0]}")
+        for label in finals:
+            for seed in map(str, learn["seeds"]):
+                if seed in finals[label]:
+                    raise SystemExit(f"{path}: seed {seed} of {label} is already in an earlier file")
+                finals[label][seed] = learn["final_reward"][label][seed]
+                curves[label][seed] = learn["curves"][label][seed]
+    seeds = sorted(int(s) for s in finals["sync"])
+    L0 = first["learning"]
+    job = first["config"].get("learning_job") or first["config"]["job"]
+    spp = job["algorithm"]["groups_per_step"] * job["rollout"]["group_size"]
+    rf = ResultFile("async_vs_sync", first["device"], argv, out_dir, "learning")
+    rf.result["config"] = {
+        "merged_from": [
+            {
+                "file": str(p),
+                "command": d["command"],
+                "seeds": d["learning"]["seeds"],
+                "env": d["config"]["env"],
+            }
+            for p, d in zip(paths, docs, strict=True)
+        ],
+        "learning_job": job,
+        "samples_per_step": spp,
+    }
+    rf.result["metrics"] = {"runs": {}}
+    rf.result["learning"] = learning_summary(finals, curves, seeds, L0["steps"], L0["window_steps"], spp)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rf.result["plots"] = plots(rf.result, out_dir, rf.path.stem)
+    rf.save()
+    log(f"wrote {rf.path}")
+    return rf.result
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -762,7 +845,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
 
     stalenesses = [int(s) for s in args.staleness.split(",")]
-    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, metrics={"runs": {}})
+    label = "learning" if args.learning_only else None  # not to overwrite a full run's file
+    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, label, metrics={"runs": {}})
     result, out_path, save = rf.result, rf.path, rf.save
 
     t_start = time.monotonic()
@@ -924,8 +1008,9 @@ def report(result: dict) -> str:
             vals = ", ".join(f"seed {s}: {v:.3f}" for s, v in by_seed.items())
             lines.append(f"learning {label:<12} final-window reward {vals}")
         lines.append(
-            f"learning: async within seed spread of sync: {L['async_within_seed_spread']}; "
-            f"async without IS: {L['async_no_is_within_seed_spread']}"
+            f"learning: async within seed spread of sync: {L['async_within_seed_spread']}, not worse: "
+            f"{L['async_not_worse_than_sync']}; async without IS: {L['async_no_is_within_seed_spread']}, "
+            f"not worse: {L['async_no_is_not_worse_than_sync']}"
         )
     for e in result["errors"]:
         lines.append(f"ERROR {e['error']}")
@@ -989,6 +1074,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--merge-learning",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="pool the learning seeds of these result files (same job and device) into one result; runs nothing",
+    )
     args = p.parse_args(argv)
     presets = {
         **DEFAULTS,
@@ -1010,6 +1102,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.merge_learning:
+        result = merge_learning(args.merge_learning, args.out_dir, argv)
+        print(report(result), flush=True)
+        return result
     if args.device == "cuda":
         import importlib.util
 

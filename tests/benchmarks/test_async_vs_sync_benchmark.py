@@ -61,6 +61,65 @@ def test_learning_summary_spread_verdicts():
     assert not out["async_no_is_within_sync_seed_range"] and not out["async_no_is_within_seed_spread"]
     assert out["async_no_is_minus_sync"] == pytest.approx(0.32 - 0.65)
     assert out["first_window_reward_mean"]["sync"] == 0.2
+    assert out["async_not_worse_than_sync"] and not out["async_no_is_not_worse_than_sync"]
+    # better than sync by more than the spread: not "within", but not worse either
+    finals["async_no_is"] = {"0": 0.90, "1": 0.92}
+    out = learning_summary(finals, curves, [0, 1], steps=2, window=1)
+    assert not out["async_no_is_within_seed_spread"] and out["async_no_is_not_worse_than_sync"]
+
+
+def _learning_file(path, seeds, *, device="nvidia-h100-x1", steps=3, job_seed=None, lr=5.0e-4):
+    curve = [{"step": i + 1, "reward_mean": 0.1 * i, "elapsed_s": float(i)} for i in range(steps)]
+    job = {
+        "model": {"path": f"/m{seeds[0]}"},
+        "dataset": {"name": "arith", "seed": seeds[0] if job_seed is None else job_seed},
+        "algorithm": {"seed": seeds[0], "groups_per_step": 16, "lr": lr},
+        "rollout": {"group_size": 8},
+    }
+    finals = {c: {str(s): 0.5 + 0.01 * s for s in seeds} for c in ("sync", "async", "async_no_is")}
+    curves = {c: {str(s): curve for s in seeds} for c in finals}
+    doc = {
+        "benchmark": "async_vs_sync",
+        "device": device,
+        "command": f"python benchmarks/async_vs_sync.py --seed {seeds[0]}",
+        "config": {"env": {"device_name": "x"}, "samples_per_step": 256, "learning_job": job},
+        "learning": learning_summary(finals, curves, seeds, steps, 1),
+    }
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_merge_learning_pools_whole_seeds_of_like_runs(tmp_path):
+    a = _learning_file(tmp_path / "a.json", [0])
+    b = _learning_file(tmp_path / "b.json", [1, 2])
+    out = tmp_path / "out"
+    result = main(["--merge-learning", str(a), str(b), "--out-dir", str(out)])
+    [path] = out.glob("async_vs_sync-nvidia-h100-x1-learning-*.json")
+    assert json.loads(path.read_text()) == json.loads(json.dumps(result))
+    L = result["learning"]
+    assert L["seeds"] == [0, 1, 2] and L["samples_per_step"] == 16 * 8  # the learning job's, not 256
+    assert L["final_reward"]["sync"] == {"0": 0.5, "1": 0.51, "2": 0.52}
+    assert [m["seeds"] for m in result["config"]["merged_from"]] == [[0], [1, 2]]
+    assert sorted(p.name.rsplit("-", 1)[-1] for p in out.glob("*.png")) == [
+        "reward_vs_samples.png",
+        "reward_vs_time.png",
+    ]
+
+
+@pytest.mark.parametrize(
+    "other, why",
+    [
+        ({"seeds": [0]}, "already in an earlier file"),
+        ({"seeds": [1], "device": "cpu"}, "a different device or job"),
+        ({"seeds": [1], "lr": 1e-3}, "a different device or job"),
+        ({"seeds": [1], "steps": 4}, "different learning steps"),
+    ],
+)
+def test_merge_learning_refuses_unlike_runs(tmp_path, other, why):
+    a = _learning_file(tmp_path / "a.json", [0])
+    b = _learning_file(tmp_path / "b.json", **other)
+    with pytest.raises(SystemExit, match=why):
+        main(["--merge-learning", str(a), str(b), "--out-dir", str(tmp_path / "out")])
 
 
 def _valid(raw, tmp_path):
