@@ -350,6 +350,9 @@ def rates(progress: list[dict], arrivals: list[float], warmup: int, samples_per_
         "trainer_busy_fraction": sum_("step_s") / window,
         "trainer_wait_fraction": sum_("wait_s") / window,
         "trainer_publish_fraction": sum_("publish_s") / window,
+        # the whole publish call (commit, gather, pause and continue too), and what no phase accounts for
+        "trainer_publish_call_fraction": sum_("publish_call_s") / window,
+        "trainer_other_fraction": 1 - (sum_("step_s") + sum_("wait_s") + sum_("publish_call_s")) / window,
         "step_s_mean": sum_("step_s") / len(timed),
         "staleness_mean": sum_("staleness_mean") / len(timed),
         "staleness_max": max(int(r["staleness_max"]) for r in timed),
@@ -359,7 +362,7 @@ def rates(progress: list[dict], arrivals: list[float], warmup: int, samples_per_
 
 def slim(progress: list[dict]) -> list[dict]:
     keys = ("step", "reward_mean", "staleness_mean", "staleness_max", "response_tokens", "wait_s", "step_s")
-    keys += ("publish_s", "elapsed_s")
+    keys += ("publish_s", "pause_s", "publish_call_s", "elapsed_s")
     return [{k: r.get(k) for k in keys} for r in progress]
 
 
@@ -882,7 +885,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "(progress records' elapsed_s)",
                 "tokens_per_s": "trained response tokens / the same window",
                 "trainer_busy_fraction": "sum(step_s: forward+backward+optimizer) / window; wait and publish "
-                "fractions likewise from wait_s and publish_s",
+                "fractions likewise from wait_s and publish_s (the weight transfer); publish_call: the whole "
+                "publish call (buffer commit, gather, engine pause, transfer, continue); other: 1 - step - "
+                "wait - publish_call (progress record, sample log, checkpoints)",
                 "generator_busy_fraction": "share of engine /metrics samples (every sample_interval_s) in the "
                 "window with sglang:num_running_reqs - sglang:num_paused_reqs > 0",
                 "generator_utilisation": "engine generated tokens/s in the window (sglang:generation_tokens) / "

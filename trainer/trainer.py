@@ -222,10 +222,11 @@ class Trainer:
             # every bus.update_every versions, and the last one, so engines end on the final policy
             due = update_due(version + 1, spec.bus.update_every, alg.total_steps)
             pub = self.publish(version + 1) if due else None
+            t_pub = time.monotonic()
             version += 1
             if self.is_main:
                 self.buffer.set_version(version)
-                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start)
+                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub)
             if (tr.checkpoint_every and version % tr.checkpoint_every == 0) or header["checkpoint"]:
                 last_checkpoint = self.checkpoint(version)
         # ranks that ran no step learn where rank 0 is, and whether the pool restarts
@@ -244,7 +245,7 @@ class Trainer:
             "restart": restart,
         }
 
-    def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start) -> None:
+    def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub) -> None:
         samples = [s for g in groups for s in g.samples]
         stale = [version - 1 - g.min_version for g in groups]
         step_s = t_step - t_data
@@ -262,6 +263,8 @@ class Trainer:
             "mfu": stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
             "publish_s": pub.transfer_s if pub else 0.0,
             "pause_s": pub.pause_s if pub else 0.0,
+            # the whole publish as the trainer waits on it: buffer commit, gather, pause, transfer, continue
+            "publish_call_s": t_pub - t_step,
             "elapsed_s": time.monotonic() - t_start,
             **episode_stats(groups),
             **stats,

@@ -25,6 +25,7 @@ def _rec(step, elapsed, step_s, wait_s, tokens, stale):
         "step_s": step_s,
         "wait_s": wait_s,
         "publish_s": 0.1,
+        "publish_call_s": 0.3,
         "response_tokens": tokens,
         "staleness_mean": stale,
         "staleness_max": stale,
@@ -43,7 +44,8 @@ def test_rates_exclude_warmup_steps():
     assert m["steps_timed"] == 2 and m["window_s"] == 4.0
     assert m["samples_per_s"] == 16 / 4 and m["tokens_per_s"] == 100 / 4
     assert m["trainer_busy_fraction"] == 2.5 / 4 and m["trainer_wait_fraction"] == 0.7 / 4
-    assert m["trainer_publish_fraction"] == 0.2 / 4
+    assert m["trainer_publish_fraction"] == 0.2 / 4 and m["trainer_publish_call_fraction"] == 0.6 / 4
+    assert m["trainer_other_fraction"] == pytest.approx(1 - (2.5 + 0.7 + 0.6) / 4)
     assert m["staleness_max"] == 2 and m["wall_window"] == [100.0, 104.0]
 
 
