@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
 """Where the key is read from when --api-key is absent: a command line is visible to every local user."""
@@ -83,14 +84,26 @@ def main(argv: list[str] | None = None) -> None:
         load_format=args.load_format,
     ).start()
 
+    asked: list[int] = []
+
     def shutdown(signum, frame) -> None:
         logging.getLogger(__name__).info("signal %d: shutting down", signum)
+        asked.append(signum)
         server.stop()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
     print(f"engine ready at {server.url}", flush=True)
     server.serve_forever()
+    # The server is down. A worker thread may still be blocked in a weight-bus receive whose sender is
+    # gone (a trainer that died mid-update); a normal interpreter exit would wait for it until the
+    # group's timeout (60 s by default). Nothing is left to save, so leave now.
+    if not asked:
+        logging.getLogger(__name__).error("the HTTP server stopped without being asked to")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if asked else 1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ collectives and loads in worker threads, so the event loop always answers /healt
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import hmac
 import logging
 import os
@@ -196,6 +198,10 @@ def _receive_and_load(state: _EngineState, body: UpdateWeightsFromDistributed, t
         events.append(_trace_event())
         _trace_bucket(state, events, body.weight_version is not None)
     return named
+
+
+async def _in_weight_thread(state: _EngineState, fn, *args):
+    return await asyncio.get_running_loop().run_in_executor(state.weight_pool, functools.partial(fn, *args))
 
 
 def _json(obj: Any, status_code: int = 200) -> Response:
@@ -514,6 +520,10 @@ class _EngineState:
         self.paused_at: float | None = None
         self.trace: list = []  # SLIPSTREAM_WEIGHT_TRACE
         self.weight_lock = asyncio.Lock()  # one weight operation at a time: groups receive in order
+        # Weight operations run in their own thread, not the loop's default executor: a receive blocked on
+        # a sender that is gone must not hold up the server's shutdown (asyncio.run joins the default
+        # executor's threads) until the group times out.
+        self.weight_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
 
 
@@ -701,7 +711,7 @@ def build_app(
         async with state.weight_lock:
             try:
                 # Blocks until the trainer (rank 0) and every other engine rank have joined.
-                await asyncio.to_thread(state.receiver.init_group, body)
+                await _in_weight_thread(state, state.receiver.init_group, body)
             except Exception as e:
                 log.warning("init_weights_update_group failed: %s", e)
                 return _control(False, f"Failed to init weight update group: {e}")
@@ -719,7 +729,7 @@ def build_app(
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
-                named = await asyncio.to_thread(_receive_and_load, state, body, t1)
+                named = await _in_weight_thread(state, _receive_and_load, state, body, t1)
             except Exception as e:
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
@@ -752,7 +762,9 @@ def build_app(
             if body.abort_all_requests:
                 runner.abort(abort_all=True)
             try:
-                await asyncio.to_thread(runner.load_weights_from_disk, body.model_path, body.weight_version)
+                await _in_weight_thread(
+                    state, runner.load_weights_from_disk, body.model_path, body.weight_version
+                )
             except Exception as e:
                 log.warning("update_weights_from_disk(%s) failed: %s", body.model_path, e)
                 return _control(
@@ -926,6 +938,7 @@ class EngineServer:
         self.app: FastAPI | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
 
     @property
     def url(self) -> str:
@@ -986,16 +999,20 @@ class EngineServer:
     def stop(self) -> None:
         if self.runner is not None:
             self.runner.stop()  # first, so open /generate calls return (aborted) and uvicorn can drain
+        if self.app is not None:  # a weight receive still blocked on a gone sender is left to its timeout
+            self.app.state.engine.weight_pool.shutdown(wait=False, cancel_futures=True)
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(10.0)
+        self._stopped.set()
         log.info("engine at %s stopped", self.url)
 
     def serve_forever(self) -> None:
-        """Block until the server thread ends (the CLI's main thread)."""
+        """Block until the server thread ends or stop() has returned (the CLI's main thread)."""
         assert self._thread is not None, "start() first"
-        self._thread.join()
+        while self._thread.is_alive() and not self._stopped.is_set():
+            self._thread.join(0.5)
 
     def __enter__(self) -> EngineServer:
         return self.start()

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, version
 
@@ -243,3 +245,52 @@ def test_engine_registered_mid_job_gets_current_weights_before_traffic(
         bus.close()
         first.close()
         late.stop()
+
+
+def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_path):
+    """The trainer announced a bucket and never sent it (it died, or hangs): the engine's receive is blocked
+    until the group's timeout (here 10 minutes). SIGTERM must still stop the engine process now, not when
+    that receive gives up; the announcement gets an error answer."""
+    engine = EngineProcess(models.path_a, tmp_path / "engine.log")
+    bus = WeightBus([engine.url], backend="gloo", api_key=KEY, timeout_s=600.0)
+    try:
+        bus.connect()
+        publish_bounded(bus, models.b.named_parameters(), 1)
+        name, p = next(iter(models.b.named_parameters()))
+        body = {"names": [name], "dtypes": ["float32"], "shapes": [list(p.shape)], "group_name": bus._name}
+        answer: dict = {}
+
+        def announce() -> None:  # the bucket whose bytes never come
+            try:
+                answer["status"] = httpx.post(
+                    f"{engine.url}/update_weights_from_distributed",
+                    json=body,
+                    headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=HANG_LIMIT_S,
+                ).status_code
+            except httpx.HTTPError as e:
+                answer["error"] = e
+
+        handled = _buckets_handled(engine.url)
+        th = threading.Thread(target=announce, daemon=True)
+        th.start()
+        deadline = time.monotonic() + HANG_LIMIT_S
+        while _buckets_handled(engine.url) == handled:  # the handler took the bucket: its receive waits
+            assert time.monotonic() < deadline, "the engine never took the announcement"
+            time.sleep(0.05)
+        engine.proc.send_signal(signal.SIGTERM)
+        assert engine.proc.wait(HANG_LIMIT_S) == 0  # a regression waits out the 600 s group timeout
+        th.join(HANG_LIMIT_S)
+        assert answer.get("status", 500) >= 500 or "error" in answer, answer
+    finally:
+        engine.kill()
+        bus.close()
+
+
+def _buckets_handled(url: str) -> float:
+    """Buckets whose handler got the weight lock (the `wait` phase is observed then, before the receive)."""
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("slipstream_engine_weight_bucket_seconds_count{") and 'phase="wait"' in line:
+            return float(line.split()[-1])
+    return 0.0
