@@ -236,6 +236,7 @@ class ExternalEngine:
     job (a job starts at version 0; an engine that served an earlier job holds that job's weights)."""
 
     def __init__(self, args: argparse.Namespace, model: Path, log_path: Path, api_key: str) -> None:
+        t0 = time.monotonic()
         cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model), "--port", "0"]
         cmd += ["--api-key", api_key, "--device", "cuda", "--dtype", "bfloat16", "--log-level", "WARNING"]
         cmd += ["--max-batch-size", str(args.engine_max_batch)]
@@ -252,16 +253,20 @@ class ExternalEngine:
             self.stop()
             raise RuntimeError(f"engine did not start; log tail:\n{log_path.read_text()[-2000:]}")
         self.url = line.split()[-1]
+        log(f"engine on GPU {args.engine_gpu} ready in {time.monotonic() - t0:.1f} s")
 
     def stop(self) -> None:
+        t0, how = time.monotonic(), "exited"
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
+                how = "killed after 30 s"
                 self.proc.kill()
                 self.proc.wait(30)
         self.log.close()
+        log(f"engine {how} in {time.monotonic() - t0:.1f} s after SIGTERM")
 
 
 # --- engine sampling ------------------------------------------------------------------------------
