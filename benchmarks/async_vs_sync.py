@@ -193,7 +193,8 @@ def build_tiny_arith(args: argparse.Namespace, work: Path) -> Path:
     from slipstream import jobspec
     from slipstream.launcher import prepare_model
 
-    path = Path(args.tiny_model_dir).resolve() if args.tiny_model_dir else work / "tiny-arith"
+    where = getattr(args, "tiny_model_dir", None)  # scale_run's arguments have no such option
+    path = Path(where).resolve() if where else work / "tiny-arith"
     spec = jobspec.from_dict(
         {
             "model": {"path": str(path), "build": "tiny-arith", "warmup_steps": args.model_warmup_steps},

@@ -38,7 +38,7 @@ comes from the weight-bus benchmark, which runs the raw broadcast side by side:
         --device-kind nvidia-h200-x4 --label 2engines
 
 Devices:
-- cpu (default): the demo's tiny-arith model (`benchmarks.async_vs_sync.build_cpu_model`), built-in engines as
+- cpu (default): the demo's tiny-arith model (`benchmarks.async_vs_sync.build_tiny_arith`), built-in engines as
   Ray actors, gloo bus, trainer ranks on CPU with 1 torch thread each. Every process shares the box's cores
   (2 on the dev box), so more engines or ranks cannot run faster there: the CPU run checks the mechanics of
   scaling a running job and how the stages compare under shared cores, not the speed-up.
@@ -441,9 +441,9 @@ def ab_job(args, model: Path, work: Path, spp: int, max_staleness: int) -> dict[
 
 
 def build_model(args, work: Path) -> Path:
-    from benchmarks.async_vs_sync import build_cpu_model, build_cuda_model
+    from benchmarks.async_vs_sync import build_cuda_model, build_tiny_arith
 
-    return build_cpu_model(args, work) if args.device == "cpu" else build_cuda_model(args, work)
+    return build_tiny_arith(args, work) if args.device == "cpu" else build_cuda_model(args, work)
 
 
 def summarise(result: dict) -> None:

@@ -30,6 +30,18 @@ class FuzzRun:
     by_status: dict[int, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per operation and mode, to see where a run spends its time."""
+    protocol_rejects: int = 0
+    """Requests whose generated framing header (e.g. `transfer-encoding: ;`) the HTTP layer (uvicorn's h11)
+    refused with its own plain-text 400 before any application code ran: correct, and not the app's to
+    word."""
+
+
+PROTOCOL_REJECT = "Invalid HTTP request received."
+FRAMING_HEADERS = {"transfer-encoding", "content-length"}
+
+
+def _bad_framing(case) -> bool:
+    return any(name.lower() in FRAMING_HEADERS for name in (case.headers or {}))
 
 
 def error_message(body: Any) -> str | None:
@@ -76,6 +88,9 @@ def fuzz(
         run.by_status[status] = run.by_status.get(status, 0) + 1
         if status >= 500:
             run.server_errors.append(f"{where}: {status} {response.text[:300]}\n  {curl}")
+            return
+        if status == 400 and response.text.strip() == PROTOCOL_REJECT and _bad_framing(case):
+            run.protocol_rejects += 1
             return
         if 400 <= status < 500:
             try:
