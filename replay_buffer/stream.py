@@ -158,6 +158,7 @@ class ReplayBuffer:
         self.trim_interval_s = trim_interval_s
         self.ledger = ledger
         self._own_pending_done = False
+        self._own_cursor = "0"
         self._next_claim = 0.0
         self._next_trim = 0.0
         self._reap = client.register_script(scripts.REAP)
@@ -210,10 +211,15 @@ class ReplayBuffer:
     # --- consumption -------------------------------------------------------------------------------
     def _read_own_pending(self, count: int) -> list[tuple[str, dict | None]]:
         """After a restart under the same consumer name: entries we read but never committed."""
-        resp = self.r.xreadgroup(TRAINER_GROUP, self.consumer, {self.keys.groups: "0"}, count=count)
+        # From after the last one returned: those are in a batch now (still pending until its commit).
+        resp = self.r.xreadgroup(
+            TRAINER_GROUP, self.consumer, {self.keys.groups: self._own_cursor}, count=count
+        )
         entries = resp[0][1] if resp else []
         if len(entries) < count:
             self._own_pending_done = True
+        if entries:
+            self._own_cursor = _str(entries[-1][0])
         return [(_str(eid), fields) for eid, fields in entries]
 
     def _claim(self, count: int) -> list[tuple[str, dict | None]]:
@@ -299,11 +305,17 @@ class ReplayBuffer:
         acknowledged and never returned. The returned entries stay pending until `commit`."""
         batch: list[Entry] = []
         seen: set[str] = set()
+        ids: set[str] = set()
         while len(batch) < n and not should_stop():
             t0 = time.perf_counter()
             raw = self._read(n - len(batch), block_ms)
             candidates: list[Entry] = []
             for entry_id, fields in raw:
+                if entry_id in ids:
+                    # Already in this batch: XAUTOCLAIM hands back our own entries too once they idle past
+                    # reclaim_idle_ms while a slow batch fills. Not a duplicate group: acking it here would
+                    # count it twice and lose it if we died before the commit.
+                    continue
                 if fields is None:  # claimed entry that was deleted meanwhile: nothing to train
                     self.r.xack(self.keys.groups, TRAINER_GROUP, entry_id)
                     continue
@@ -326,6 +338,7 @@ class ReplayBuffer:
                     self._drop_stale(entry, version)
                 else:
                     seen.add(entry.group.group_id)
+                    ids.add(entry.entry_id)
                     batch.append(entry)
             if raw:
                 metrics.GET_SECONDS.observe(time.perf_counter() - t0)

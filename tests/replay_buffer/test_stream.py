@@ -120,6 +120,48 @@ def test_uncommitted_entries_of_a_dead_consumer_are_reclaimed(redis_client, job_
     assert st["reclaimed"] == 1 and st["consumed"] == 1 and st["pending"] == 0
 
 
+def test_own_entry_reclaimed_while_a_slow_batch_fills_is_not_a_duplicate(redis_client, job_id):
+    """A batch that waits longer than reclaim_idle_ms for its last groups gets its own first entries back
+    from XAUTOCLAIM. They are the same entries, not duplicate groups: nothing is acked or counted twice
+    (the fault-injection run once counted one as both duplicate and consumed: books off by one)."""
+    buf = ReplayBuffer(redis_client, job_id, reclaim_idle_ms=1, trim_interval_s=0)
+    buf.ensure_group()
+    buf.put(first := _group(job_id, 0, "p0"))
+    reads = []
+
+    def stop() -> bool:  # the second group arrives only after several reads (and claims) of the first
+        reads.append(1)
+        if len(reads) == 5:
+            buf.put(_group(job_id, 0, "p1"))
+        return len(reads) > 50
+
+    batch = buf.take_batch(2, 0, 0, block_ms=20, should_stop=stop)
+    assert [e.group.prompt_id for e in batch] == ["p0", "p1"] and batch[0].group == first
+    st = buf.stats()
+    assert st["reclaimed"] >= 1  # the first entry did come back through XAUTOCLAIM
+    assert st["duplicates"] == 0 and st["pending"] == 2  # and is still pending, not acked
+    buf.commit(batch, 0)
+    st = buf.stats()
+    assert st["consumed"] == 2 and st["produced"] == 2 and st["pending"] == 0 and st["duplicates"] == 0
+
+
+def test_restarted_consumer_rereads_each_own_pending_entry_once(redis_client, job_id):
+    """A restarted consumer whose first pending entry is now stale: the batch fills from the second one
+    and new entries, not from the same pending entry over and over."""
+    first = ReplayBuffer(redis_client, job_id, consumer="trainer-0")
+    first.ensure_group()
+    first.put(_group(job_id, 0, "old"))
+    first.put(_group(job_id, 1, "p1"))
+    assert len(first.take_batch(2, 1, 1, block_ms=50)) == 2  # then the process dies, nothing committed
+    first.put(_group(job_id, 2, "p2"))
+    restarted = ReplayBuffer(redis_client, job_id, consumer="trainer-0")
+    calls = []
+    batch = restarted.take_batch(2, 2, 1, block_ms=20, should_stop=lambda: calls.append(1) or len(calls) > 20)
+    assert [e.group.prompt_id for e in batch] == ["p1", "p2"]  # "old" (version 0) is stale at version 2
+    st = restarted.stats()
+    assert st["dropped_stale"] == 1 and st["duplicates"] == 0 and st["pending"] == 2
+
+
 def test_restarted_consumer_rereads_its_own_pending_entries_first(redis_client, job_id):
     first = ReplayBuffer(redis_client, job_id, consumer="trainer-0")
     first.ensure_group()
