@@ -1093,14 +1093,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pool the learning seeds of these result files (same job and device) into one result; runs nothing",
     )
     args = p.parse_args(argv)
-    presets = {
-        **DEFAULTS,
-        **(CUDA_DEFAULTS if args.device == "cuda" else {}),
-        **(QUICK if args.quick else {}),
-    }
-    for key, value in presets.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    from benchmarks.common import apply_presets  # here: the script runs without PYTHONPATH
+
+    apply_presets(args, DEFAULTS, CUDA_DEFAULTS, QUICK)
     if args.no_learning:
         args.learning_steps = 0
     if args.warmup < 1:

@@ -39,3 +39,12 @@ class ResultFile:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.result, indent=2) + "\n")
+
+
+def apply_presets(args: Any, defaults: dict, cuda: dict, quick: dict) -> None:
+    """Fill every option the user left unset (None) from the presets: `defaults`, overridden by `cuda` on
+    --device cuda, overridden by `quick` with --quick."""
+    presets = {**defaults, **(cuda if args.device == "cuda" else {}), **(quick if args.quick else {})}
+    for key, value in presets.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)

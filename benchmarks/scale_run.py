@@ -610,14 +610,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
-    presets = {
-        **DEFAULTS,
-        **(CUDA_DEFAULTS if args.device == "cuda" else {}),
-        **(QUICK if args.quick else {}),
-    }
-    for key, value in presets.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
+    from benchmarks.common import apply_presets  # here: the script runs without PYTHONPATH
+
+    apply_presets(args, DEFAULTS, CUDA_DEFAULTS, QUICK)
     if args.warmup < 1 or args.steps < 1:
         p.error(
             "--warmup and --steps must be at least 1 (a stage's window starts at a warm-up step's record)"
