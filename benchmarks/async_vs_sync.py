@@ -39,8 +39,8 @@ the demo's a+b job on the tiny SFT-warmed `tiny-arith` model on either device (o
 stack as the throughput jobs: external bf16 engine, CUDA trainer; `--learning-model job` uses the
 throughput job instead, which on cuda has random weights and nothing to learn), `--learning-seeds`
 seeds (algorithm.seed and dataset.seed), three jobs per seed: sync (max_staleness 0, decoupled_ppo),
-async (max_staleness 2, decoupled_ppo) and async without the importance correction (max_staleness 2, `ppo`: PPO-clip with the ratio pi/pi_behav, i.e. the behaviour
-policy is the clipping anchor, no proximal policy and no truncated IS weight; see trainer/losses.py).
+async (max_staleness 2, decoupled_ppo) and async without the importance correction (max_staleness 2,
+`ppo`: PPO-clip with the ratio pi/pi_behav, i.e. the behaviour policy is the clipping anchor, no proximal policy and no truncated IS weight; see trainer/losses.py).
 Reported: final-window reward (mean training-batch reward of the last `--learning-window` steps) per seed,
 and whether the async mean lies within the seed spread of sync (see `learning.definition` in the JSON).
 
@@ -562,6 +562,11 @@ LEARNING_CONFIGS = (  # (label, max_staleness, loss)
 )
 
 
+def step_samples(raw: dict) -> int:
+    """Samples per optimizer step of a raw job spec."""
+    return raw["algorithm"]["groups_per_step"] * raw["rollout"]["group_size"]
+
+
 def learning_job(args, raw: dict, model: Path, work: Path) -> tuple[dict, Path]:
     """The learning-equivalence job and its model. `--learning-model tiny-arith` (the default): the demo's
     a+b job on the tiny SFT-warmed model, which learns within 60 steps (a random-weight shape model, as the
@@ -582,12 +587,12 @@ def learning_job(args, raw: dict, model: Path, work: Path) -> tuple[dict, Path]:
     return lraw, lmodel
 
 
-def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str, Any]:
-    """Three jobs per seed (LEARNING_CONFIGS); `on_seed(record)` after each job, so that a run cut short
+def learning(args, raw: dict, model: Path, work: Path, on_job=None) -> dict[str, Any]:
+    """Three jobs per seed (LEARNING_CONFIGS); `on_job(record)` after each job, so that a run cut short
     keeps what finished: the summary of the seeds done so far, plus the finished jobs of the seed under way
     (`partial_seed`)."""
     seeds = list(range(args.seed, args.seed + args.learning_seeds))
-    spp = raw["algorithm"]["groups_per_step"] * raw["rollout"]["group_size"]
+    spp = step_samples(raw)
     curves: dict[str, dict[str, list]] = {c[0]: {} for c in LEARNING_CONFIGS}
     finals: dict[str, dict[str, float]] = {c[0]: {} for c in LEARNING_CONFIGS}
     for seed in seeds:
@@ -609,8 +614,8 @@ def learning(args, raw: dict, model: Path, work: Path, on_seed=None) -> dict[str
             tail = progress[-args.learning_window :]
             finals[label][str(seed)] = statistics.mean(r["reward_mean"] for r in tail)
             log(f"learning {label} seed {seed}: final-window reward {finals[label][str(seed)]:.3f}")
-            if on_seed is not None:
-                on_seed(_partial(finals, curves, seeds[: seeds.index(seed) + 1], args, spp))
+            if on_job is not None:
+                on_job(_partial(finals, curves, seeds[: seeds.index(seed) + 1], args, spp))
     return learning_summary(finals, curves, seeds, args.learning_steps, args.learning_window, spp)
 
 
@@ -806,7 +811,7 @@ def merge_learning(paths: list[Path], out_dir: Path, argv: list[str]) -> dict[st
     seeds = sorted(int(s) for s in finals["sync"])
     L0 = first["learning"]
     job = first["config"].get("learning_job") or first["config"]["job"]
-    spp = job["algorithm"]["groups_per_step"] * job["rollout"]["group_size"]
+    spp = step_samples(job)
     rf = ResultFile("async_vs_sync", first["device"], argv, out_dir, "learning")
     rf.result["config"] = {
         "merged_from": [
@@ -873,8 +878,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             model = build_cuda_model(args, work)
         log(f"model at {model} in {time.monotonic() - t:.1f} s")
         raw = base_spec(args, model)
-        spec0 = make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)
-        samples_per_step = spec0.algorithm.groups_per_step * spec0.rollout.group_size
+        make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)  # a bad job fails here
+        samples_per_step = step_samples(raw)
         result["config"] = {
             "max_staleness": stalenesses,
             "steps_timed": args.steps,
@@ -937,7 +942,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     result["learning"] = summary
                     save()
 
-                result["learning"] = learning(args, lraw, lmodel, work, on_seed=partial)
+                result["learning"] = learning(args, lraw, lmodel, work, on_job=partial)
                 save()
         except BaseException as exc:  # what was measured is still written
             result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
