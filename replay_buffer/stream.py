@@ -305,13 +305,13 @@ class ReplayBuffer:
         acknowledged and never returned. The returned entries stay pending until `commit`."""
         batch: list[Entry] = []
         seen: set[str] = set()
-        ids: set[str] = set()
         while len(batch) < n and not should_stop():
             t0 = time.perf_counter()
             raw = self._read(n - len(batch), block_ms)
+            in_batch = {e.entry_id for e in batch}
             candidates: list[Entry] = []
             for entry_id, fields in raw:
-                if entry_id in ids:
+                if entry_id in in_batch:
                     # Already in this batch: XAUTOCLAIM hands back our own entries too once they idle past
                     # reclaim_idle_ms while a slow batch fills. Not a duplicate group: acking it here would
                     # count it twice and lose it if we died before the commit.
@@ -338,7 +338,6 @@ class ReplayBuffer:
                     self._drop_stale(entry, version)
                 else:
                     seen.add(entry.group.group_id)
-                    ids.add(entry.entry_id)
                     batch.append(entry)
             if raw:
                 metrics.GET_SECONDS.observe(time.perf_counter() - t0)
