@@ -152,7 +152,8 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
             if not all(scraped.get(r, 0) >= MIN_SCRAPES for r in want):
                 continue
             url = (run_dir / "redis.url").read_text().strip()
-            JobStore(redis.Redis.from_url(url, socket_timeout=2)).request_stop(JOB)
+            with redis.Redis.from_url(url, socket_timeout=2) as r:
+                JobStore(r).request_stop(JOB)
             return
         except (OSError, httpx.HTTPError, redis.RedisError, KeyError):
             pass  # Prometheus or the job's Redis not up yet
