@@ -4,7 +4,6 @@ gloo group, and the EngineClient that rollout workers use against it."""
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -15,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 import torch
+from metrics_text import sample
 from tiny_engine_model import build_noisy_model, greedy_reference
 
 from generator_fleet.client import EngineClient, EngineError
@@ -77,10 +77,9 @@ def prompt_ids(models: Models, text: str) -> list[int]:
 
 
 def metric(engine: EngineServer, name: str) -> float:
-    text = httpx.get(f"{engine.url}/metrics").text
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
+    value = sample(httpx.get(f"{engine.url}/metrics").text, name)
+    assert value is not None, f"{name} not in /metrics"
+    return value
 
 
 async def wait_until(cond: Callable[[], Awaitable[bool]], what: str) -> None:

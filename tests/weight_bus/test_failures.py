@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, version
+from metrics_text import sample
 
 from generator_fleet.engine import EngineServer
 from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key
@@ -290,7 +291,4 @@ def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_pa
 def _buckets_handled(url: str) -> float:
     """Buckets whose handler got the weight lock (the `wait` phase is observed then, before the receive)."""
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("slipstream_engine_weight_bucket_seconds_count{") and 'phase="wait"' in line:
-            return float(line.split()[-1])
-    return 0.0
+    return sample(text, "slipstream_engine_weight_bucket_seconds_count", phase="wait") or 0.0
