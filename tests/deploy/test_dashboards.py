@@ -30,6 +30,8 @@ WAIT_S = 60.0
 """Upper bound on waiting for Prometheus; a timeout only, never a performance threshold."""
 SCRAPE_S = 1
 JOB = "dash"
+REPLICAS = {"engine-0", "rollout-0", "trainer-0"}
+"""The job's processes that export metrics."""
 MIN_SCRAPES = 12
 """Successful scrapes of every replica before the job is told to stop: rate()s over the 15 s window need
 two in it, and a loaded 2-core box scrapes late. A count of events, not a time: the job runs until then."""
@@ -120,17 +122,21 @@ def _prometheus_config(tmp_path: Path) -> Path:
     return path
 
 
+def _job_redis(run_dir: Path) -> redis.Redis | None:
+    """A client of the job's (managed) Redis, whose URL the launcher writes to <output_dir>/redis.url; None
+    while the file is still empty, OSError while it is absent."""
+    url = (run_dir / "redis.url").read_text().strip()
+    return redis.Redis.from_url(url, socket_timeout=2) if url else None
+
+
 def _write_targets(run_dir: Path, out_dir: Path, stop: threading.Event) -> None:
     """What the control plane's TargetWriter does, every 0.5 s: the job's processes register their metrics
-    addresses in the job's (managed) Redis, whose URL the launcher writes to <output_dir>/redis.url."""
+    addresses in the job's Redis."""
     r = None
     while not stop.wait(0.5):
         try:
-            if r is None:
-                url = (run_dir / "redis.url").read_text().strip()
-                if not url:
-                    continue
-                r = redis.Redis.from_url(url, socket_timeout=2)
+            if r is None and (r := _job_redis(run_dir)) is None:
+                continue
             write_file_sd(r, out_dir)
         except (OSError, redis.RedisError):
             pass  # not started yet, or Redis already stopped at the end of the job
@@ -142,17 +148,17 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
     life a few seconds long, and a loaded box scraped it too rarely for a rate()."""
     from slipstream.jobs import JobStore
 
-    want = {"engine-0", "rollout-0", "trainer-0"}
     while not stop.wait(0.5):
         try:
             resp = httpx.get(
                 f"{base}/api/v1/query", params={"query": f'sum_over_time(up{{job="{JOB}"}}[1h])'}
             )
             scraped = {s["metric"]["replica"]: float(s["value"][1]) for s in resp.json()["data"]["result"]}
-            if not all(scraped.get(r, 0) >= MIN_SCRAPES for r in want):
+            if not all(scraped.get(replica, 0) >= MIN_SCRAPES for replica in REPLICAS):
                 continue
-            url = (run_dir / "redis.url").read_text().strip()
-            with redis.Redis.from_url(url, socket_timeout=2) as r:
+            if (r := _job_redis(run_dir)) is None:
+                continue
+            with r:
                 JobStore(r).request_stop(JOB)
             return
         except (OSError, httpx.HTTPError, redis.RedisError, KeyError):
@@ -226,7 +232,7 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
 
         up = _query_range(base, f'up{{job="{JOB}"}}', start, end)
         replicas = {s["metric"]["replica"] for s in up}
-        assert {"engine-0", "rollout-0", "trainer-0"} <= replicas, replicas
+        assert REPLICAS <= replicas, replicas
         scraped = {s["metric"]["replica"]: sum(v == "1" for _, v in s["values"]) for s in up}
         print(f"job ran {result.version} steps; successful scrapes per replica: {scraped}")
         assert all(s["metric"]["component"] == s["metric"]["replica"].rsplit("-", 1)[0] for s in up)
