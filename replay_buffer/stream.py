@@ -300,11 +300,14 @@ class ReplayBuffer:
         max_staleness: int,
         block_ms: int = 1000,
         should_stop: Callable[[], bool] = lambda: False,
+        batch: list[Entry] | None = None,
     ) -> list[Entry]:
-        """Block until `n` usable groups are read (or should_stop()); stale, bad and duplicate ones are
-        acknowledged and never returned. The returned entries stay pending until `commit`."""
-        batch: list[Entry] = []
-        seen: set[str] = set()
+        """Block until the batch holds `n` usable groups (or should_stop()); stale, bad and duplicate ones
+        are acknowledged and never returned. The returned entries stay pending until `commit`.
+        `batch`: entries an earlier call already took for this batch (it was stopped short); extended in
+        place and returned, so that none of them is read twice when it is redelivered meanwhile."""
+        batch = [] if batch is None else batch
+        seen: set[str] = {e.group.group_id for e in batch}
         while len(batch) < n and not should_stop():
             t0 = time.perf_counter()
             raw = self._read(n - len(batch), block_ms)

@@ -312,6 +312,10 @@ class BusSpec(Spec):
     127.0.0.1 while every engine is local, else this node's address on its default route."""
     update_every: Pos = 1
     """Publish weights every this many optimizer steps (and after the last one)."""
+    idle_sync_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    """When the trainer has waited this long for a batch while engines wait to join (new ones, or ones
+    dropped and due for a retry), it publishes its current weights to admit them now instead of at its
+    next step: with every engine gone or joining, no rollout comes and that step never would."""
 
 
 class RedisSpec(Spec):

@@ -6,6 +6,10 @@ STEP_SECONDS = Histogram("slipstream_trainer_step_seconds", "Forward+backward+op
 WAIT_SECONDS = Histogram(
     "slipstream_trainer_data_wait_seconds", "Time waiting for a full batch from the buffer"
 )
+IDLE_PUBLISHES = Counter(
+    "slipstream_trainer_idle_publishes_total",
+    "Publishes of the current weights without a step, to admit engines waiting to join (bus.idle_sync_s)",
+)
 STEPS = Counter("slipstream_trainer_steps_total", "Optimizer steps committed")
 TOKENS = Counter("slipstream_trainer_tokens_total", "Response tokens trained on")
 LOSS = Gauge("slipstream_trainer_loss", "Policy loss of the last step")

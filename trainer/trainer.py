@@ -30,10 +30,15 @@ from trainer.batch import build_samples
 from trainer.distributed import DistInfo, Pool
 from trainer.flops import peak_flops
 from trainer.learner import Learner
-from weight_bus import WeightBus, update_due
+from weight_bus import BusError, WeightBus, update_due
 from weight_bus.group import master_address_for
 
 log = logging.getLogger(__name__)
+
+IDLE_SYNC = "idle-sync"
+"""`_take`'s answer when the trainer should publish its current weights to engines waiting to join."""
+SYNC_CHECK_S = 1.0
+"""How often a trainer waiting for a batch (past bus.idle_sync_s) asks the bus for engines waiting to join."""
 
 
 def render_sample(tokenizer, sample) -> str:
@@ -103,6 +108,9 @@ class Trainer:
         self._restart = False
         """stop(restart=True): checkpoint where it stopped, skip the final export (the pool comes back)."""
         self._checkpoint_requested = False
+        self._batch: list = []
+        """Rank 0: entries taken for the next batch before an idle publish interrupted the wait."""
+        self._next_sync_check = 0.0
         self.checkpoint_dir = Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
     @property
@@ -171,18 +179,54 @@ class Trainer:
         self._checkpoint_requested = True
 
     def _take(self, version: int):
-        """Rank 0: the next batch's entries, or None when the job is done or stopping."""
+        """Rank 0: the next batch's entries; None when the job is done or stopping; IDLE_SYNC when it
+        has waited bus.idle_sync_s while engines wait to join (the entries taken so far are kept for
+        the next call)."""
         alg, buf = self.spec.algorithm, self.spec.buffer
         if version >= alg.total_steps or self._stop:
             return None
-        entries = self.buffer.take_batch(
+        since = time.monotonic()
+        self._batch = self.buffer.take_batch(
             alg.groups_per_step,
             version,
             buf.max_staleness,
             buf.read_block_ms,
-            should_stop=lambda: self._stop,
+            should_stop=lambda: self._stop or self._sync_due(since),
+            batch=self._batch,
         )
-        return entries if len(entries) == alg.groups_per_step else None  # short: stopping
+        if len(self._batch) == alg.groups_per_step:
+            entries, self._batch = self._batch, []
+            return entries
+        return None if self._stop else IDLE_SYNC
+
+    def _sync_due(self, since: float) -> bool:
+        """Rank 0, while waiting for a batch: waited bus.idle_sync_s and engines wait to join."""
+        now = time.monotonic()
+        if now - since < self.spec.bus.idle_sync_s or now < self._next_sync_check:
+            return False
+        self._next_sync_check = now + SYNC_CHECK_S
+        return bool(self.bus.joiners_waiting())
+
+    def _idle_publish(self, version: int) -> None:
+        """Every rank, no step: publish the current weights again so that engines waiting to join are
+        admitted (and their rollouts can fill the batch the trainer waits for)."""
+        waiting = self.bus.joiners_waiting() if self.is_main else []
+        try:
+            pub = self.publish(version)
+        except BusError as e:  # no version is at stake: the next step's update tries again
+            log.warning("idle publish of version %d for %s failed: %s", version, waiting, e)
+            return
+        if self.is_main:
+            metrics.IDLE_PUBLISHES.inc()
+            log.info(
+                "no batch for %.0f s and engines waiting to join %s: published version %d again; joined %s, "
+                "%d engines in the update group",
+                self.spec.bus.idle_sync_s,
+                waiting,
+                version,
+                pub.joined,
+                len(pub.engines),
+            )
 
     def publish(self, version: int):
         """Gather full weights (every rank: each gather is a collective) and send them to the engines
@@ -204,9 +248,18 @@ class Trainer:
         last_checkpoint = None
         while True:
             t0 = time.monotonic()
-            entries = self._take(version) if self.is_main else None
-            ckpt, self._checkpoint_requested = self._checkpoint_requested, False
-            header = self.pool.broadcast({"version": version, "checkpoint": ckpt} if entries else None)
+            while True:  # rank 0 decides, every rank learns: a step, an idle publish, or the end
+                entries = self._take(version) if self.is_main else None
+                sync = entries is IDLE_SYNC
+                ckpt = False
+                if not sync:
+                    ckpt, self._checkpoint_requested = self._checkpoint_requested, False
+                header = self.pool.broadcast(
+                    {"version": version, "sync": sync, "checkpoint": ckpt} if entries else None
+                )
+                if header is None or not header["sync"]:
+                    break
+                self._idle_publish(header["version"])
             if header is None:
                 break
             version = header["version"]

@@ -49,9 +49,9 @@ from weight_bus.group import (
     broadcast_async,
     dtype_from_name,
     dtype_name,
-    free_port,
-    new_group,
+    group_on,
     shutdown_group,
+    tcp_store,
 )
 from weight_bus.pipeline import Pipeline, Response
 from weight_bus.receiver import FLATTENED_BUCKET
@@ -488,8 +488,18 @@ class WeightBus:
                 return
             self._generation += 1
             metrics.GROUP_REBUILDS.inc()
-            name, port = self._name, free_port(self.master_address)
+            name = self._name
             offsets, world = rank_offsets([e.tp_size for e in self.engines])
+            # gloo: blocks until every rank joined; a survivor may first sit out a stuck receive
+            timeout = self.timeout_s + self._grace if self.backend == "gloo" else self._nccl_backstop_s()
+            try:  # the store listens before any engine is told its port (port 0: no race for a free one)
+                store = tcp_store(self.master_address, 0, world, True, timeout)
+            except Exception as e:  # ours, not the engines': they are not dropped for it
+                log.warning(
+                    "weight group %s: could not host its store on %s: %s", name, self.master_address, e
+                )
+                continue
+            port = store.port
             futures: dict[str, Future] = {}
             for e, offset in zip(self.engines, offsets, strict=True):
                 req = InitWeightsUpdateGroup(
@@ -503,9 +513,7 @@ class WeightBus:
                 )
                 futures[e.url] = self._join(e, req)
             try:
-                # gloo: blocks until every rank joined; a survivor may first sit out a stuck receive
-                timeout = self.timeout_s + self._grace if self.backend == "gloo" else self._nccl_backstop_s()
-                self.group = new_group(self.master_address, port, 0, world, self.backend, name, timeout)
+                self.group = group_on(store, 0, world, self.backend, name, timeout)
             except Exception as e:
                 log.warning("weight group %s: setup failed: %s", name, e)
             wait(futures.values(), timeout=self.timeout_s + 2 * self._grace)
@@ -583,14 +591,7 @@ class WeightBus:
         """Before an update: drop engines that do not answer, admit joiners; rebuild if anything
         changed. Returns (joined, dropped)."""
         now = time.monotonic()
-        candidates = set(u for u, t in self._retry_at.items() if t <= now)
-        if self.registry is not None:
-            try:
-                candidates.update(self.registry.joining())
-            except Exception as e:  # Redis down: update the engines we have
-                log.warning("registry: could not list joining engines: %s", e)
-        candidates -= set(self.urls)
-        candidates = {u for u in candidates if self._retry_at.get(u, 0) <= now}
+        candidates = self._candidates(now)
         infos = self._probe(self.urls + sorted(candidates))
         dead = [u for u in self.urls if isinstance(infos[u], BaseException)]
         left = self._deregistered(dead)
@@ -614,6 +615,24 @@ class WeightBus:
         if self.engines and (self.group is None or joined or dropped):
             self._rebuild()
         return [u for u in joined if u in self.urls], dropped
+
+    def _candidates(self, now: float) -> set[str]:
+        """Engines an update would try to admit now: registered as joining, or dropped (or failed to
+        join) with their retry due; never one in the group, nor one whose retry is not due yet."""
+        candidates = {u for u, t in list(self._retry_at.items()) if t <= now}
+        if self.registry is not None:
+            try:
+                candidates.update(self.registry.joining())
+            except Exception as e:  # Redis down: update the engines we have
+                log.warning("registry: could not list joining engines: %s", e)
+        candidates -= set(self.urls)
+        return {u for u in candidates if self._retry_at.get(u, 0) <= now}
+
+    def joiners_waiting(self) -> list[str]:
+        """The engines the next update would try to admit, sorted. A trainer with nothing to train
+        publishes its current weights for them (Trainer: bus.idle_sync_s) instead of waiting for its
+        next step, which never comes when every engine is gone or still joining."""
+        return sorted(self._candidates(time.monotonic()))
 
     def _deregistered(self, urls: list[str]) -> set[str]:
         """Those of `urls` that are in neither registry set (their engine left it: scaled down, or the

@@ -43,6 +43,43 @@ def master_address_for(engine_urls: list[str]) -> str:
         return s.getsockname()[0]
 
 
+def tcp_store(
+    master_address: str, master_port: int, world_size: int, is_master: bool, timeout_s: float
+) -> dist.TCPStore:
+    """A group's store: rank 0 hosts it (`master_port` 0: the OS picks a free port, read it from
+    `.port`; no window in which another process can take it), the others connect to it, retrying until
+    `timeout_s`."""
+    return dist.TCPStore(
+        master_address,
+        int(master_port),
+        world_size,
+        is_master=is_master,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def group_on(
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    group_name: str = "weight_update_group",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> dist.ProcessGroup:
+    """The group over `store` (prefixed with `group_name`). gloo blocks until all `world_size` ranks have
+    joined (at most `timeout_s`); NCCL connects lazily, at the first collective."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+
+
 def new_group(
     master_address: str,
     master_port: int,
@@ -52,25 +89,11 @@ def new_group(
     group_name: str = "weight_update_group",
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> dist.ProcessGroup:
-    """Join (rank > 0) or host (rank 0) a group. gloo blocks until all `world_size` ranks have joined
-    (at most `timeout_s`); NCCL connects lazily, at the first collective."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(
-        master_address,
-        int(master_port),
-        world_size,
-        is_master=(rank == 0),
-        timeout=timeout,
-        wait_for_workers=False,
-    )
-    store = dist.PrefixStore(group_name, store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
-    raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+    """Join (rank > 0) or host (rank 0) a group at a known port: `tcp_store` + `group_on`."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+    store = tcp_store(master_address, master_port, world_size, rank == 0, timeout_s)
+    return group_on(store, rank, world_size, backend, group_name, timeout_s)
 
 
 def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> dist.Work:

@@ -1,6 +1,8 @@
 """Buffer semantics against a real redis-server: round trip, ack only on commit, staleness drop/recycle,
 dead-letter, idempotent redelivery, reclaim from idle consumers, trimming."""
 
+import time
+
 import pytest
 
 from replay_buffer import ReplayBuffer, Sample, make_group
@@ -143,6 +145,32 @@ def test_own_entry_reclaimed_while_a_slow_batch_fills_is_not_a_duplicate(redis_c
     buf.commit(batch, 0)
     st = buf.stats()
     assert st["consumed"] == 2 and st["produced"] == 2 and st["pending"] == 0 and st["duplicates"] == 0
+
+
+def test_batch_stopped_short_goes_on_in_a_later_call_without_reading_an_entry_twice(redis_client, job_id):
+    """The trainer interrupts a batch that fills slowly (to publish for joining engines) and goes on with
+    the entries it already took: they come back through XAUTOCLAIM meanwhile, and are neither taken twice
+    nor acked."""
+    buf = ReplayBuffer(redis_client, job_id, reclaim_idle_ms=1, trim_interval_s=0)
+    buf.ensure_group()
+    buf.put(first := _group(job_id, 0, "p0"))
+    checks = []
+
+    def stop() -> bool:  # a few reads: p0, then waits for a second group that is not there yet
+        checks.append(1)
+        return len(checks) > 3
+
+    partial = buf.take_batch(2, 0, 0, block_ms=20, should_stop=stop)
+    assert [e.group for e in partial] == [first]
+    time.sleep(0.01)  # past reclaim_idle_ms: the next read's XAUTOCLAIM hands p0 back
+    buf.put(_group(job_id, 0, "p1"))
+    batch = buf.take_batch(2, 0, 0, block_ms=20, batch=partial)
+    assert batch is partial and [e.group.prompt_id for e in batch] == ["p0", "p1"]
+    st = buf.stats()
+    assert st["reclaimed"] >= 1 and st["duplicates"] == 0 and st["pending"] == 2
+    buf.commit(batch, 0)
+    st = buf.stats()
+    assert st["consumed"] == 2 and st["pending"] == 0 and st["duplicates"] == 0
 
 
 def test_restarted_consumer_rereads_each_own_pending_entry_once(redis_client, job_id):

@@ -233,9 +233,11 @@ def test_engine_registered_mid_job_gets_current_weights_before_traffic(
         joining = EngineRegistration(redis_client, job_id, late.url, joining=True)
         assert live(redis_client, job_id) == [survivor.url]  # rollout workers do not see it yet
         assert registry.joining() == [late.url] and version(late.url) == "0"
+        assert bus.joiners_waiting() == [late.url]  # what a trainer with no batch publishes early for
 
         stats = publish_bounded(bus, models.c.named_parameters(), version=12)
         assert stats.joined == [late.url] and sorted(stats.engines) == sorted([survivor.url, late.url])
+        assert bus.joiners_waiting() == []
         for server in (survivor, late):
             assert_holds(server, models.c)
             assert version(server.url) == "12"
