@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from metrics_text import sample
 from prometheus_client import CollectorRegistry, generate_latest
 
 from slipstream import gpu_metrics
@@ -19,14 +20,6 @@ def _scrape(collector) -> str:
     return generate_latest(reg).decode()
 
 
-def _values(text: str) -> dict[str, float]:
-    return {
-        ln.split(" ")[0]: float(ln.split(" ")[1])
-        for ln in text.splitlines()
-        if ln.startswith("slipstream_gpu")
-    }
-
-
 def test_nvidia_smi_readings_for_this_process_gpus_only(monkeypatch):
     calls = []
 
@@ -38,10 +31,9 @@ def test_nvidia_smi_readings_for_this_process_gpus_only(monkeypatch):
     c = gpu_metrics.GPUCollector([1])
     c._reader = gpu_metrics._read_smi
     text = _scrape(c)
-    v = _values(text)
-    assert v['slipstream_gpu_utilization_ratio{gpu="1"}'] == 1.0
-    assert v['slipstream_gpu_memory_used_bytes{gpu="1"}'] == 2048 * 2**20
-    assert v['slipstream_gpu_memory_total_bytes{gpu="1"}'] == 81920 * 2**20
+    assert sample(text, "slipstream_gpu_utilization_ratio", gpu="1") == 1.0
+    assert sample(text, "slipstream_gpu_memory_used_bytes", gpu="1") == 2048 * 2**20
+    assert sample(text, "slipstream_gpu_memory_total_bytes", gpu="1") == 81920 * 2**20
     assert 'gpu="0"' not in text  # another process's GPU
     _scrape(c)
     assert len(calls) == 1  # the second scrape within CACHE_S reuses the reading
