@@ -17,14 +17,14 @@ from slipstream import faults, jobspec
 pytestmark = pytest.mark.slow
 
 
-def _spec(tmp_path, model_dir) -> jobspec.JobSpec:
+def _spec(tmp_path, model_dir, engines: int = 2) -> jobspec.JobSpec:
     return jobspec.loads(
         f"""
 name: faults
 output_dir: {tmp_path / "out"}
 model: {{path: {model_dir}}}
 rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
-generators: {{num_engines: 2, num_workers: 2}}
+generators: {{num_engines: {engines}, num_workers: {engines}}}
 algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
 buffer: {{max_staleness: 2, worker_lease_s: 2.0, ledger: true, reclaim_idle_ms: 2000}}
 trainer: {{checkpoint_every: 5}}
@@ -76,3 +76,20 @@ def test_job_survives_killed_and_hung_processes(tmp_path, tiny_model_dir, monkey
         assert b["lost"] == 0 and b["trained_twice"] == 0 and b["ledger_matches_consumed"]
         assert b["dead_letter"] == 0 and b["reissue_queue"] == 0
         assert b["reissued"] >= 1
+
+
+def test_job_whose_only_engine_is_killed_trains_on(tmp_path, tiny_model_dir):
+    """kill -9 the job's only engine: its replacement registers as joining, and no rollout can come until
+    the weight bus admits it. The trainer, out of groups, publishes for it (bus.idle_sync_s) instead of
+    waiting for a step that would never come."""
+    with faults.LocalJob(_spec(tmp_path, tiny_model_dir, engines=1), tmp_path) as job:
+        job.wait("the first steps", lambda: job.version() >= 3)
+        f = faults.kill_engine(job, 0)
+        job.wait_progress("the kill of the only engine")
+        print(
+            f"injected {f}; checked: the replacement was admitted with no step to admit it, training goes on"
+        )
+        job.stop()
+        assert job.driver.restarts["engines"] == 1
+        b = faults.books(job)
+        assert b["lost"] == 0 and b["trained_twice"] == 0 and b["ledger_matches_consumed"], b
