@@ -228,17 +228,21 @@ class TrainerActor:
 
         _setup_process(spec, f"trainer-{rank}", redis_url, spec.trainer.torch_threads)
         self.trainer = Trainer(spec, redis_url, engine_urls, api_key, rank, world_size)
+        self._store = None
+        """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: this node's address and a free port there, for the trainer group's store."""
-        from slipstream.redis_server import free_port
+        """Rank 0: host the trainer group's store on this node (a port the OS picks, listening before
+        any rank is told it) and say where it is."""
+        from trainer.distributed import host_store
 
         host = ray.util.get_node_ip_address()
-        return host, free_port(host)
+        self._store = host_store(host, self.trainer.world_size)
+        return host, self._store.port
 
     def setup(self, master: tuple[str, int] | None = None) -> None:
         """Every rank at once: joining the group blocks until all ranks have."""
-        self.trainer.setup(master)
+        self.trainer.setup(master, self._store)
 
     def run(self) -> dict:
         result = self.trainer.run()  # ends with the HF export of the final policy to <output_dir>/final_model

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weight_bus.group import tcp_store
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0
@@ -33,10 +35,17 @@ class DistInfo(msgspec.Struct, frozen=True):
     """TCP port of rank 0's rendezvous store; 0 = no process group (single process, FSDP off)."""
 
 
+def host_store(addr: str, world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a port the OS picks (`.port`), listening before any rank is told it."""
+    return tcp_store(addr, 0, world_size, True, DEFAULT_TIMEOUT_S)
+
+
 class Pool:
     """This rank's handles: the default group (collectives of the model) and a gloo group for objects."""
 
-    def __init__(self, info: DistInfo, device: torch.device) -> None:
+    def __init__(self, info: DistInfo, device: torch.device, store: dist.Store | None = None) -> None:
+        """`store`: rank 0's rendezvous store, hosted already (`host_store`: no window in which another
+        process takes its port); None = host (rank 0) or reach (the others) the store at `info`'s port."""
         self.rank = info.rank
         self.world_size = info.world_size
         self.device = device
@@ -51,9 +60,13 @@ class Pool:
             torch.cuda.set_device(device)  # FSDP places shards on the current device
         if not dist.is_initialized():
             kw = {"device_id": device} if device.type == "cuda" else {}
+            if store is None:
+                store = tcp_store(
+                    info.master_addr, info.master_port, info.world_size, info.rank == 0, DEFAULT_TIMEOUT_S
+                )
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                store=store,
                 rank=info.rank,
                 world_size=info.world_size,
                 timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),

@@ -27,7 +27,7 @@ from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, Pool, host_store
 from trainer.flops import peak_flops
 from trainer.learner import Learner
 from weight_bus import BusError, WeightBus, update_due
@@ -117,10 +117,10 @@ class Trainer:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def setup(self, master: tuple[str, int] | None = None) -> None:
-        """Join the trainer group (rank 0's `master` = (host, port); None with one rank), load and shard
-        the models, connect the bus, and resume from a checkpoint if the spec says so."""
-        from slipstream.redis_server import free_port
+    def setup(self, master: tuple[str, int] | None = None, store=None) -> None:
+        """Join the trainer group (rank 0's `master` = (host, port); None with one rank; `store`: rank 0's
+        rendezvous store when it hosts it already, `distributed.host_store`), load and shard the models,
+        connect the bus, and resume from a checkpoint if the spec says so."""
         from slipstream.tokenizers import load_tokenizer
 
         tr = self.spec.trainer
@@ -132,9 +132,10 @@ class Trainer:
         else:
             self.device = torch.device("cpu")
         if master is None and tr.fsdp:  # one rank: a private group, FSDP still shards (over one)
-            master = ("127.0.0.1", free_port())
+            store = host_store("127.0.0.1", 1)
+            master = ("127.0.0.1", store.port)
         addr, port = master or ("127.0.0.1", 0)
-        self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device)
+        self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device, store)
         self.learner = Learner(self.spec, self.pool)
         self.learner.setup()
         self.peak_flops = (
