@@ -22,7 +22,6 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     from prometheus_client import start_http_server
 
     from slipstream import gpu_metrics
-    from slipstream.redis_server import free_port
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)
@@ -38,8 +37,8 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     sh.setFormatter(fmt)
     root.handlers[:] = [fh, sh]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
-    port = free_port()
-    start_http_server(port, addr="127.0.0.1")
+    server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
+    port = server.server_port
     gpu_metrics.register()  # this process's GPUs, if it has any
     connect(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
