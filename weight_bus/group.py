@@ -60,12 +60,7 @@ def tcp_store(
 
 
 def group_on(
-    store: dist.Store,
-    rank: int,
-    world_size: int,
-    backend: str = "gloo",
-    group_name: str = "weight_update_group",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    store: dist.Store, rank: int, world_size: int, backend: str, group_name: str, timeout_s: float
 ) -> dist.ProcessGroup:
     """The group over `store` (prefixed with `group_name`). gloo blocks until all `world_size` ranks have
     joined (at most `timeout_s`); NCCL connects lazily, at the first collective."""
