@@ -211,19 +211,17 @@ class Trainer:
     def _idle_publish(self, version: int) -> None:
         """Every rank, no step: publish the current weights again so that engines waiting to join are
         admitted (and their rollouts can fill the batch the trainer waits for)."""
-        waiting = self.bus.joiners_waiting() if self.is_main else []
         try:
             pub = self.publish(version)
         except BusError as e:  # no version is at stake: the next step's update tries again
-            log.warning("idle publish of version %d for %s failed: %s", version, waiting, e)
+            log.warning("idle publish of version %d for engines waiting to join failed: %s", version, e)
             return
         if self.is_main:
             metrics.IDLE_PUBLISHES.inc()
             log.info(
-                "no batch for %.0f s and engines waiting to join %s: published version %d again; joined %s, "
+                "no batch for %.0f s and engines waiting to join: published version %d again; joined %s, "
                 "%d engines in the update group",
                 self.spec.bus.idle_sync_s,
-                waiting,
                 version,
                 pub.joined,
                 len(pub.engines),
