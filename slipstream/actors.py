@@ -96,6 +96,10 @@ class EngineActor:
         and this call fails with the cause, so the driver replaces it."""
         self.server.serve_forever()
         if self.server.fatal is not None:
+            try:
+                self.registration.close()  # rollout workers stop routing here before the driver acts
+            except Exception as e:  # the lease runs out anyway
+                logging.getLogger(__name__).warning("leaving the engine registry failed: %s", e)
             raise RuntimeError(f"engine unhealthy: {self.server.fatal}")
 
     def pid(self) -> int:

@@ -39,7 +39,9 @@ ABORT_QUEUED = "Abort before prefill"
 
 FAULT_ENV = "SLIPSTREAM_ENGINE_INJECT_FAULT"
 """Testing hook: when set, the runner's first generation step raises RuntimeError(its value), as a real
-CUDA fault would (e.g. "CUDA error: an illegal memory access was encountered")."""
+CUDA fault would (e.g. "CUDA error: an illegal memory access was encountered"). A value "@PATH" names a
+file instead: the first step of any engine after the file appears takes it (one engine of a job wins)
+and raises its text; unset (production), the runner never looks."""
 
 _FATAL_MARKERS = (
     "CUDA error",
@@ -543,8 +545,7 @@ class Runner:
                 fatal = False
                 try:
                     if self._fault is not None:
-                        fault, self._fault = self._fault, None
-                        raise RuntimeError(fault)
+                        self._inject_fault()
                     if admitted:
                         self._prefill(admitted, version)
                     elif self._running:
@@ -607,6 +608,21 @@ class Runner:
                 except Exception:
                     log.exception("on_fatal callback failed")
         return True
+
+    def _inject_fault(self) -> None:
+        """FAULT_ENV's testing hook (see there)."""
+        if not self._fault.startswith("@"):
+            fault, self._fault = self._fault, None
+            raise RuntimeError(fault)
+        path = self._fault[1:]
+        taken = f"{path}.taken-{os.getpid()}"
+        try:
+            os.rename(path, taken)  # atomic: one engine takes it
+        except FileNotFoundError:
+            return
+        self._fault = None
+        with open(taken) as f:
+            raise RuntimeError(f.read().strip())
 
     def _reap_aborted(self) -> None:
         """Finish running requests that were asked to abort (caller holds _cv, no step in flight)."""
