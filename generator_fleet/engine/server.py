@@ -737,8 +737,9 @@ def build_app(
             try:
                 named = await _in_weight_thread(state, _receive_and_load, state, body, t1)
             except Exception as e:
-                if not runner.poison(e):  # a CUDA fault: the engine goes down (logged there)
-                    log.warning("update_weights_from_distributed failed: %s", e)
+                if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
+                    return _http_error(503, f"engine unhealthy: {runner.fatal}")
+                log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
         state.metrics.weight_updates.inc()
         # One INFO line per update (its last bucket carries the version), not per bucket.
@@ -865,6 +866,8 @@ def build_app(
         return _json(model_info())
 
     async def get_server_info() -> Response:
+        if runner.fatal is not None:  # the weight bus probes this: an unhealthy engine counts as gone
+            return _http_error(503, f"engine unhealthy: {runner.fatal}")
         return _json(server_info())
 
     for path in ("/model_info", "/get_model_info"):

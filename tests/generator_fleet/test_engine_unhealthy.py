@@ -77,6 +77,7 @@ def test_a_sticky_cuda_error_turns_the_engine_unhealthy(model_dir, monkeypatch):
             health = c.get("/health")
             assert health.status_code == 503
             assert STICKY in health.json()["message"]
+            assert c.get("/get_server_info").status_code == 503  # the weight bus drops it, not BusError
             again = c.post("/generate", json=GENERATE)  # no request runs on a poisoned context
             assert again.status_code == 503 and STICKY in again.json()["message"]
             assert 'slipstream_engine_healthy{model_name="' in c.get("/metrics").text
