@@ -154,3 +154,41 @@ def test_the_engine_process_exits_non_zero_with_the_cause(model_dir, tmp_path):
     assert code != 0, text
     assert "engine unhealthy" in text and STICKY in text
     assert "exiting: the engine is unhealthy" in text
+
+
+_REAL_FAULT = """
+import sys, httpx, torch
+from generator_fleet.engine import EngineServer
+server = EngineServer(sys.argv[1], device="cuda", fatal_exit_grace_s=3600).start()
+fwd = server.runner.fwd
+prefill = fwd.prefill
+
+def faulty_prefill(seqs, slots):  # an out-of-range gather on the device: a device-side assert
+    h = prefill(seqs, slots)
+    return h[torch.full((h.shape[0],), 1 << 40, device=h.device)]
+
+fwd.prefill = faulty_prefill
+r = httpx.post(server.url + "/generate", json={"input_ids": [3, 4, 5]}, timeout=120)
+print("generate", r.status_code, r.text[:300], flush=True)
+h = httpx.get(server.url + "/health", timeout=30)
+print("health", h.status_code, h.text[:300], flush=True)
+print("fatal", server.fatal, flush=True)
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_device_side_assert_turns_the_engine_unhealthy(model_dir):
+    """A real sticky CUDA error (not the hook), in its own process: the context stays poisoned."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", _REAL_FAULT, str(model_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    print(out.stdout)
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines["generate"].startswith("503"), out.stdout + out.stderr[-3000:]
+    assert lines["health"].startswith("503") and "engine unhealthy" in lines["health"]
+    assert "CUDA error" in lines["fatal"] or "AcceleratorError" in lines["fatal"], lines["fatal"]
