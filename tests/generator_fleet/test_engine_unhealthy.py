@@ -125,7 +125,7 @@ def test_a_failing_step_that_is_no_cuda_fault_leaves_the_engine_serving(model_di
 def test_the_engine_process_exits_non_zero_with_the_cause(model_dir, tmp_path):
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         FAULT_ENV: STICKY,
