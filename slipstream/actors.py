@@ -92,8 +92,15 @@ class EngineActor:
 
     def watch(self) -> None:
         """Returns when the server stopped; the job driver holds this call to learn of the engine's death
-        (the call fails with the actor)."""
+        (the call fails with the actor). An engine that a fatal CUDA error made unhealthy stops itself,
+        and this call fails with the cause, so the driver replaces it."""
         self.server.serve_forever()
+        if self.server.fatal is not None:
+            try:
+                self.registration.close()  # rollout workers stop routing here before the driver acts
+            except Exception as e:  # the lease runs out anyway
+                logging.getLogger(__name__).warning("leaving the engine registry failed: %s", e)
+            raise RuntimeError(f"engine unhealthy: {self.server.fatal}")
 
     def pid(self) -> int:
         return os.getpid()

@@ -3,8 +3,10 @@ the engine runs them off its event loop)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -69,9 +71,15 @@ def _recorded() -> torch.cuda.Event:
 class WeightReceiver:
     """Holds the engine's update groups by name (several may coexist, as in recent SGLang)."""
 
-    def __init__(self, device: str | torch.device = "cpu", tp_rank: int = 0) -> None:
+    def __init__(
+        self, device: str | torch.device = "cpu", tp_rank: int = 0, gpu_lock: threading.Lock | None = None
+    ) -> None:
+        """`gpu_lock`: held around the CUDA work of a receive (buffers, the broadcast and, on gloo, its
+        copy to the device) and of leaving a group, never around `load`: the engine's CUDA graph
+        captures take it too, so none of that lands inside a capture (which CUDA would then fail)."""
         self.device = torch.device(device)
         self.tp_rank = tp_rank
+        self.gpu_lock = gpu_lock if gpu_lock is not None else contextlib.nullcontext()
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.rings: dict[str, _Ring] = {}
         self.broken: set[str] = set()
@@ -102,7 +110,8 @@ class WeightReceiver:
         self.rings.pop(group_name, None)
         if group is None:
             raise ValueError(f"no group {group_name!r}")
-        shutdown_group(group)
+        with self.gpu_lock:
+            shutdown_group(group)
 
     def receive(
         self, req: UpdateWeightsFromDistributed, load: Callable[[Named], None] | None = None
@@ -143,18 +152,19 @@ class WeightReceiver:
         if req.load_format == FLATTENED_BUCKET:
             sizes = [math.prod(s) * d.itemsize for s, d in zip(req.shapes, dtypes, strict=True)]
             ring = None
-            if load is not None and self.device.type == "cuda":
-                ring = self.rings.get(req.group_name)
-                if ring is None:
-                    ring = self.rings[req.group_name] = _Ring(self.device)
-                slot, flat = ring.take(sum(sizes))
-                with torch.cuda.stream(ring.stream):
-                    ring.stream.wait_event(ring.free[slot])
-                    work = broadcast_async(group, flat)  # its stream waits on ring.stream, not on ours
-                work.wait()  # our stream (the copies in `load`) waits for the broadcast
-            else:
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-                broadcast(group, flat)
+            with self.gpu_lock:
+                if load is not None and self.device.type == "cuda":
+                    ring = self.rings.get(req.group_name)
+                    if ring is None:
+                        ring = self.rings[req.group_name] = _Ring(self.device)
+                    slot, flat = ring.take(sum(sizes))
+                    with torch.cuda.stream(ring.stream):
+                        ring.stream.wait_event(ring.free[slot])
+                        work = broadcast_async(group, flat)  # its stream waits on ring.stream, not on ours
+                    work.wait()  # our stream (the copies in `load`) waits for the broadcast
+                else:
+                    flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+                    broadcast(group, flat)
             parts = flat.split(sizes)
             named = [
                 (name, part.view(dtype).view(shape))
@@ -164,14 +174,16 @@ class WeightReceiver:
                 _load(load, named)
             finally:
                 if ring is not None:
-                    ring.released(slot)
+                    with self.gpu_lock:
+                        ring.released(slot)
             return named
         if req.load_format is not None:
             raise ValueError(f"load_format {req.load_format!r}: expected null or {FLATTENED_BUCKET!r}")
         out = []
         for name, shape, dtype in zip(req.names, req.shapes, dtypes, strict=True):
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            broadcast(group, t)
+            with self.gpu_lock:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+                broadcast(group, t)
             out.append((name, t))
         _load(load, out)
         return out

@@ -98,12 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     # The server is down. A worker thread may still be blocked in a weight-bus receive whose sender is
     # gone (a trainer that died mid-update); a normal interpreter exit would wait for it until the
     # group's timeout (60 s by default). Nothing is left to save, so leave now.
-    if not asked:
+    if server.fatal is not None:  # exit non-zero so a supervisor replaces this engine
+        logging.getLogger(__name__).error("exiting: the engine is unhealthy (%s)", server.fatal)
+    elif not asked:
         logging.getLogger(__name__).error("the HTTP server stopped without being asked to")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if asked else 1)
+    os._exit(0 if asked and server.fatal is None else 1)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,13 @@ class _SchedulerCollector(Collector):
         )
         g.add_metric([self.model_name], version)
         yield g
+        g = GaugeMetricFamily(
+            "slipstream_engine_healthy",
+            "1 while the engine serves; 0 once a fatal CUDA error made it unhealthy (it then exits).",
+            labels=["model_name"],
+        )
+        g.add_metric([self.model_name], 0.0 if self.runner.fatal is not None else 1.0)
+        yield g
         counters = {
             "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
             "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
@@ -72,6 +79,14 @@ class _SchedulerCollector(Collector):
                 stats.num_retractions_total,
             ),
         }
+        c = CounterMetricFamily(
+            "slipstream_engine_graph_captures_deferred",
+            "Decode steps run without a CUDA graph because a weight operation held the device (the "
+            "bucket's graph is captured at a later step).",
+            labels=["model_name"],
+        )
+        c.add_metric([self.model_name], float(stats.graph_captures_deferred_total))
+        yield c
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(value))

@@ -12,6 +12,7 @@ functions walk its modules in a packed token layout instead of calling its forwa
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -175,13 +176,28 @@ class DecodeGraphs:
     use into one shared memory pool. A step is one host→device copy of a pinned int64 block holding every
     input, one replay, and one device→host copy of the chosen tokens and their logprobs: the graph also
     samples (greedy, or temperature through the exponential race) for rows with plain sampling settings.
-    Padding rows write to the cache's scratch slot and attend to it alone."""
+    Padding rows write to the cache's scratch slot and attend to it alone.
+
+    A capture holds `capture_lock`, which every weight-bus operation on this device takes too (its CUDA
+    work: buffers, the broadcast, the gloo copy to the device), so no such call can land inside a
+    capture: CUDA refuses most calls while a stream captures and the capture then fails for good.
+    The capture never waits for the lock: while a weight operation holds it, the step runs eagerly and
+    the bucket is captured at a later step (a receive can block on its sender for the group timeout).
+    Captures use `capture_error_mode="thread_local"`, so a CUDA call of any other thread of the process
+    (the NCCL watchdog's event queries, a library's thread) cannot invalidate one either."""
 
     COLS = 4
     """input_ids, positions, slots, seq_lens; block tables follow."""
 
-    def __init__(self, fwd: PagedForward, max_batch: int, max_blocks: int) -> None:
+    def __init__(
+        self,
+        fwd: PagedForward,
+        max_batch: int,
+        max_blocks: int,
+        capture_lock: threading.Lock | None = None,
+    ) -> None:
         self.fwd = fwd
+        self.capture_lock = capture_lock or threading.Lock()
         self.batch_buckets = _buckets(
             max_batch, [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
         )
@@ -218,13 +234,35 @@ class DecodeGraphs:
         slots: list[int],
         tables: list[list[int]],
         temps: list[float] | None,
-    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None]:
+    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None] | None:
         """Decode one token for each row. Returns the fp32 logits [B, vocab] and, when `temps` is given
-        (0 = greedy), the tokens the graph sampled with their logprobs."""
+        (0 = greedy), the tokens the graph sampled with their logprobs; None (nothing ran) when the
+        step's bucket has no graph yet and a weight operation holds the capture lock: decode eagerly."""
         B = len(ids)
         MB = max(len(t) for t in tables)
         b = next(v for v in self.batch_buckets if v >= B)
         mb = next(v for v in self.block_buckets if v >= MB)
+        key = (b, mb)
+        capture = key not in self.graphs
+        if capture and not self.capture_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._run(key, ids, positions, slots, tables, temps, capture)
+        finally:
+            if capture:
+                self.capture_lock.release()
+
+    def _run(
+        self,
+        key: tuple[int, int],
+        ids: list[int],
+        positions: list[int],
+        slots: list[int],
+        tables: list[list[int]],
+        temps: list[float] | None,
+        capture: bool,
+    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None]:
+        B, (b, mb) = len(ids), key
         scratch, bs = self.fwd.cache.scratch_block, self.fwd.cache.block_size
         h = self.host_np
         h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, slots
@@ -241,8 +279,7 @@ class DecodeGraphs:
         self.host_temps_np[B:b] = 0.0
         self.inputs[:b, : self.COLS + mb].copy_(self.host[:b, : self.COLS + mb], non_blocking=True)
         self.temps[:b].copy_(self.host_temps[:b], non_blocking=True)
-        key = (b, mb)
-        if key not in self.graphs:
+        if capture:  # after the copy: the warm-up runs write this step's K/V, as the replay will
             self.graphs[key] = self._capture(b, mb)
         graph, logits, picked = self.graphs[key]
         graph.replay()
@@ -259,7 +296,7 @@ class DecodeGraphs:
                 self._step(b, mb)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits, picked = self._step(b, mb)
         log.info("captured decode graph batch=%d kv_len=%d", b, mb * self.fwd.cache.block_size)
         return graph, logits, picked

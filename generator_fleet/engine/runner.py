@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,6 +36,51 @@ GREEDY_EPS = 1e-6
 
 ABORT_QUEUED = "Abort before prefill"
 """SGLang's message for a request aborted before it ran; AReaL keys on this prefix (empty output)."""
+
+FAULT_ENV = "SLIPSTREAM_ENGINE_INJECT_FAULT"
+"""Testing hook: when set, the runner's first generation step raises RuntimeError(its value), as a real
+CUDA fault would (e.g. "CUDA error: an illegal memory access was encountered"). A value "@PATH" names a
+file instead: the first step of any engine after the file appears takes it (one engine of a job wins)
+and raises its text; unset (production), the runner never looks."""
+
+_FATAL_MARKERS = (
+    "CUDA error",
+    "CUDA driver error",
+    "cudaError",
+    "device-side assert",
+    "during capture",
+    "graph capture",
+    "stream is capturing",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUBLAS_STATUS_INTERNAL_ERROR",
+    "illegal memory access",
+    "unspecified launch failure",
+)
+"""Messages of CUDA failures that leave the process's CUDA context (or torch's capture state) unusable:
+sticky errors, device-side asserts, a broken graph capture. Out-of-memory is not one of them."""
+
+
+class EngineUnhealthy(RuntimeError):
+    """The engine hit a fatal CUDA error (the cause is the message) and is going down; a request
+    in flight or sent meanwhile fails with this."""
+
+
+def is_fatal_cuda_error(exc: BaseException) -> bool:
+    """Whether `exc` (or an exception it was raised from) is a CUDA failure after which this process's
+    GPU state cannot be trusted: every later kernel, copy or capture may fail or compute garbage."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch.OutOfMemoryError):
+            return False
+        text = str(e)
+        if "out of memory" not in text and (
+            isinstance(e, getattr(torch, "AcceleratorError", ())) or any(m in text for m in _FATAL_MARKERS)
+        ):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -182,6 +228,8 @@ class RunnerStats:
         self.num_aborted_requests_total = 0
         self.num_retractions_total = 0
         self.num_decode_steps_total = 0
+        self.graph_captures_deferred_total = 0
+        """Decode steps run eagerly because their bucket's graph capture had to wait for a weight operation."""
         self.gen_throughput = 0.0
         """Tokens/s of the last decode step; 0 while idle."""
 
@@ -241,8 +289,11 @@ class Runner:
         self.fwd = PagedForward(self.model, self.cache, self.context_length)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
         max_blocks = blocks_for(self.context_length + 1, block_size)
+        self.gpu_lock = threading.Lock()
+        """Held by a CUDA graph capture and by the CUDA work of every weight-bus operation (see
+        DecodeGraphs), so the two never overlap. Never held while waiting for a step boundary."""
         self.graphs = (
-            DecodeGraphs(self.fwd, max_batch_size, max_blocks)
+            DecodeGraphs(self.fwd, max_batch_size, max_blocks, capture_lock=self.gpu_lock)
             if cuda_graphs and self.device.type == "cuda"
             else None
         )
@@ -273,6 +324,11 @@ class Runner:
         self._last_was_prefill = False
         self._update_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.fatal: str | None = None
+        """Set once a fatal CUDA error hit the engine (the cause); the runner then takes no more work."""
+        self.on_fatal: list[Callable[[str], None]] = []
+        """Called once (from the thread that hit the error) when the engine turns unhealthy."""
+        self._fault = os.environ.get(FAULT_ENV) or None
 
     def _build_cache(self, tokens: int | None, block_size: int, mem_fraction: float) -> PagedKVCache:
         cfg = self.config
@@ -321,7 +377,10 @@ class Runner:
         if req.params.sampling_seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(req.params.sampling_seed)
         with self._cv:
-            if self._stopping:
+            if self.fatal is not None:
+                req.done = True
+                req.future.set_exception(EngineUnhealthy(self.fatal))
+            elif self._stopping:
                 self._finish(req, _abort_reason("Engine is shutting down"))
             else:
                 self._queue.append(req)
@@ -369,6 +428,10 @@ class Runner:
                 for r in reversed(list(self._running)):
                     self._retract(r)
                 log.info("pause(retract): %d requests back in the queue", len(self._queue))
+            # Every mode returns only once the step in flight (a forward pass, a graph capture) has
+            # ended: a caller that pauses for a weight update then has the device to itself.
+            while self._in_step:
+                self._cv.wait()
 
     def resume(self) -> None:
         with self._cv:
@@ -479,23 +542,87 @@ class Runner:
                     admitted = self._admit()
                     self._in_step = True
                     version = self._weight_version
+                fatal = False
                 try:
+                    if self._fault is not None:
+                        self._inject_fault()
                     if admitted:
                         self._prefill(admitted, version)
                     elif self._running:
                         self._decode(version)
                 except Exception as exc:
-                    log.exception("generation step failed; failing %d running requests", len(self._running))
-                    with self._cv:
-                        for r in list(self._running):
-                            self._drop(r)
-                            if not r.done:
-                                r.done = True
-                                r.future.set_exception(exc)
+                    fatal = is_fatal_cuda_error(exc)
+                    if not fatal:
+                        log.exception(
+                            "generation step failed; failing %d running requests", len(self._running)
+                        )
+                        with self._cv:
+                            for r in list(self._running):
+                                self._drop(r)
+                                if not r.done:
+                                    r.done = True
+                                    r.future.set_exception(exc)
+                    else:
+                        self.poison(exc)
                 finally:
                     with self._cv:
                         self._in_step = False
                         self._cv.notify_all()
+                if fatal:
+                    return
+
+    def poison(self, exc: BaseException) -> bool:
+        """If `exc` is a fatal CUDA error (is_fatal_cuda_error), turn the engine unhealthy: log the cause
+        once, fail every request running or queued with EngineUnhealthy (their calls answer with the
+        cause), refuse new ones, end the generation thread and call the `on_fatal` callbacks (the
+        server then reports unhealthy and exits). Returns whether it was fatal; safe from any thread."""
+        if not is_fatal_cuda_error(exc):
+            return False
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        with self._cv:
+            first = self.fatal is None
+            if first:
+                self.fatal = cause
+                self._stopping = True
+                failed = [*self._running, *self._queue]
+                self._queue.clear()
+                for r in failed:
+                    self._drop(r)
+                    if not r.done:
+                        r.done = True
+                        r.future.set_exception(EngineUnhealthy(cause))
+                        if r.listener:
+                            r.listener()
+            self._cv.notify_all()
+        if first:
+            log.critical(
+                "engine unhealthy: fatal CUDA error, the GPU context cannot be trusted (%s); failed %d "
+                "requests, taking no more work",
+                cause,
+                len(failed),
+                exc_info=exc,
+            )
+            for callback in self.on_fatal:
+                try:
+                    callback(cause)
+                except Exception:
+                    log.exception("on_fatal callback failed")
+        return True
+
+    def _inject_fault(self) -> None:
+        """FAULT_ENV's testing hook (see there)."""
+        if not self._fault.startswith("@"):
+            fault, self._fault = self._fault, None
+            raise RuntimeError(fault)
+        path = self._fault[1:]
+        taken = f"{path}.taken-{os.getpid()}"
+        try:
+            os.rename(path, taken)  # atomic: one engine takes it
+        except FileNotFoundError:
+            return
+        self._fault = None
+        with open(taken) as f:
+            raise RuntimeError(f.read().strip())
 
     def _reap_aborted(self) -> None:
         """Finish running requests that were asked to abort (caller holds _cv, no step in flight)."""
@@ -580,13 +707,18 @@ class Runner:
         positions = [r.kv_len for r in rows]
         slots = [self.cache.slot(r.blocks, r.kv_len) for r in rows]
         choice = None
+        ran = None
         if self.graphs is not None:
             in_graph = all(_graph_sampleable(r, self.vocab_size) for r in rows)
             temps = [0.0 if r.params.greedy else r.params.temperature for r in rows] if in_graph else None
-            logits, picked = self.graphs.run(ids, positions, slots, [r.blocks for r in rows], temps)
+            ran = self.graphs.run(ids, positions, slots, [r.blocks for r in rows], temps)
+            if ran is None:
+                self.stats.graph_captures_deferred_total += 1
+        if ran is not None:
+            logits, picked = ran
             if picked is not None:
                 choice = Choice(picked[0], picked[1], [None] * len(rows))
-        else:
+        else:  # no graphs, or this bucket's capture has to wait for a weight operation
             width = max(len(r.blocks) for r in rows)
             scratch = self.cache.scratch_block
             dev = self.device

@@ -29,7 +29,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
 from generator_fleet.engine.metrics import EngineMetrics
-from generator_fleet.engine.runner import Completion, Runner, SamplingParams
+from generator_fleet.engine.runner import Completion, EngineUnhealthy, Runner, SamplingParams
 from generator_fleet.engine.runner import Request as GenRequest
 from weight_bus.receiver import WeightReceiver
 from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 VERSION = "slipstream-builtin"
 HEALTH_CHECK_TIMEOUT_S = 20.0
 """SGLANG_HEALTH_CHECK_TIMEOUT's default."""
+FATAL_EXIT_GRACE_S = 1.0
+"""After a fatal CUDA error: how long /health answers 503 (with the cause) before the server stops."""
 PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
 MAX_BODY_BYTES = 64 << 20
@@ -512,7 +514,7 @@ class _EngineState:
     def __init__(self, runner: Runner, model_name: str) -> None:
         self.runner = runner
         self.model_name = model_name
-        self.receiver = WeightReceiver(runner.device)
+        self.receiver = WeightReceiver(runner.device, gpu_lock=runner.gpu_lock)
         # New /generate calls wait on this while paused (SGLang: no error, they go on after continue).
         self.unpaused = asyncio.Event()
         self.unpaused.set()
@@ -588,6 +590,10 @@ def build_app(
     @app.exception_handler(BadRequest)
     async def on_bad_request(request: Request, exc: Exception) -> Response:
         return _value_error(str(exc))
+
+    @app.exception_handler(EngineUnhealthy)
+    async def on_unhealthy(request: Request, exc: Exception) -> Response:
+        return _http_error(503, f"engine unhealthy: {exc}")
 
     @app.exception_handler(Exception)
     async def on_error(request: Request, exc: Exception) -> Response:
@@ -731,6 +737,8 @@ def build_app(
             try:
                 named = await _in_weight_thread(state, _receive_and_load, state, body, t1)
             except Exception as e:
+                if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
+                    return _http_error(503, f"engine unhealthy: {runner.fatal}")
                 log.warning("update_weights_from_distributed failed: %s", e)
                 return _control(False, f"Failed to update weights: {e}")
         state.metrics.weight_updates.inc()
@@ -766,7 +774,8 @@ def build_app(
                     state, runner.load_weights_from_disk, body.model_path, body.weight_version
                 )
             except Exception as e:
-                log.warning("update_weights_from_disk(%s) failed: %s", body.model_path, e)
+                if not runner.poison(e):
+                    log.warning("update_weights_from_disk(%s) failed: %s", body.model_path, e)
                 return _control(
                     False, f"Failed to update weights from {body.model_path}: {e}", num_paused_requests=0
                 )
@@ -797,6 +806,8 @@ def build_app(
 
     @app.get("/health", response_class=Response)
     async def health() -> Response:
+        if runner.fatal is not None:
+            return _http_error(503, f"engine unhealthy: {runner.fatal}")
         return Response(status_code=200)
 
     @app.get("/health_generate", response_class=Response)
@@ -855,6 +866,8 @@ def build_app(
         return _json(model_info())
 
     async def get_server_info() -> Response:
+        if runner.fatal is not None:  # the weight bus probes this: an unhealthy engine counts as gone
+            return _http_error(503, f"engine unhealthy: {runner.fatal}")
         return _json(server_info())
 
     for path in ("/model_info", "/get_model_info"):
@@ -912,11 +925,15 @@ class EngineServer:
         load_format: str | None = None,
         max_body_bytes: int = MAX_BODY_BYTES,
         max_requests_per_call: int = MAX_REQUESTS_PER_CALL,
+        fatal_exit_grace_s: float = FATAL_EXIT_GRACE_S,
     ) -> None:
         """`dtype`: "bfloat16", "float16", "float32" or None (bf16 on CUDA, fp32 on CPU); `kv_cache_tokens`:
         KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA; `load_format`:
         "dummy" for random weights from the config (see Runner); `max_body_bytes`: larger requests are
-        a 413; `max_requests_per_call`: a /generate asking for more (prompts x n) is a 400."""
+        a 413; `max_requests_per_call`: a /generate asking for more (prompts x n) is a 400;
+        `fatal_exit_grace_s`: after a fatal CUDA error, how long the server answers 503 before it stops
+        (serve_forever returns; the CLI exits non-zero, an EngineActor's watch fails)."""
+        self.fatal_exit_grace_s = fatal_exit_grace_s
         self.max_body_bytes = max_body_bytes
         self.max_requests_per_call = max_requests_per_call
         self.model_path = str(model_path)
@@ -958,6 +975,7 @@ class EngineServer:
             cuda_graphs=self.cuda_graphs,
             load_format=self.load_format,
         )
+        self.runner.on_fatal.append(self._on_fatal)
         self.runner.start()
         self.app = build_app(
             self.runner,
@@ -995,6 +1013,20 @@ class EngineServer:
                 time.sleep(0.02)  # uvicorn offers no startup event to wait on; /health is the signal
         log.info("engine serving %s at %s (version %s)", self.model_path, self.url, self.weight_version)
         return self
+
+    @property
+    def fatal(self) -> str | None:
+        """The fatal CUDA error that made this engine unhealthy, if one did."""
+        return None if self.runner is None else self.runner.fatal
+
+    def _on_fatal(self, cause: str) -> None:
+        """The runner hit a fatal CUDA error: /health already answers 503; stop after the grace."""
+        log.error(
+            "engine at %s is unhealthy (%s); stopping in %.1f s", self.url, cause, self.fatal_exit_grace_s
+        )
+        timer = threading.Timer(self.fatal_exit_grace_s, self.stop)
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         if self.runner is not None:
