@@ -116,6 +116,15 @@ def _spec(model_dir, world: int, variant: str):
     )
 
 
+def _token_logprobs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """float64 logprobs the model gives each response token."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(response)[:, None])[
+        :, 0
+    ]
+
+
 def _groups(step: int, model) -> list:
     """Deterministic groups of a step: varied lengths, tool tokens, and behaviour logprobs = the initial
     model's logprobs of the tokens plus N(0, 0.3) noise."""
@@ -164,6 +173,21 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
     behaviour = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     data = [_groups(step, behaviour) for step in range(STEPS)] if pool.is_main else None
+    if pool.is_main:  # behav_kl of step 0, where the trainer's policy is still the behaviour model
+        log_r = []
+        for s in (s for g in data[0] for s in g.samples):
+            m = s.view("loss_mask") == 1
+            lp = _token_logprobs(behaviour, s.view("prompt_ids").tolist(), s.view("response_ids").tolist())
+            log_r.append(lp[torch.from_numpy(m)] - torch.from_numpy(s.view("behavior_logprobs")[m]).double())
+        x = torch.cat(log_r)
+        with open(os.path.join(out, f"behav-kl-{world}.json"), "w") as f:
+            json.dump(
+                {
+                    "unbiased": float((x.exp() - 1 - x).mean()),  # r = pi_theta / pi_behav
+                    "reverse": float(((-x).exp() - 1 + x).mean()),  # what behav_kl reported before
+                },
+                f,
+            )
 
     def run(variant: str, first_step: int, resume_path: str | None, tag: str) -> None:
         spec = _spec(model_dir, world, variant)
@@ -251,3 +275,63 @@ def test_resumed_job_continues_the_lr_schedule(runs):
     _assert_params_close(
         torch.load(runs / f"params-{RESUMED}-fresh-1.pt"), torch.load(runs / f"params-{RESUMED}-resumed-2.pt")
     )
+
+
+def test_behav_kl_reports_kl_behav_to_trainer(runs):
+    # step 0: the trainer's policy is the behaviour model itself, so the expected value is computable
+    expected = json.loads((runs / "behav-kl-1.json").read_text())
+    for variant in VARIANTS:
+        got = _record(runs, variant, "fresh", 1)["behav_kl"][0]
+        assert got == pytest.approx(expected["unbiased"], rel=1e-4)
+        assert got != pytest.approx(expected["reverse"], rel=1e-2)
+
+
+def test_trainer_reports_lr_and_masked_fraction_in_progress_and_prometheus(
+    redis_server, redis_client, job_id, tiny_model_dir, tmp_path
+):
+    """Trainer.run over groups put in a real Redis stream: each progress record carries lr,
+    is_masked_fraction and behav_kl, and the Prometheus gauges show the last step's."""
+    from prometheus_client import REGISTRY
+
+    from trainer.trainer import Trainer
+
+    spec = jobspec.from_dict(
+        {
+            "name": job_id,
+            "output_dir": str(tmp_path / "out"),
+            "model": {"path": str(tiny_model_dir)},
+            "algorithm": {
+                "groups_per_step": 2,
+                "total_steps": 3,
+                "lr_schedule": "linear",
+                "lr_warmup_steps": 1,
+                "min_lr_ratio": 0.5,
+                "is_mask": "token",
+                "is_mask_low": 0.5,
+                "is_mask_high": 1.6,
+            },
+            "buffer": {"read_block_ms": 100, "max_staleness": 2},  # every group is made at version 0
+            "trainer": {"export_hf": False},
+        }
+    )
+    (tmp_path / "out").mkdir()
+    trainer = Trainer(spec, redis_server.url, [], None)
+    try:
+        trainer.setup()
+        for step in range(2):
+            for group in _groups(step, trainer.learner.model)[:3]:
+                trainer.buffer.put(group)
+        result = trainer.run()
+        assert result["version"] == 3
+        records = [json.loads(f[b"j"]) for _, f in redis_client.xrange(trainer.buffer.keys.progress)]
+    finally:
+        trainer.close()
+    assert [r["lr"] for r in records] == pytest.approx([lr_at(i, spec.algorithm) for i in range(3)])
+    # warmup 1 (step 0 at full lr), then linear over steps 1..3 to half: p = 0, 1/2
+    assert [r["lr"] for r in records] == pytest.approx([1e-4, 1e-4, 0.75e-4])
+    assert all(0 <= r["is_masked_fraction"] <= 1 and r["behav_kl"] >= 0 for r in records)
+    assert 0 < max(r["is_masked_fraction"] for r in records)
+    assert REGISTRY.get_sample_value("slipstream_trainer_lr") == pytest.approx(records[-1]["lr"])
+    masked = REGISTRY.get_sample_value("slipstream_trainer_is_masked_fraction")
+    assert masked == pytest.approx(records[-1]["is_masked_fraction"])
+    assert REGISTRY.get_sample_value("slipstream_trainer_behav_kl") == pytest.approx(records[-1]["behav_kl"])
