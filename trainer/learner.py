@@ -25,7 +25,7 @@ from trainer.advantages import whiten
 from trainer.critic import Critic, gae_targets
 from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
 from trainer.logprobs import packed_logprobs
-from trainer.losses import behav_kl, kl_penalty, policy_loss_terms, value_loss
+from trainer.losses import behav_kl, effective_agg, kl_penalty, policy_loss_terms, value_loss
 from trainer.lr_schedule import lr_factor
 from trainer.packing import MicroBatch, TrainSample, pack, plan_step
 
@@ -126,6 +126,27 @@ class Learner:
             self.ref is not None,
             self.critic is not None,
         )
+        if self.pool.is_main:
+            log.info(
+                "policy loss %s (clip [1-%g, 1+%g], dual clip %s, aggregation %s), truncated IS %s-level cap %g, "
+                "masked IS %s, KL %s x %g; lr %g %s schedule, %d warmup steps, floor %g x lr",
+                alg.loss,
+                alg.clip_eps if alg.clip_eps_low is None else alg.clip_eps_low,
+                alg.clip_eps if alg.clip_eps_high is None else alg.clip_eps_high,
+                alg.dual_clip_c,
+                effective_agg(alg.loss, alg.loss_agg),
+                alg.is_level,
+                alg.is_cap,
+                f"{alg.is_mask} in [{alg.is_mask_low or 1 / alg.is_mask_high:g}, {alg.is_mask_high:g}]"
+                if alg.is_mask
+                else "off",
+                alg.kl,
+                alg.kl_coef,
+                alg.lr,
+                alg.lr_schedule,
+                alg.lr_warmup_steps,
+                alg.min_lr_ratio,
+            )
 
     def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         wd = self.spec.algorithm.weight_decay
