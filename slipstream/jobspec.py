@@ -189,16 +189,43 @@ class AlgorithmSpec(Spec):
     seq-mean-token-sum`); `rloo`: r - mean of the group's other samples; `reinforce_pp`: REINFORCE++,
     rewards whitened over every model token of the step; `gae`: GAE (`gamma`, `lam`) with a critic (a
     value head on a copy of `critic_model_path`, clipped value loss), whitened over the step."""
-    loss: Literal["decoupled_ppo", "ppo", "tis"] = "decoupled_ppo"
+    loss: Literal["decoupled_ppo", "ppo", "tis", "gspo", "cispo"] = "decoupled_ppo"
     """`decoupled_ppo`: PPO-clip on pi/pi_prox times min(pi_prox/pi_behav, is_cap) (AReaL); `ppo`:
-    PPO-clip on pi/pi_behav; `tis`: REINFORCE with the truncated weight min(pi/pi_behav, is_cap)."""
+    PPO-clip on pi/pi_behav; `tis`: REINFORCE with the truncated weight min(pi/pi_behav, is_cap);
+    `gspo`: PPO-clip on the sequence's length-normalised geometric-mean ratio to pi_behav, reduced
+    seq-mean-token-mean whatever `loss_agg` says (verl `gspo`); `cispo`: REINFORCE weighted by the
+    clipped, stop-gradient ratio pi/pi_behav (verl `cispo`). Every exponentiated log-ratio is clamped to
+    +-20 first (verl), so with dual clip off a token is bounded by e^20 |A|, not inf."""
     clip_eps: Annotated[float, msgspec.Meta(gt=0.0)] = 0.2
+    clip_eps_low: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
+    """Lower clip range: the ratio is clipped below at 1 - clip_eps_low (verl `clip_ratio_low`); null =
+    clip_eps."""
+    clip_eps_high: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    """Upper clip range: clipped above at 1 + clip_eps_high (verl `clip_ratio_high`; DAPO clip-higher
+    uses 0.28 with low 0.2); null = clip_eps."""
     is_cap: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
-    """Truncation C of the behaviour importance weight."""
+    """Truncation C of the behaviour importance weight (verl `rollout_is_threshold`)."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Truncated IS weight of `decoupled_ppo` / `tis` per token, or per sequence: min(product of the
+    sequence's ratios, is_cap) on each of its tokens (verl `rollout_is: token | sequence`)."""
+    is_mask: Literal["token", "sequence", "geometric"] | None = None
+    """Masked IS: drop tokens whose behaviour ratio pi_prox/pi_behav leaves [is_mask_low, is_mask_high]
+    (`token`), or whole sequences whose product (`sequence`) or geometric mean (`geometric`) of ratios
+    does (verl `rollout_rs` token / sequence / geometric, now token_k1 / seq_sum_k1 / seq_mean_k1).
+    Dropped tokens add 0 to the loss and stay in its denominator; the fraction is `is_masked_fraction`.
+    null = off."""
+    is_mask_low: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    """Lower bound of masked IS (verl `rollout_rs_threshold_lower`); null = 1 / is_mask_high."""
+    is_mask_high: Annotated[float, msgspec.Meta(ge=1.0)] = 2.0
+    """Upper bound of masked IS (verl `rollout_rs_threshold`)."""
     dual_clip_c: Annotated[float, msgspec.Meta(gt=1.0)] | None = None
-    """Dual clip (ppo, decoupled_ppo): a negative-advantage token's loss is at most -A * c; null = off."""
-    kl: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """Per-token estimator of KL(pi || ref) for the penalty; `low_var_kl` is k3 clamped to [-10, 10]."""
+    """Dual clip (ppo, decoupled_ppo): a negative-advantage token's loss is at most -A * c (verl
+    `clip_ratio_c`, which verl applies by default at 3.0); null = off."""
+    kl: Literal["k1", "kl", "k2", "mse", "abs", "k3", "low_var_kl", "k3_unclamped"] = "low_var_kl"
+    """Per-token estimator of KL(pi || ref) for the penalty, as verl's `kl_penalty` names them: `k1`/`kl`,
+    `k2`/`mse`, `abs`; `k3` = `low_var_kl`: k3 with log(ref/pi) clamped to +-20 and the estimate to
+    [-10, 10]; `k3_unclamped`: the plain k3 estimator (what `k3` meant before; overflows to inf in fp32
+    past log(ref/pi) ~ 88)."""
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     """Weight of the KL penalty to a frozen reference model; 0 = no reference model is loaded."""
     ref_model_path: str | None = None
@@ -215,8 +242,26 @@ class AlgorithmSpec(Spec):
     critic_lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
     value_clip_eps: Annotated[float, msgspec.Meta(gt=0.0)] | None = 0.2
     """Clip of the critic's move from its batch-time values in the value loss; null = unclipped."""
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """verl `loss_agg_mode`. `seq-mean-token-sum-norm` (Dr.GRPO): every token's loss summed, divided by
+    the step's sequences times `loss_scale_factor`."""
+    loss_scale_factor: Pos | None = None
+    """Constant denominator of `seq-mean-token-sum-norm` (verl `loss_scale_factor`); null = the
+    response budget: agent.max_total_tokens with an agent, else rollout.sampling.max_new_tokens."""
     lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
+    """Peak learning rate of the policy (and `critic_lr` of the critic), scaled per optimizer step by the
+    schedule below."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warmup: constant, or cosine / linear decay to lr * min_lr_ratio at total_steps (verl
+    `lr_scheduler_type` / AReaL `lr_scheduler_type`). The step count is in every checkpoint: a resumed
+    job continues the schedule."""
+    lr_warmup_steps: NonNeg = 0
+    """Optimizer steps of linear warmup: step i (from 0) uses lr * (i + 1) / lr_warmup_steps (verl
+    `lr_warmup_steps`)."""
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Floor of the decay as a fraction of lr (verl / AReaL `min_lr_ratio`)."""
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     groups_per_step: Pos = 16
@@ -224,6 +269,14 @@ class AlgorithmSpec(Spec):
     total_steps: Pos = 50
     """Optimizer steps; the job ends after the last one is published."""
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.is_level == "sequence" and self.loss not in ("decoupled_ppo", "tis"):
+            raise _bad(
+                "is_level", f"the truncated IS weight is decoupled_ppo's and tis's (loss is `{self.loss}`)"
+            )
+        if self.is_mask_low is not None and self.is_mask is None:
+            raise _bad("is_mask_low", "only with `is_mask`")
 
 
 class BufferSpec(Spec):

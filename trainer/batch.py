@@ -15,7 +15,7 @@ import torch
 
 from replay_buffer.schema import GroupRecord
 from trainer.advantages import GROUP_ESTIMATORS, group_advantages, reinforce_pp_advantages
-from trainer.losses import agg_weights, grpo_advantages
+from trainer.losses import agg_weights, effective_agg, grpo_advantages
 from trainer.packing import TrainSample
 
 
@@ -65,12 +65,24 @@ def build_batch(groups: list[GroupRecord], pad_id: int) -> TrainBatch:
     return TrainBatch(ids, attn, loss_mask, behav_lp * loss_mask, adv_t, torch.cat(rewards), n_tokens)
 
 
+def loss_aggregation(spec) -> tuple[str, float]:
+    """(aggregation mode, seq-mean-token-sum-norm's constant) of a JobSpec: the policy loss's own mode
+    (GSPO forces seq-mean-token-mean) and `loss_scale_factor`, null = the response budget."""
+    alg = spec.algorithm
+    budget = spec.agent.max_total_tokens if spec.agent is not None else spec.rollout.sampling.max_new_tokens
+    return effective_agg(alg.loss, alg.loss_agg), alg.loss_scale_factor or budget
+
+
 def build_samples(
-    groups: list[GroupRecord], advantage: str = "grpo", loss_agg: str = "token-mean"
+    groups: list[GroupRecord],
+    advantage: str = "grpo",
+    loss_agg: str = "token-mean",
+    loss_scale_factor: float | None = None,
 ) -> list[TrainSample]:
     """One TrainSample per sample of every group, in order. Advantages: a group estimator (grpo |
     dr_grpo | rloo) per group, reinforce_pp over the whole batch, gae 0 (the trainer fills it in with
-    its critic). Weights: `agg_weights` over the whole batch, so any split sums to the batch's loss."""
+    its critic). Weights: `agg_weights` over the whole batch, so any split sums to the batch's loss
+    (`loss_scale_factor`: seq-mean-token-sum-norm's constant)."""
     samples = [s for g in groups for s in g.samples]
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     counts = [int(s.view("loss_mask").sum()) for s in samples]
@@ -87,7 +99,7 @@ def build_samples(
         advs = torch.zeros_like(rewards)
     else:
         raise ValueError(f"unknown advantage estimator {advantage!r}")
-    weights = agg_weights(counts, loss_agg)
+    weights = agg_weights(counts, loss_agg, loss_scale_factor)
     out = []
     for s, adv, w in zip(samples, advs.tolist(), weights, strict=True):
         p = s.view("prompt_ids").astype(np.int64)

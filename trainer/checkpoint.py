@@ -2,7 +2,7 @@
 
 A checkpoint is a directory written with torch.distributed.checkpoint: every rank writes its own shards of
 the policy (and critic) weights and AdamW state, keyed by parameter name, plus `trainer_state.json` (step,
-weight version, buffer counters, world size) from rank 0. DCP stores each tensor's global shape and the
+weight version, buffer counters, world size, the LR schedule's step `lr_step`) from rank 0. DCP stores each tensor's global shape and the
 slices each file holds, so a checkpoint written by N ranks loads into M ranks: each rank reads the slices
 its own shards need (resharding). `<checkpoint_dir>/latest` names the newest complete one; it is written
 last, so a crash mid-save leaves the previous one as latest.
@@ -75,7 +75,7 @@ def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None
     dcp.save(_app_state(learner), checkpoint_id=str(path))
     pool.barrier()
     if pool.is_main:
-        state = {**trainer_state, "world_size": pool.world_size}
+        state = {**trainer_state, "world_size": pool.world_size, "lr_step": learner.lr_step}
         (path / STATE_FILE).write_text(json.dumps(state, indent=2))
         (path.parent / LATEST).write_text(path.name)
         if keep:
@@ -103,8 +103,14 @@ def load(learner, path: str | Path) -> dict:
     path = Path(path)
     dcp.load(_app_state(learner), checkpoint_id=str(path))
     state = json.loads((path / STATE_FILE).read_text())
+    # the LR schedule continues where it stopped (older checkpoints: one optimizer step per version)
+    learner.lr_step = int(state.get("lr_step", state.get("step", 0)))
     log.info(
-        "resumed from %s (written by %d ranks, now %d)", path, state["world_size"], learner.pool.world_size
+        "resumed from %s (written by %d ranks, now %d) at LR schedule step %d",
+        path,
+        state["world_size"],
+        learner.pool.world_size,
+        learner.lr_step,
     )
     return state
 

@@ -25,7 +25,8 @@ from trainer.advantages import whiten
 from trainer.critic import Critic, gae_targets
 from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
 from trainer.logprobs import packed_logprobs
-from trainer.losses import kl_penalty, policy_loss_terms, value_loss
+from trainer.losses import behav_kl, effective_agg, kl_penalty, policy_loss_terms, value_loss
+from trainer.lr_schedule import lr_factor
 from trainer.packing import MicroBatch, TrainSample, pack, plan_step
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ SUM_STATS = (
     "dual_clip_sum",
     "is_weight_sum",
     "truncated_sum",
+    "masked_sum",
     "behav_k3_sum",
     "behav_absdiff_sum",
 )
@@ -59,6 +61,8 @@ class Learner:
         self.ref: nn.Module | None = None
         self.critic: Critic | None = None
         self.critic_opt = None
+        self.lr_step = 0
+        """Optimizer steps taken: the LR schedule's position (checkpointed as trainer_state `lr_step`)."""
 
     # --- building -----------------------------------------------------------------------------------
     def _prepare(self, model: nn.Module, layers: nn.ModuleList, *, trainable: bool) -> nn.Module:
@@ -122,6 +126,27 @@ class Learner:
             self.ref is not None,
             self.critic is not None,
         )
+        if self.pool.is_main:
+            log.info(
+                "policy loss %s (clip [1-%g, 1+%g], dual clip %s, aggregation %s), truncated IS %s-level cap %g, "
+                "masked IS %s, KL %s x %g; lr %g %s schedule, %d warmup steps, floor %g x lr",
+                alg.loss,
+                alg.clip_eps if alg.clip_eps_low is None else alg.clip_eps_low,
+                alg.clip_eps if alg.clip_eps_high is None else alg.clip_eps_high,
+                alg.dual_clip_c,
+                effective_agg(alg.loss, alg.loss_agg),
+                alg.is_level,
+                alg.is_cap,
+                f"{alg.is_mask} in [{alg.is_mask_low or 1 / alg.is_mask_high:g}, {alg.is_mask_high:g}]"
+                if alg.is_mask
+                else "off",
+                alg.kl,
+                alg.kl_coef,
+                alg.lr,
+                alg.lr_schedule,
+                alg.lr_warmup_steps,
+                alg.min_lr_ratio,
+            )
 
     def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         wd = self.spec.algorithm.weight_decay
@@ -164,6 +189,9 @@ class Learner:
         # and "reduce" once after the last, instead of a copy-in + fp32 add per micro-batch. With more
         # ranks that would hold a whole fp32 gradient per rank, so they reduce-scatter every micro-batch.
         defer_sync = self.fsdp and self.pool.world_size == 1 and len(mbs) > 1
+        seq_terms = (
+            alg.loss == "gspo" or alg.is_level == "sequence" or alg.is_mask in ("sequence", "geometric")
+        )
         for i, mb in enumerate(mbs):
             if defer_sync:
                 for m in (self.model, self.critic):
@@ -172,6 +200,11 @@ class Learner:
             with self._autocast():
                 logp, ent = packed_logprobs(self.model, mb, temperature, entropy_mode, *head)
             mask, w = mb.loss_mask, mb.token_weights
+            seq_ids = num_seqs = None
+            if seq_terms:  # each packed position's sample index, built on the host (no device sync)
+                lens = micro_batches[i].cu_seqlens.diff().long()
+                num_seqs = len(lens)
+                seq_ids = torch.repeat_interleave(torch.arange(num_seqs), lens).to(self.device)
             terms = policy_loss_terms(
                 logp,
                 logp.detach(),
@@ -181,6 +214,15 @@ class Learner:
                 alg.clip_eps,
                 alg.is_cap,
                 alg.dual_clip_c,
+                clip_eps_low=alg.clip_eps_low,
+                clip_eps_high=alg.clip_eps_high,
+                is_level=alg.is_level,
+                is_mask=alg.is_mask,
+                is_mask_low=alg.is_mask_low,
+                is_mask_high=alg.is_mask_high,
+                mask=mask,
+                seq_ids=seq_ids,
+                num_seqs=num_seqs,
             )
             per_token = terms.loss
             pg = (terms.loss * w).sum()
@@ -211,21 +253,34 @@ class Learner:
                 acc["dual_clip_sum"] += (terms.dual_clipped * mask).sum()
                 acc["is_weight_sum"] += (terms.is_weight * mask).sum()
                 acc["truncated_sum"] += (terms.truncated * mask).sum()
+                acc["masked_sum"] += (terms.masked * mask).sum()
                 acc["is_weight_max"] = torch.maximum(acc["is_weight_max"], (terms.is_weight * mask).max())
-                log_ratio = mb.behav_logprobs - lp  # rollout (engine) vs trainer logprobs of the same tokens
-                acc["behav_k3_sum"] += ((torch.exp(log_ratio) - 1 - log_ratio) * mask).sum()
-                acc["behav_absdiff_sum"] += (log_ratio.abs() * mask).sum()
+                # rollout (engine) vs trainer logprobs of the same tokens: KL(pi_behav || pi_theta), unbiased
+                acc["behav_k3_sum"] += (behav_kl(lp, mb.behav_logprobs) * mask).sum()
+                acc["behav_absdiff_sum"] += ((mb.behav_logprobs - lp).abs() * mask).sum()
+        factor = lr_factor(
+            self.lr_step, alg.total_steps, alg.lr_schedule, alg.lr_warmup_steps, alg.min_lr_ratio
+        )
+        self._set_lr(self.opt, alg.lr * factor)
         grad_norm = grad_norm_clip(self.model.parameters(), alg.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         stats = self._reduce(acc)
         stats["grad_norm"] = grad_norm
+        stats["lr"] = alg.lr * factor
         if self.critic is not None:
+            self._set_lr(self.critic_opt, alg.critic_lr * factor)
             stats["critic_grad_norm"] = grad_norm_clip(self.critic.parameters(), alg.max_grad_norm)
             self.critic_opt.step()
             self.critic_opt.zero_grad(set_to_none=True)
+        self.lr_step += 1
         stats["flops"] = self._flops(micro_batches)
         return stats
+
+    @staticmethod
+    def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+        for group in opt.param_groups:
+            group["lr"] = lr
 
     def _gae(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Old values (critic at batch time), GAE advantages whitened over the whole step (all ranks),
@@ -263,6 +318,7 @@ class Learner:
             "is_weight_mean": s["is_weight_sum"] / n,
             "is_weight_max": float(maxes[0]),
             "is_truncated_fraction": s["truncated_sum"] / n,
+            "is_masked_fraction": s["masked_sum"] / n,
             "behav_kl": s["behav_k3_sum"] / n,
             "logprob_diff_mean": s["behav_absdiff_sum"] / n,
             "trained_tokens": s["tokens"],

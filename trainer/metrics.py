@@ -16,7 +16,10 @@ LOSS = Gauge("slipstream_trainer_loss", "Policy loss of the last step")
 REWARD = Gauge("slipstream_trainer_reward_mean", "Mean reward of the last batch")
 VERSION = Gauge("slipstream_trainer_weight_version", "Policy version after the last published step")
 CLIP = Gauge("slipstream_trainer_clip_fraction", "Fraction of tokens whose PPO ratio was clipped")
-KL = Gauge("slipstream_trainer_behav_kl", "k3 KL between trainer and behaviour policy on the batch")
+KL = Gauge(
+    "slipstream_trainer_behav_kl",
+    "KL(pi_behav || pi_trainer) on the batch's tokens (k3 with r = pi_trainer/pi_behav: unbiased, >= 0)",
+)
 LOGPROB_DIFF = Gauge(
     "slipstream_trainer_logprob_abs_diff", "Mean |trainer - rollout| logprob of the trained tokens"
 )
@@ -25,6 +28,11 @@ IS_WEIGHT_MAX = Gauge("slipstream_trainer_is_weight_max", "Largest behaviour imp
 IS_TRUNCATED = Gauge(
     "slipstream_trainer_is_truncated_fraction", "Fraction of tokens whose importance weight was truncated"
 )
+IS_MASKED = Gauge(
+    "slipstream_trainer_is_masked_fraction",
+    "Fraction of tokens masked IS dropped (their ratio, or their sequence's, left [is_mask_low, is_mask_high])",
+)
+LR = Gauge("slipstream_trainer_lr", "Policy learning rate of the last optimizer step (after warmup/decay)")
 ENTROPY = Gauge("slipstream_trainer_entropy", "Mean token entropy of the policy on the batch (nats)")
 KL_REF = Gauge("slipstream_trainer_kl_ref", "KL penalty to the reference model (aggregated like the loss)")
 GRAD_NORM = Gauge("slipstream_trainer_grad_norm", "Gradient norm before clipping")
@@ -48,6 +56,8 @@ def observe_step(r: dict) -> None:
     IS_WEIGHT_MEAN.set(r["is_weight_mean"])
     IS_WEIGHT_MAX.set(r["is_weight_max"])
     IS_TRUNCATED.set(r["is_truncated_fraction"])
+    IS_MASKED.set(r["is_masked_fraction"])
+    LR.set(r["lr"])
     ENTROPY.set(r["entropy"])
     GRAD_NORM.set(r["grad_norm"])
     TRAIN_TOKENS_PER_S.set(r["train_tokens_per_s"])

@@ -26,7 +26,7 @@ from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec
 from trainer import checkpoint, metrics
-from trainer.batch import build_samples
+from trainer.batch import build_samples, loss_aggregation
 from trainer.distributed import DistInfo, Pool, host_store
 from trainer.flops import peak_flops
 from trainer.learner import Learner
@@ -264,7 +264,7 @@ class Trainer:
             version = header["version"]
             t_data = time.monotonic()
             groups = [e.group for e in entries] if self.is_main else None
-            samples = build_samples(groups, alg.advantage, alg.loss_agg) if self.is_main else None
+            samples = build_samples(groups, alg.advantage, *loss_aggregation(spec)) if self.is_main else None
             stats = self.learner.train_step(self.learner.distribute(samples))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
