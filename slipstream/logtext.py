@@ -14,15 +14,16 @@ ANSI_RE = re.compile(
 
 
 def plain(text: str) -> str:
-    """`text` without ANSI escapes; in each line only what follows its last carriage return (what a
-    terminal shows of a progress bar that redraws itself), a CRLF line ending kept as a plain newline."""
+    """`text` without ANSI escapes, and a progress bar that redraws itself with carriage returns
+    (tqdm: `\\r 10%|# |\\r100%|##|`) reduced to its last state, after what preceded its first redraw on
+    that line (a log record's time and level, Ray's `(Actor pid=N)` prefix). A CRLF ending is a newline."""
     text = ANSI_RE.sub("", text)
     if "\r" not in text:
         return text
     lines = []
     for line in text.split("\n"):
-        line = line.rstrip("\r")
-        lines.append(line.rsplit("\r", 1)[-1])
+        parts = line.rstrip("\r").split("\r")
+        lines.append(parts[0] + parts[-1] if len(parts) > 1 else parts[0])
     return "\n".join(lines)
 
 
