@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.report import write_report_logged
 
         write_report_logged(driver.records, out)  # PNG plots; logs and swallows any failure
-        driver.report(**(final or {"state": "failed", "error": "the driver was interrupted"}))
+        driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code
 

@@ -230,6 +230,7 @@ buffer: {{max_staleness: 1}}
     # `buffer stats JOB` finds the job through the cluster: no SLIPSTREAM_REDIS_URL, no runs/JOB/redis.url
     monkeypatch.delenv("SLIPSTREAM_REDIS_URL", raising=False)
     monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
     assert cli.main(["buffer", "stats", name, "--home", info.home, "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["steps"] >= 3 and stats["consumed"] >= 6, stats
@@ -242,6 +243,7 @@ buffer: {{max_staleness: 1}}
     assert "is running; stop it first" in err and "HTTP 409" in err
 
     # while generators scale, status follows the trainer's version (it froze until the scale ended)
+    capsys.readouterr()
     client.scale(name, generators=2, trainers=None)
     seen = []
     while (st := client.get(name))["pools"]["generators"] != 2 or st["state"] == "scaling":
@@ -271,6 +273,7 @@ buffer: {{max_staleness: 1}}
         time.sleep(1)
     assert st["state"] == "stopped", st
     assert st["pools"] == {"generators": 0, "rollout_workers": 0, "trainers": 0}, st["pools"]
+    assert not st.get("phase"), st["phase"]  # "the trainer ends after its current step" is over
     logs_dir = Path(st["output_dir"]) / "logs"
     for f in logs_dir.glob("*.log"):
         if not f.name.startswith("sglang"):
