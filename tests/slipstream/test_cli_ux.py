@@ -274,10 +274,6 @@ buffer: {{max_staleness: 1}}
     assert st["state"] == "stopped", st
     assert st["pools"] == {"generators": 0, "rollout_workers": 0, "trainers": 0}, st["pools"]
     assert not st.get("phase"), st["phase"]  # "the trainer ends after its current step" is over
-    logs_dir = Path(st["output_dir"]) / "logs"
-    for f in logs_dir.glob("*.log"):
-        if not f.name.startswith("sglang"):
-            assert "\x1b[" not in f.read_text(errors="replace"), f
 
     # after a cluster restart Ray no longer knows the job: `logs` shows its driver.log instead
     cluster.down(info.home)
