@@ -263,7 +263,6 @@ class JobDriver:
         self.report("running", scaling=None)
 
     def start_trainers(self, m: int, resume_from: str | None = None) -> None:
-
         from slipstream.actors import TrainerActor
 
         spec = self._spec_with(num_trainers=m, **({"resume_from": resume_from} if resume_from else {}))
