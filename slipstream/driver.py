@@ -132,7 +132,7 @@ class JobDriver:
             "pools": {
                 "generators": len(self.engines) if self.engines else len(self.engine_urls),
                 "rollout_workers": len(self.workers),
-                "trainers": len(self.trainers),
+                "trainers": len(self.train_runs),  # ranks set up and training (not those still starting)
             },
             "restarts": self.restarts,
             "elapsed_s": time.monotonic() - self.t0,
