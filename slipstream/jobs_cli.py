@@ -283,6 +283,8 @@ def main(args: argparse.Namespace) -> int:
         if args.cmd == "rm":
             out = client.remove(args.job, args.purge)
             kept = "deleted" if out["output_removed"] else "kept"
+            if args.purge and not out["output_removed"]:
+                kept += " (--purge deletes only the job's own directory under $SLIPSTREAM_HOME/jobs)"
             print(f"job {args.job} removed ({out['keys']} Redis keys); output {out['output_dir']} {kept}")
             return 0
         if args.cmd == "checkpoint":
