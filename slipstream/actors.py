@@ -15,6 +15,7 @@ import ray
 
 from replay_buffer.client import connect
 from slipstream.jobspec import JobSpec
+from slipstream.logtext import PlainFormatter
 
 
 def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> None:
@@ -31,7 +32,7 @@ def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> No
     root.setLevel(logging.INFO)
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     fh = logging.FileHandler(log_dir / f"{name}.log")
-    fh.setFormatter(fmt)
+    fh.setFormatter(PlainFormatter(fmt._fmt))  # no colours or progress-bar redraws in the file
     sh = logging.StreamHandler()
     sh.setLevel(logging.WARNING)
     sh.setFormatter(fmt)

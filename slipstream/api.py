@@ -140,6 +140,12 @@ def create_app(token: str, control=None) -> FastAPI:
     def stop(name: str, req: StopRequest | None = None) -> dict:
         return call(ctl().stop, name, bool(req and req.force))
 
+    @app.delete("/jobs/{name}", dependencies=auth, summary="Remove an ended job's records")
+    def remove(name: str, purge: bool = False) -> dict:
+        """Deletes the job's control records and Redis keys; refuses (409) a job that may still run.
+        `purge`: also delete its output directory, when that is HOME/jobs/NAME."""
+        return call(ctl().remove, name, purge)
+
     @app.post("/jobs/{name}/checkpoint", dependencies=auth, summary="Checkpoint after the current step")
     def checkpoint(name: str) -> dict:
         return call(ctl().checkpoint, name)

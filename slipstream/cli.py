@@ -35,9 +35,11 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument(
         "--redis-url",
         default=os.environ.get("SLIPSTREAM_REDIS_URL"),
-        help="Redis of the job (default: $SLIPSTREAM_REDIS_URL, else <output-dir>/redis.url of a running job)",
+        help="Redis of the job (default: $SLIPSTREAM_REDIS_URL, else <output-dir>/redis.url of a running "
+        "`slipstream run`, else the cluster's)",
     )
     st.add_argument("--output-dir", help="the job's output_dir (default runs/JOB)")
+    st.add_argument("--home", help="cluster state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)")
     st.add_argument("--json", action="store_true", help="print JSON")
     cluster.add_parser(sub)
     jobs_cli.add_parsers(sub)
@@ -53,12 +55,29 @@ def _buffer_stats(args) -> int:
     from replay_buffer import ReplayBuffer
 
     url = args.redis_url
-    if url is None:
-        url_file = Path(args.output_dir or f"runs/{args.job}") / "redis.url"
+    url_file = Path(args.output_dir or f"runs/{args.job}") / "redis.url"
+    if url is None and (args.output_dir or url_file.exists()):  # a local `slipstream run`
         if not url_file.exists():
             print(f"slipstream: no --redis-url and no {url_file} (is the job running?)", file=sys.stderr)
             return 2
         url = url_file.read_text().strip()
+    if url is None:  # a job of the cluster
+        from slipstream.jobs import JobStore
+
+        try:
+            info = cluster.load_info(args.home)
+        except FileNotFoundError as e:
+            print(f"slipstream: no --redis-url, no {url_file} of a local run, and {e}", file=sys.stderr)
+            return 2
+        url = info.redis_url
+        try:
+            known = JobStore(redis.Redis.from_url(url, socket_connect_timeout=5)).exists(args.job)
+        except redis.RedisError as e:
+            print(f"slipstream: cannot reach the cluster's Redis at {info.home}: {e}", file=sys.stderr)
+            return 1
+        if not known:
+            print(f"slipstream: no job {args.job!r} in the cluster at {info.home}", file=sys.stderr)
+            return 2
     try:
         stats = ReplayBuffer(redis.Redis.from_url(url, socket_connect_timeout=5), args.job).stats()
     except redis.RedisError as e:

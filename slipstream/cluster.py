@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
+import ipaddress
 import json
 import logging
 import os
@@ -708,6 +709,13 @@ def _this_host_ip() -> str:
         return "<this host's IP>"
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
     home = Path(info.home)
     secrets_file = home / "secrets.json"
@@ -736,16 +744,15 @@ def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
         print(f"              token: {secrets_file} [api_token]")
     print(f"  logs        {home / 'logs'}")
     port = info.ray_address.rsplit(":", 1)[1]
-    ip = info.host if info.host not in ("0.0.0.0", "127.0.0.1", "localhost") else _this_host_ip()
-    print("Connect more nodes (same Ray and Python versions):")
-    print(
-        f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<ray_auth_token from {secrets_file}> ray start --address {ip}:{port}"
-    )
-    if info.host in ("127.0.0.1", "localhost"):
+    if _is_loopback(info.host):  # other machines cannot reach a head that listens on loopback only
+        print("More nodes: this head listens on loopback only; to add nodes, `slipstream cluster down`,")
+        print("  then `slipstream cluster up --host 0.0.0.0` (or this host's IP)")
+    else:
+        ip = info.host if info.host != "0.0.0.0" else _this_host_ip()
+        print("Connect more nodes (same Ray and Python versions):")
         print(
-            "  (this head advertises 127.0.0.1, so other nodes cannot reach its raylet: `slipstream cluster down`,"
+            f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<ray_auth_token from {secrets_file}> ray start --address {ip}:{port}"
         )
-        print("   then `slipstream cluster up --host 0.0.0.0` or this host's IP)")
     print("Submit a job:  slipstream submit JOB.yaml")
     print("Stop:          make cluster-down  (data is kept)")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
 from slipstream.launcher import ProgressReader
+from slipstream.logtext import plain
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +162,8 @@ class JobControl:
                     # the driver died without reporting (killed, crashed before it could)
                     st = self.store.update_status(
                         name, state="failed" if st["ray_status"] == "FAILED" else "stopped",
-                        error=info.message or st.get("error"),
+                        error=info.message or st.get("error"), phase=None,
+                        pools={"generators": 0, "rollout_workers": 0, "trainers": 0},
                     )  # fmt: skip
                     st.update(name=name, desired=self.store.desired(name), ray_status=info.status.value)
             except Exception as e:  # Ray down: report what Redis has
@@ -198,19 +201,37 @@ class JobControl:
         st = self._job(name)
         log_dir = Path(st.get("output_dir", self.home / "jobs" / name)) / "logs"
         components = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
+        note = None
         if component is None:
-            text = ""
+            text, unavailable = "", "the job has no Ray job"
             if st.get("ray_job_id"):
                 try:
-                    text = self.ray.get_job_logs(st["ray_job_id"])
-                except Exception as e:
-                    text = f"(Ray job logs unavailable: {e})\n"
+                    text, unavailable = self.ray.get_job_logs(st["ray_job_id"]), None
+                except Exception as e:  # e.g. a restarted Ray head no longer knows the job
+                    first = (str(e).strip().splitlines() or [""])[0][:300]
+                    unavailable = f"{type(e).__name__}: {first}"
+            driver_log = log_dir / "driver.log"
+            if unavailable is not None:
+                if driver_log.is_file():  # what the driver logged itself (its own file, kept across restarts)
+                    text = driver_log.read_text(errors="replace")
+                    note = f"Ray's log of this job is unavailable ({unavailable}); this is {driver_log}"
+                else:
+                    note = (
+                        f"Ray's log of this job is unavailable ({unavailable}) and there is no {driver_log}"
+                    )
         else:
             if component not in components:
                 raise ControlError(404, f"job {name!r} has no log {component!r}; it has {components}")
             text = (log_dir / f"{component}.log").read_text(errors="replace")
+        text = plain(text)  # Ray's log carries the actors' colours and progress bars
         lines = text.splitlines()[-tail:] if tail > 0 else text.splitlines()
-        return {"name": name, "component": component or "driver", "components": components, "lines": lines}
+        return {
+            "name": name,
+            "component": component or "driver",
+            "components": components,
+            "lines": lines,
+            "note": note,
+        }
 
     def scale(self, name: str, generators: int | None = None, trainers: int | None = None) -> dict:
         st = self._job(name)
@@ -242,6 +263,31 @@ class JobControl:
                 raise ControlError(503, f"Ray could not stop job {name!r}: {e}") from e
         log.info("job %s: stop requested%s", name, " (forced)" if force else "")
         return {"name": name, "stop": True, "force": force}
+
+    def remove(self, name: str, purge: bool = False) -> dict:
+        """Delete an ended job's records: its control entry and every Redis key under its prefix (the
+        stream, ledger, progress, status...). Its output directory stays unless `purge`, and even then only
+        when it is the job's own directory under HOME/jobs. A job that may still run is refused."""
+        st = self.get(name)  # also notices a driver that died without reporting
+        if st.get("state") in ACTIVE_STATES:
+            raise ControlError(
+                409, f"job {name!r} is {st['state']}; stop it first (slipstream stop {name}), then remove it"
+            )
+        out = Path(st.get("output_dir") or self.home / "jobs" / name)
+        removed = self.store.remove(name)
+        output_removed = False
+        if purge:
+            own = (self.home / "jobs" / name).resolve()
+            if out.resolve() == own and own.is_dir():
+                shutil.rmtree(own)
+                output_removed = True
+            elif out.exists():
+                log.info("job %s: output %s is outside %s; kept", name, out, self.home / "jobs")
+        log.info(
+            "job %s removed (%d Redis keys; output %s %s)",
+            name, removed, out, "deleted" if output_removed else "kept",
+        )  # fmt: skip
+        return {"name": name, "keys": removed, "output_dir": str(out), "output_removed": output_removed}
 
     def checkpoint(self, name: str) -> dict:
         st = self._job(name)

@@ -55,6 +55,7 @@ from slipstream.launcher import (
     start_engines,
     stop_actors,
 )
+from slipstream.logtext import PlainFormatter
 
 log = logging.getLogger("slipstream.driver")
 
@@ -131,7 +132,7 @@ class JobDriver:
             "pools": {
                 "generators": len(self.engines) if self.engines else len(self.engine_urls),
                 "rollout_workers": len(self.workers),
-                "trainers": len(self.trainers),
+                "trainers": len(self.train_runs),  # ranks set up and training (not those still starting)
             },
             "restarts": self.restarts,
             "elapsed_s": time.monotonic() - self.t0,
@@ -209,7 +210,7 @@ class JobDriver:
         for a, _ in gone:
             a.stop.remote()
         runs = [ref for _, ref in gone]
-        done, _ = ray.wait(runs, num_returns=len(runs), timeout=STOP_TIMEOUT_S)
+        done = self._wait(runs, STOP_TIMEOUT_S)
         produced = sum(ray.get(ref)["groups"] for ref in done)
         for a, _ in gone:
             ray.kill(a)
@@ -232,7 +233,7 @@ class JobDriver:
                 new.append(cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining))
                 self._next_engine += 1
             self.engines += new
-            urls = ray.get([e.start.remote() for e in new])
+            urls = self._get([e.start.remote() for e in new])
             self.engine_urls += urls
             self.engine_watch += [e.watch.remote() for e in new]
             self.add_workers(per * (n - have))
@@ -250,7 +251,7 @@ class JobDriver:
             self._starting = {i: u for i, u in self._starting.items() if i < n}
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
-            ray.get(
+            self._get(
                 [
                     e.stop.remote(DRAIN_S) if self.spec.generators.engine == "builtin" else e.stop.remote()
                     for e in gone
@@ -262,8 +263,6 @@ class JobDriver:
         self.report("running", scaling=None)
 
     def start_trainers(self, m: int, resume_from: str | None = None) -> None:
-        import ray
-
         from slipstream.actors import TrainerActor
 
         spec = self._spec_with(num_trainers=m, **({"resume_from": resume_from} if resume_from else {}))
@@ -271,8 +270,8 @@ class JobDriver:
         self.trainers = [
             rank_cls.remote(spec, self.redis_url, self.engine_urls, self.api_key, r, m) for r in range(m)
         ]
-        master = ray.get(self.trainers[0].rendezvous.remote()) if m > 1 else None
-        ray.get([t.setup.remote(master) for t in self.trainers])
+        master = self._get([self.trainers[0].rendezvous.remote()])[0] if m > 1 else None
+        self._get([t.setup.remote(master) for t in self.trainers])
         self.train_runs = [t.run.remote() for t in self.trainers]
         log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
 
@@ -283,8 +282,8 @@ class JobDriver:
 
         have = len(self.trainers)
         self.report("scaling", scaling=f"trainers {have} -> {m}")
-        ray.get(self.trainers[0].stop.remote(True))
-        results = ray.get(self.train_runs)
+        self._get([self.trainers[0].stop.remote(True)])
+        results = self._get(self.train_runs)
         for t in self.trainers:
             ray.kill(t)
         result = results[0]
@@ -457,43 +456,80 @@ class JobDriver:
                 log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
 
     # --- the loop -------------------------------------------------------------------------------------
+    def read_progress(self, block_ms: int = 0) -> None:
+        """Take the trainer's new progress records (waiting up to block_ms for one) into the status.
+        With `on_progress` (`slipstream run` prints each record as its line) the per-step log line is
+        DEBUG, so a step shows once on the terminal; the cluster's driver.log keeps it at INFO."""
+        for rec in self.progress.read(block_ms=block_ms):
+            self.last = rec
+            self.records.append(rec)
+            self.version = rec["version"]
+            self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
+            if self.on_progress:
+                self.on_progress(rec)
+            log.log(
+                logging.DEBUG if self.on_progress else logging.INFO,
+                "version %d/%d reward %.3f staleness %.2f tok/s %.0f",
+                rec["version"],
+                self.spec.algorithm.total_steps,
+                rec["reward_mean"],
+                rec["staleness_mean"],
+                rec["tokens_per_s"],
+            )
+            self.report()
+
+    def _wait(self, refs: list, timeout_s: float | None = None) -> list:
+        """ray.wait for all of `refs` (at most timeout_s), reading progress meanwhile: the trainer trains
+        on while engines start or stop and while a trainer pool winds down, and `status` shows it."""
+        import ray
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            done, pending = ray.wait(refs, num_returns=len(refs), timeout=left)
+            if not pending or (deadline is not None and time.monotonic() >= deadline):
+                return done
+            self.read_progress(block_ms=0)
+
+    def _get(self, refs: list) -> list:
+        """ray.get of `refs`, reading progress while they run (see _wait)."""
+        import ray
+
+        self._wait(refs)
+        return ray.get(refs)
+
     def run(self) -> dict:
         desired = self.store.desired(self.job)
-        self.report("starting")
+        model, build = Path(self.spec.model.path), self.spec.model.build
+        if build is not None and not (model / "config.json").exists():
+            phase = f"building model {build} at {model} (once; jobs with this model.path reuse it)"
+        else:
+            phase = f"loading model {model}"
+        log.info("job %s: %s", self.job, phase)
+        self.report("starting", phase=phase)
         prepare_model(self.spec)
         self.buffer.ensure_group()
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)
-        self.start_generators(desired.get("generators", self.spec.generators.num_engines))
-        self.start_trainers(desired.get("trainers", self.spec.trainer.num_trainers))
-        self.report("running")
+        n = desired.get("generators", self.spec.generators.num_engines)
+        self.report(phase=f"starting {n} generator(s) and their rollout workers")
+        self.start_generators(n)
+        m = desired.get("trainers", self.spec.trainer.num_trainers)
+        self.report(phase=f"starting {m} trainer rank(s)")
+        self.start_trainers(m)
+        self.report("running", phase=None)
         stopping = False
         while True:
             if (result := self.check_trainers()) is not None:
                 break
             self.check_workers()
             self.check_engines()
-            for rec in self.progress.read(block_ms=int(POLL_S * 1000)):
-                self.last = rec
-                self.records.append(rec)
-                self.version = rec["version"]
-                self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
-                if self.on_progress:
-                    self.on_progress(rec)
-                log.info(
-                    "version %d/%d reward %.3f staleness %.2f tok/s %.0f",
-                    rec["version"],
-                    self.spec.algorithm.total_steps,
-                    rec["reward_mean"],
-                    rec["staleness_mean"],
-                    rec["tokens_per_s"],
-                )
-                self.report()
+            self.read_progress(block_ms=int(POLL_S * 1000))
             want = self.store.desired(self.job)
             if want["stop"] and not stopping:
                 log.info("stop requested: the trainer ends after its current step")
                 stopping = True
-                self.report("stopping")
+                self.report("stopping", phase="the trainer ends after its current step")
                 self.trainers[0].stop.remote()
             if stopping:
                 continue
@@ -524,6 +560,9 @@ class JobDriver:
             a.stop.remote()
         ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=STOP_TIMEOUT_S)
         stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + self.trainers)
+        # every pool is gone: the final report shows 0, not the sizes the job had
+        self.engines, self.attached, self.engine_urls, self.engine_watch = [], [], [], []
+        self.workers, self.trainers, self.train_runs = [], [], []
 
 
 def _outcome(ref, failed_only: bool = False) -> str | None:
@@ -568,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=logging.INFO, format=fmt, stream=sys.stdout)
     fh = logging.FileHandler(out / "logs" / "driver.log")
-    fh.setFormatter(logging.Formatter(fmt))
+    fh.setFormatter(PlainFormatter(fmt))  # no colours or progress-bar redraws in the file
     logging.getLogger().addHandler(fh)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
@@ -599,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         from slipstream.report import write_report_logged
 
         write_report_logged(driver.records, out)  # PNG plots; logs and swallows any failure
-        driver.report(**(final or {"state": "failed", "error": "the driver was interrupted"}))
+        driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code
 

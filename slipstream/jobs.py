@@ -108,5 +108,20 @@ class JobStore:
         self.r.set(self._k(job, "status"), json.dumps(st))
         return st
 
+    def remove(self, job: str) -> int:
+        """Forget an ended job: its index entry and every key under its `slipstream:{job}:` prefix
+        (SCAN, not KEYS: the cluster's Redis stays responsive). Returns how many keys were deleted."""
+        n = 0
+        batch: list[bytes] = []
+        for key in self.r.scan_iter(match=f"{JobKeys(job)._k('')}*", count=500):
+            batch.append(key)
+            if len(batch) >= 500:
+                n += self.r.delete(*batch)
+                batch.clear()
+        if batch:
+            n += self.r.delete(*batch)
+        self.r.hdel(INDEX_KEY, job)
+        return n
+
     def active(self, job: str) -> bool:
         return self.status(job).get("state") in ACTIVE_STATES

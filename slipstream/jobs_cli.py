@@ -1,4 +1,4 @@
-"""`slipstream submit | list | status | logs | scale | stop | checkpoint`: the control API's client.
+"""`slipstream submit | list | status | logs | scale | stop | checkpoint | rm`: the control API's client.
 
 Where the API is: --api-url / $SLIPSTREAM_API_URL with $SLIPSTREAM_API_TOKEN, else the cluster at
 --home / $SLIPSTREAM_HOME / ~/.slipstream (what `make cluster-up` started).
@@ -20,6 +20,25 @@ TERMINAL = ("succeeded", "failed", "stopped")
 
 class ApiError(Exception):
     pass
+
+
+def _readable(detail) -> str:
+    """An error answer's detail as one line: a message as it is; FastAPI's list of field errors (a request
+    that does not fit the schema) as `field: message (got value)` per field."""
+    if not isinstance(detail, list):
+        return str(detail)
+    parts = []
+    for err in detail:
+        if not isinstance(err, dict):
+            parts.append(str(err))
+            continue
+        loc = [str(x) for x in err.get("loc", ())]
+        if loc and loc[0] in ("body", "query", "path", "header"):
+            loc = loc[1:]
+        where = ".".join(loc) or "request"
+        got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+        parts.append(f"{where}: {err.get('msg', err.get('type', 'invalid'))}{got}")
+    return "invalid request: " + "; ".join(parts)
 
 
 class ControlClient:
@@ -58,7 +77,7 @@ class ControlClient:
                 detail = resp.json().get("detail")
             except ValueError:
                 detail = resp.text
-            raise ApiError(f"{detail} (HTTP {resp.status_code})")
+            raise ApiError(f"{_readable(detail)} (HTTP {resp.status_code})")
         return resp.json()
 
     def submit(self, spec_text: str, overrides: list[str], cwd: str) -> dict:
@@ -85,6 +104,9 @@ class ControlClient:
     def checkpoint(self, name: str) -> dict:
         return self._call("POST", f"/jobs/{name}/checkpoint")
 
+    def remove(self, name: str, purge: bool = False) -> dict:
+        return self._call("DELETE", f"/jobs/{name}", params={"purge": purge})
+
 
 def add_parsers(sub) -> None:
     def common(p):
@@ -98,29 +120,55 @@ def add_parsers(sub) -> None:
 
     s = common(sub.add_parser("submit", help="submit a job to the cluster"))
     s.add_argument("spec", help="job spec YAML")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable; VALUE is YAML)",
+    )
     s.add_argument("--watch", action="store_true", help="then show its status live until it ends")
     common(sub.add_parser("list", help="the cluster's jobs"))
     st = common(sub.add_parser("status", help="a job's version, staleness, throughput, pools, reward"))
     st.add_argument("job")
     st.add_argument("--watch", action="store_true", help="refresh live until the job ends (Ctrl-C leaves)")
-    st.add_argument("--json", action="store_true")
+    st.add_argument("--json", action="store_true", help="print the full status record as JSON")
     lg = common(sub.add_parser("logs", help="a job's driver log, or one component's (--component)"))
     lg.add_argument("job")
     lg.add_argument("--component", help="e.g. trainer-0, engine-1, rollout-0 (default: the driver)")
-    lg.add_argument("--tail", type=int, default=200)
+    lg.add_argument(
+        "--tail", type=int, default=200, metavar="N", help="the last N lines (default 200; 0: all)"
+    )
     sc = common(sub.add_parser("scale", help="set a running job's generator and/or trainer pool sizes"))
     sc.add_argument("job")
-    sc.add_argument("--generators", type=int)
-    sc.add_argument("--trainers", type=int)
+    sc.add_argument(
+        "--generators",
+        type=int,
+        metavar="N",
+        help="engines, each with its rollout workers; new ones join at the next weight update",
+    )
+    sc.add_argument(
+        "--trainers",
+        type=int,
+        metavar="M",
+        help="trainer ranks; the pool checkpoints and restarts with M ranks (M > 1 needs trainer.fsdp)",
+    )
     sp = common(sub.add_parser("stop", help="stop a job after the trainer's current step"))
     sp.add_argument("job")
     sp.add_argument("--force", action="store_true", help="stop the Ray job now")
     ck = common(sub.add_parser("checkpoint", help="write a checkpoint after the current step"))
     ck.add_argument("job")
+    rm = common(sub.add_parser("rm", help="remove an ended job's records (refuses a job that runs)"))
+    rm.add_argument("job")
+    rm.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete its output directory (only $SLIPSTREAM_HOME/jobs/JOB; default: kept)",
+    )
 
 
-COMMANDS = ("submit", "list", "status", "logs", "scale", "stop", "checkpoint")
+COMMANDS = ("submit", "list", "status", "logs", "scale", "stop", "checkpoint", "rm")
 
 
 def _fmt(v, spec: str = ".3f") -> str:
@@ -149,6 +197,8 @@ def render_status(st: dict):
          f"dropped stale {buf.get('dropped_stale', '-')}"),
         ("output", str(st.get("output_dir", "-"))),
     ]  # fmt: skip
+    if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
+        rows.insert(0, ("phase", st["phase"]))
     if any((restarts := st.get("restarts") or {}).values()):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
     if st.get("scaling"):
@@ -212,6 +262,8 @@ def main(args: argparse.Namespace) -> int:
             return 0
         if args.cmd == "logs":
             out = client.logs(args.job, args.component, args.tail)
+            if out.get("note"):
+                print(f"# {out['note']}", file=sys.stderr)
             print("\n".join(out["lines"]))
             if args.component is None and out["components"]:
                 print(
@@ -227,6 +279,13 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"job {args.job}: stop requested{' (forced)' if args.force else ' (after the current step)'}"
             )
+            return 0
+        if args.cmd == "rm":
+            out = client.remove(args.job, args.purge)
+            kept = "deleted" if out["output_removed"] else "kept"
+            if args.purge and not out["output_removed"]:
+                kept += " (--purge deletes only the job's own directory under $SLIPSTREAM_HOME/jobs)"
+            print(f"job {args.job} removed ({out['keys']} Redis keys); output {out['output_dir']} {kept}")
             return 0
         if args.cmd == "checkpoint":
             client.checkpoint(args.job)

@@ -18,9 +18,14 @@ Kernel-enforced, holding even against code that defeats the Python-level hook:
   3. seccomp filter (x86_64, aarch64): fork, vfork, clone without CLONE_THREAD, execve(at),
      ptrace, process_vm_readv/writev, pidfd_open, io_uring_setup fail; kill/tgkill only reach the
      child itself; socket() only for AF_UNIX, and connect, bind, sendmsg and sendto with an address
-     fail, so the only usable sockets are socketpair()s (asyncio needs one). Threads still work.
+     fail, so the only usable sockets are socketpair()s (asyncio needs one). Threads may start,
+     but few: see 4.
   4. rlimits: RLIMIT_CPU (then SIGXCPU), RLIMIT_AS (allocations fail: MemoryError), RLIMIT_NOFILE,
-     RLIMIT_FSIZE (writes past it fail with EFBIG), RLIMIT_CORE = 0.
+     RLIMIT_FSIZE (writes past it fail with EFBIG), RLIMIT_CORE = 0. Every thread reserves its stack
+     (RLIMIT_STACK, 8 MiB by default) and a malloc arena inside RLIMIT_AS, so at the default
+     memory_mb=256 only 6 threads start besides the main one (with an 8 MiB stack limit; measured by
+     tests/slipstream/test_cli_ux.py), then `RuntimeError: can't start new thread`; a larger
+     memory_mb allows a few more. Code that needs many threads does not run here.
   5. From the parent: a wall-clock timeout that SIGKILLs the child's process group (also when the
      caller cancels), a cap on the bytes read from its pipes (the child is killed past it).
 
@@ -98,7 +103,8 @@ class PythonSandbox:
     ) -> None:
         """
         timeout_s: wall-clock limit per call, after which the process group is SIGKILLed.
-        memory_mb: address-space limit (RLIMIT_AS) of the child.
+        memory_mb: address-space limit (RLIMIT_AS) of the child; thread stacks count against it (at
+            256 only 6 threads start: see the module's notes).
         cpu_s: CPU-time limit (RLIMIT_CPU) of the child.
         max_output_chars: stdout + stderr shown to the model; the middle is cut beyond this.
         file_mb: largest file the code may write (RLIMIT_FSIZE).
