@@ -482,6 +482,13 @@ class JobDriver:
         if self.run_info["attempt"] == 1:
             for name in RUN_FILES:
                 (Path(self.spec.output_dir) / name).unlink(missing_ok=True)
+            ckpts = self._checkpoint_dir()
+            if self.spec.trainer.resume_from is None and any(ckpts.glob("step-*")):
+                # an earlier run's checkpoints: kept, but apart (this run's `latest`, its restarts and
+                # keep_checkpoints' pruning see only its own)
+                aside = ckpts.with_name(f"{ckpts.name}.before-{self.run_info['run_id']}")
+                ckpts.rename(aside)
+                log.warning("an earlier run's checkpoints moved from %s to %s", ckpts, aside)
         log.info("job %s: run %s, attempt %d", self.job, self.run_info["run_id"], self.run_info["attempt"])
 
     def run(self) -> dict:
