@@ -161,6 +161,9 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
     stats = ReplayBuffer(r, NAME).stats()
     assert stats["steps"] == 3 and stats["consumed"] == 3 * GROUPS_PER_STEP
     assert stats["dropped_future"] == 0 and stats["duplicates"] == 0
+    # the earlier run's checkpoints are kept, apart: this run's `latest` and pruning see only its own
+    assert (out / f"checkpoints.before-{st['run_id']}" / f"step-{resume_at:08d}").is_dir()
+    assert not list((out / "checkpoints").glob("step-*"))
     samples = (out / "samples.txt").read_text()
     assert [ln.split()[2] for ln in samples.splitlines() if ln.startswith("=== version")] == ["1", "2", "3"]
     assert st["samples_per_s"] == pytest.approx(3 * GROUPS_PER_STEP * GROUP_SIZE / records[-1]["elapsed_s"])
