@@ -107,12 +107,14 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
 
     # 1. a run, rescaled and stopped
     client.submit(spec, [], str(tmp_path))
-    st = _wait(client, "first steps", lambda s: s.get("version", 0) >= 4)
+    # the first pool trains longer than the second will: a second pool whose elapsed_s restarted at 0
+    # would show it going back
+    st = _wait(client, "first steps", lambda s: s.get("version", 0) >= 8)
     first_run = st["run_id"]
     assert st["attempt"] == 1
     client.scale(NAME, generators=None, trainers=2)
     v0 = st["version"]
-    _wait(client, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 3)
+    _wait(client, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
     st = _stop(client)
     assert st["state"] == "stopped", st
     records = _progress(client)["records"]
