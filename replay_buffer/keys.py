@@ -88,3 +88,20 @@ class JobKeys(msgspec.Struct, frozen=True):
     def progress(self) -> str:
         """Stream of per-step trainer progress records (JSON), read by the driver and the CLI."""
         return self._k("progress")
+
+    @property
+    def run(self) -> str:
+        """Hash of the current run: run_id, attempt (1, +1 per resume), started_at (Redis time, seconds, of
+        the run's clock origin: elapsed_s = now - started_at, one clock for every trainer pool of the run),
+        trims (times progress records of lost steps were dropped)."""
+        return self._k("run")
+
+    def per_run(self) -> list[str]:
+        """Every key a run writes (not the control records of slipstream/jobs.py): a new run of the same
+        job name deletes them all. `inflight:<worker>` lists are found by prefix."""
+        names = (
+            "groups", "dead", "version", "started", "trained", "reservations", "workers", "recycle",
+            "reissue", "ledger", "stats", "staleness", "progress", "run",
+            "engines", "engines:joining", "metrics_targets",
+        )  # fmt: skip
+        return [self._k(n) for n in names]

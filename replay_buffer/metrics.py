@@ -8,6 +8,11 @@ GROUPS_CONSUMED = Counter("slipstream_buffer_groups_consumed_total", "Groups tra
 GROUPS_DROPPED = Counter(
     "slipstream_buffer_groups_dropped_stale_total", "Groups dropped (or recycled) as too stale"
 )
+GROUPS_FUTURE = Counter(
+    "slipstream_buffer_groups_dropped_future_total",
+    "Groups dropped because a token came from a version newer than the trainer's (left by a run or attempt "
+    "that got further than the checkpoint this one resumed from); never trained",
+)
 DEAD_LETTER = Counter("slipstream_buffer_dead_letter_total", "Records moved to the dead-letter stream")
 DUPLICATES = Counter("slipstream_buffer_duplicates_total", "Redelivered groups skipped as already trained")
 RECLAIMED = Counter("slipstream_buffer_reclaimed_total", "Pending entries claimed from idle (dead) consumers")

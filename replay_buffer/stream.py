@@ -11,14 +11,21 @@ Invariants:
 - Admission: a producer may start group number `started + 1` only while it is
   <= (version + max_staleness + 1) * groups_per_step (replay_buffer/scripts.py). A dropped stale group
   gives its slot back, otherwise at max_staleness = 0 one drop would starve the step that needs it.
+- A group with a token from a version newer than the trainer's (a previous attempt of the run got further
+  than the checkpoint this one resumed from) is never trained: it is acknowledged, counted as
+  `dropped_future` and its admission slot given back, as a stale one is.
+- Runs: each run of a job starts from empty per-run state (`begin_run`); a resumed run keeps it and
+  continues its run_id, clock and progress (records of steps lost after the checkpoint are dropped).
 - Hygiene: after each commit, entries below the oldest pending/unread one are all acknowledged and are
   trimmed (XTRIM MINID); trained ids are kept only while a redelivery of them could still be fresh.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -188,6 +195,83 @@ class ReplayBuffer:
             )
         return n
 
+    # --- runs ----------------------------------------------------------------------------------------
+    def reset_run(self) -> int:
+        """Delete every per-run key of the job (stream and consumer group, version, admission, trained
+        ids, progress, engine registry, ...; not the control records); returns how many existed."""
+        keys = self.keys.per_run() + list(self.r.scan_iter(match=self.keys.inflight_prefix + "*", count=1000))
+        return int(self.r.delete(*keys))
+
+    def begin_run(self, resume: bool) -> dict:
+        """Start a job's run: a new one (fresh run_id, attempt 1, every per-run key deleted), or, with
+        `resume` and a run on record, the next attempt of that run: its state stays (groups newer than
+        the resumed checkpoint are dropped as from the future, progress records after it are dropped when
+        the trainer resumes) and its clock continues where the last attempt's records ended."""
+        info = self.run_info()
+        if resume and info:
+            last = self.r.xrevrange(self.keys.progress, count=1)
+            before = json.loads(last[0][1][b"j"])["elapsed_s"] if last else 0.0
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hincrby(self.keys.run, "attempt", 1)
+            pipe.hdel(self.keys.run, "started_at")  # the first trainer pool of this attempt sets it
+            pipe.hset(self.keys.run, "elapsed_before", repr(float(before)))
+            pipe.execute()
+            info = self.run_info()
+            log.info("run %s: attempt %d resumes (its clock continues at %.1f s)", info["run_id"],
+                     info["attempt"], before)  # fmt: skip
+            return info
+        n = self.reset_run()
+        self.r.hset(self.keys.run, mapping={"run_id": uuid.uuid4().hex[:12], "attempt": 1})
+        info = self.run_info()
+        log.info("run %s of job %s begins%s", info["run_id"], self.keys.job,
+                 f" (the previous run's {n} keys deleted)" if n else "")  # fmt: skip
+        return info
+
+    def run_info(self) -> dict:
+        """run_id and attempt of the job's current run ({} when none began)."""
+        raw = {_str(k): _str(v) for k, v in self.r.hgetall(self.keys.run).items()}
+        if "run_id" not in raw:
+            return {}
+        return {
+            "run_id": raw["run_id"],
+            "attempt": int(raw.get("attempt", 1)),
+            "trims": int(raw.get("trims", 0)),
+        }
+
+    def _now(self) -> float:
+        sec, usec = self.r.time()
+        return sec + usec / 1e6
+
+    def start_clock(self) -> float:
+        """The run clock's reading now (seconds): it starts when the run's first trainer pool starts and
+        every later pool (rescale, restart, resumed attempt) continues it; Redis time, so every process
+        reads the same clock."""
+        now = self._now()
+        before = float(_str(self.r.hget(self.keys.run, "elapsed_before") or b"0"))
+        self.r.hsetnx(self.keys.run, "started_at", repr(now - before))
+        return now - float(_str(self.r.hget(self.keys.run, "started_at")))
+
+    def clock(self) -> float | None:
+        """The run clock's reading now; None before the first trainer pool started it."""
+        started = self.r.hget(self.keys.run, "started_at")
+        return None if started is None else self._now() - float(_str(started))
+
+    def truncate_progress(self, version: int) -> int:
+        """Drop the progress records of steps after `version` (the trainer resumed from a checkpoint there:
+        those steps are lost and will be trained again); returns how many were dropped."""
+        drop = []
+        for entry_id, fields in self.r.xrevrange(self.keys.progress, count=10_000):
+            if json.loads(fields[b"j"])["version"] <= version:
+                break
+            drop.append(entry_id)
+        if drop:
+            pipe = self.r.pipeline(transaction=True)
+            pipe.xdel(self.keys.progress, *drop)
+            pipe.hincrby(self.keys.run, "trims", 1)
+            pipe.execute()
+            log.warning("dropped %d progress records of steps after version %d (lost)", len(drop), version)
+        return len(drop)
+
     def reap_workers(self) -> int:
         """Release the reservations of workers whose lease expired (their in-flight prompts are
         reissued); returns how many reservations were released."""
@@ -285,6 +369,25 @@ class ReplayBuffer:
             entry.group.min_version,
         )
 
+    def _drop_future(self, entry: Entry, version: int) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
+        pipe.hincrby(self.keys.stats, "dropped_future", 1)
+        pipe.decr(self.keys.started)  # its slot was not used by this attempt's steps: give it back
+        if self.stale_policy == "recycle":
+            pipe.rpush(self.keys.recycle, entry.group.prompt_id)
+            pipe.hincrby(self.keys.stats, "recycled", 1)
+        pipe.execute()
+        metrics.GROUPS_FUTURE.inc()
+        log.warning(
+            "dropped group %s (prompt %s) from the future: versions %d..%d, trainer at version %d",
+            entry.group.group_id,
+            entry.group.prompt_id,
+            entry.group.min_version,
+            entry.group.max_version,
+            version,
+        )
+
     def _skip_duplicate(self, entry: Entry) -> None:
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
@@ -337,6 +440,8 @@ class ReplayBuffer:
             for entry, score in zip(candidates, trained, strict=True):
                 if score is not None or entry.group.group_id in seen:
                     self._skip_duplicate(entry)
+                elif max(entry.group.min_version, entry.group.max_version) > version:
+                    self._drop_future(entry, version)
                 elif not is_usable(version, entry.group.min_version, max_staleness):
                     self._drop_stale(entry, version)
                 else:
@@ -423,6 +528,7 @@ class ReplayBuffer:
             "produced",
             "consumed",
             "dropped_stale",
+            "dropped_future",
             "recycled",
             "reissued",
             "dead_letter",

@@ -16,6 +16,7 @@ import msgspec
 import redis
 import yaml
 
+from replay_buffer import ReplayBuffer
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
@@ -187,15 +188,26 @@ class JobControl:
         return out
 
     def progress(self, name: str, since: int = 0) -> dict:
-        """The job's progress records (one per optimizer step, as ProgressReader yields them: with the
-        cumulative `tokens_per_s`) after the first `since`; `next` is the `since` of the next call."""
+        """The job's progress records of its current run (one per optimizer step, as ProgressReader yields
+        them: with the cumulative `tokens_per_s`, `samples_per_s`) after the first `since`; `next` is the
+        `since` of the next call. `run` names the run, its attempt and its progress trims: when it
+        changes, the records a client holds are not a prefix of these any more (read from 0 again)."""
         self._job(name)
         if since < 0:
             raise ControlError(422, f"since must be >= 0, got {since}")
-        reader, records = ProgressReader(self.r, name), []
-        while batch := reader.read(block_ms=0):
-            records += batch
-        return {"name": name, "since": since, "next": len(records), "records": records[since:]}
+        reader = ProgressReader(self.r, name)
+        while reader.read(block_ms=0):
+            pass
+        records = reader.records
+        run = ReplayBuffer(self.r, name).run_info()
+        run_tag = f"{run['run_id']}.{run['attempt']}.{run['trims']}" if run else None
+        return {
+            "name": name,
+            "run": run_tag,
+            "since": since,
+            "next": len(records),
+            "records": records[since:],
+        }
 
     def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:
         st = self._job(name)

@@ -28,6 +28,7 @@ It reports the job's state and progress to Redis (slipstream/jobs.py) for `slips
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ from slipstream import jobspec
 from slipstream.jobs import JobStore
 from slipstream.jobspec import JobSpec
 from slipstream.launcher import (
+    RUN_FILES,
     STOP_TIMEOUT_S,
     ProgressReader,
     engine_actor,
@@ -108,10 +110,8 @@ class JobDriver:
         self.trainers: list = []
         self.train_runs: list = []
         self.version = 0
-        self.samples = 0
-        self.t0 = time.monotonic()
         self.last: dict = {}
-        self.records: list[dict] = []  # every progress record read (the end-of-job report)
+        self.run_info: dict = {}  # run_id, attempt (ReplayBuffer.begin_run)
         self._next_engine = 0
         self._next_worker = 0
         self.engine_watch: list = []  # per engine in self.engines: its watch() call, which fails on death
@@ -124,9 +124,21 @@ class JobDriver:
         self._worker_born: dict = {}  # run ref -> monotonic start
         self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
 
+    @property
+    def records(self) -> list[dict]:
+        """The run's progress records read so far (superseded ones removed): the end-of-job report."""
+        return self.progress.records
+
     # --- status ---------------------------------------------------------------------------------------
+    def _clock(self) -> float:
+        try:
+            return self.buffer.clock() or 0.0
+        except redis.RedisError:
+            return self.last.get("elapsed_s", 0.0)
+
     def report(self, state: str | None = None, **extra) -> None:
         fields = {
+            **self.run_info,
             "version": self.version,
             "total_steps": self.spec.algorithm.total_steps,
             "pools": {
@@ -135,8 +147,9 @@ class JobDriver:
                 "trainers": len(self.train_runs),  # ranks set up and training (not those still starting)
             },
             "restarts": self.restarts,
-            "elapsed_s": time.monotonic() - self.t0,
-            "samples_per_s": self.samples / max(time.monotonic() - self.t0, 1e-9),
+            # the run's clock and the run's own rate (its records: samples trained ÷ their elapsed_s)
+            "elapsed_s": self._clock(),
+            "samples_per_s": self.last.get("samples_per_s", 0.0),
             "output_dir": self.spec.output_dir,
             **{
                 k: self.last[k]
@@ -428,6 +441,11 @@ class JobDriver:
             resume = str(checkpoint.resolve(checkpoint.LATEST, self._checkpoint_dir()))
         except FileNotFoundError:
             resume = None
+        if resume and (theirs := _checkpoint_run(resume)) not in (None, self.run_info.get("run_id")):
+            log.warning(
+                "latest checkpoint %s belongs to run %s, not this one: not resumed from", resume, theirs
+            )
+            resume = self.spec.trainer.resume_from
         log.warning(
             "trainer rank %s; restarting the pool of %d ranks from %s",
             why,
@@ -456,15 +474,29 @@ class JobDriver:
                 log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
 
     # --- the loop -------------------------------------------------------------------------------------
+    def begin_run(self) -> None:
+        """A new run of the job (fresh run_id; the previous run's Redis state and per-run output files
+        deleted), or, when the spec resumes (trainer.resume_from), the next attempt of the same run."""
+        self.run_info = self.buffer.begin_run(resume=self.spec.trainer.resume_from is not None)
+        if self.run_info["attempt"] == 1:
+            for name in RUN_FILES:
+                (Path(self.spec.output_dir) / name).unlink(missing_ok=True)
+            ckpts = self._checkpoint_dir()
+            if self.spec.trainer.resume_from is None and any(ckpts.glob("step-*")):
+                # an earlier run's checkpoints: kept, but apart (this run's `latest`, its restarts and
+                # keep_checkpoints' pruning see only its own)
+                aside = ckpts.with_name(f"{ckpts.name}.before-{self.run_info['run_id']}")
+                ckpts.rename(aside)
+                log.warning("an earlier run's checkpoints moved from %s to %s", ckpts, aside)
+        log.info("job %s: run %s, attempt %d", self.job, self.run_info["run_id"], self.run_info["attempt"])
+
     def read_progress(self, block_ms: int = 0) -> None:
         """Take the trainer's new progress records (waiting up to block_ms for one) into the status.
         With `on_progress` (`slipstream run` prints each record as its line) the per-step log line is
         DEBUG, so a step shows once on the terminal; the cluster's driver.log keeps it at INFO."""
         for rec in self.progress.read(block_ms=block_ms):
             self.last = rec
-            self.records.append(rec)
             self.version = rec["version"]
-            self.samples += self.spec.algorithm.groups_per_step * self.spec.rollout.group_size
             if self.on_progress:
                 self.on_progress(rec)
             log.log(
@@ -500,6 +532,7 @@ class JobDriver:
 
     def run(self) -> dict:
         desired = self.store.desired(self.job)
+        self.begin_run()
         model, build = Path(self.spec.model.path), self.spec.model.build
         if build is not None and not (model / "config.json").exists():
             phase = f"building model {build} at {model} (once; jobs with this model.path reuse it)"
@@ -546,7 +579,6 @@ class JobDriver:
                     break
         for rec in self.progress.read(block_ms=0):
             self.last, self.version = rec, rec["version"]
-            self.records.append(rec)
         self.version = result["version"]
         return result
 
@@ -576,6 +608,16 @@ def _outcome(ref, failed_only: bool = False) -> str | None:
         cause = f" ... {lines[-1][:300]}" if len(lines) > 1 else ""  # a task error's traceback ends in it
         return f"died: {type(e).__name__}: {lines[0][:200]}{cause}"
     return None if failed_only else f"exited ({value})"
+
+
+def _checkpoint_run(path: str) -> str | None:
+    """The run_id a checkpoint was written by (None: unknown, e.g. written before runs had ids)."""
+    from trainer import checkpoint
+
+    try:
+        return json.loads((Path(path) / checkpoint.STATE_FILE).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
 
 
 def _kill(actor) -> None:

@@ -4,7 +4,7 @@ and a private Redis, and functions that kill -9 or hang (SIGSTOP) its rollout wo
 trainer, each waiting until the driver replaced what it broke.
 
 `books(job)` checks what every fault must leave intact: each group produced was trained, dropped as
-stale, dead-lettered, skipped as a duplicate or is still in the stream, and no group_id was trained
+stale or as from a future version, dead-lettered, skipped as a duplicate or is still in the stream, and no group_id was trained
 twice (the ledger; the spec needs `buffer.ledger: true`).
 """
 
@@ -231,7 +231,8 @@ def books(job: LocalJob) -> dict:
     accounted for) and `trained_twice` (ledger entries beyond the distinct ones)."""
     st = job.buffer.stats()
     ledger = [g.decode() for g in job.r.lrange(job.keys.ledger, 0, -1)]
-    accounted = st["consumed"] + st["dropped_stale"] + st["dead_letter"] + st["duplicates"]
+    accounted = st["consumed"] + st["dropped_stale"] + st["dropped_future"] + st["dead_letter"]
+    accounted += st["duplicates"]
     accounted += st["pending"] + st["unread"]
     return {
         **{k: v for k, v in st.items() if k != "staleness"},

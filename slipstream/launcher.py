@@ -98,11 +98,17 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
     return line
 
 
+RUN_FILES = ("samples.txt", "progress.jsonl", "report_reward.png", "report_staleness.png",
+             "report_throughput.png")  # fmt: skip
+"""Per-run outputs in a job's output_dir: a new run of the job starts without them."""
+
+
 def reset_run_state(out: Path, managed_redis: bool) -> None:
     """A new run of a job starts fresh: a previous run's private Redis (its AOF would bring back the old
     version and stream, and the job would think it was already done) and its per-run outputs go.
-    The model directory and logs stay. Resuming a job is checkpoint work (issue 7), not this."""
-    stale = [out / "samples.txt", out / "progress.jsonl"]
+    The model directory, checkpoints and logs stay. (The job driver resets the run's Redis keys:
+    ReplayBuffer.begin_run.)"""
+    stale = [out / name for name in RUN_FILES]
     if managed_redis:
         stale.append(out / "redis")
     for path in stale:
@@ -127,16 +133,21 @@ def _interrupt_on_signals() -> None:
 
 
 class ProgressReader:
-    """Follows a job's trainer progress stream (one JSON record per optimizer step). Each record gains
-    `tokens_per_s`: response tokens trained so far ÷ trainer time, which carries on across trainer-pool
-    restarts (a restarted pool's `elapsed_s` starts again at 0)."""
+    """Follows a job's trainer progress stream: the records of its current run (one JSON record per
+    optimizer step; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
+    which every trainer pool of the run continues (ReplayBuffer.start_clock). Each record gains
+    `tokens_per_s` and `samples_per_s`: response tokens and samples trained so far in the run ÷ its
+    elapsed_s. A record whose version is not past the previous one's (the pool restarted from an older
+    checkpoint: the steps after it were lost and the trainer dropped their records) supersedes the records
+    it repeats: they leave `records` and the sums."""
 
     def __init__(self, r: redis.Redis, job: str) -> None:
         self.r, self.key = r, JobKeys(job).progress
         self.last_id = "0"
+        self.records: list[dict] = []
+        """Every record of the run so far, superseded ones removed."""
         self.tokens = 0
-        self.elapsed_before = 0.0  # trainer time of earlier pools
-        self._last_elapsed = 0.0
+        self.samples = 0
 
     def read(self, block_ms: int = 500) -> list[dict]:
         out = []
@@ -145,11 +156,16 @@ class ProgressReader:
             for entry_id, fields in entries:
                 self.last_id = entry_id
                 rec = json.loads(fields[b"j"])
-                if rec["elapsed_s"] < self._last_elapsed:  # a new trainer pool
-                    self.elapsed_before += self._last_elapsed
-                self._last_elapsed = rec["elapsed_s"]
+                while self.records and self.records[-1]["version"] >= rec["version"]:
+                    gone = self.records.pop()
+                    self.tokens -= gone["response_tokens"]
+                    self.samples -= gone.get("samples", 0)
                 self.tokens += rec["response_tokens"]
-                rec["tokens_per_s"] = self.tokens / max(self.elapsed_before + rec["elapsed_s"], 1e-9)
+                self.samples += rec.get("samples", 0)
+                elapsed = max(rec["elapsed_s"], 1e-9)
+                rec["tokens_per_s"] = self.tokens / elapsed
+                rec["samples_per_s"] = self.samples / elapsed
+                self.records.append(rec)
                 out.append(rec)
         return out
 

@@ -200,7 +200,7 @@ const CHARTS = [
   ["c-step", [{ key: "step_s", label: "step", color: "#36c" }, { key: "wait_s", label: "wait for data", color: "#999" }]],
 ];
 
-const state = { records: [], next: 0 };
+const state = { records: [], next: 0, run: null };
 
 function cell(tr, content) { const td = document.createElement("td"); td.append(content); tr.appendChild(td); }
 
@@ -229,7 +229,10 @@ async function tickJob() {
   document.title = "Slipstream: " + name;
   const q = encodeURIComponent(name);
   const [st, pr] = await Promise.all([api(`/jobs/${q}`), api(`/jobs/${q}/progress?since=${state.next}`)]);
-  if (pr.next < state.next) { state.records = []; state.next = 0; return tickJob(); }  // a resubmitted job
+  if (pr.next < state.next || (state.next && pr.run !== state.run)) {  // a new run, attempt or trim
+    state.records = []; state.next = 0; state.run = pr.run; return tickJob();
+  }
+  state.run = pr.run;
   state.records = state.records.concat(pr.records);
   state.next = pr.next;
   const p = st.pools || {}, b = st.buffer || {};

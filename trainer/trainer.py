@@ -111,6 +111,8 @@ class Trainer:
         self._batch: list = []
         """Rank 0: entries taken for the next batch before an idle publish interrupted the wait."""
         self._next_sync_check = 0.0
+        self.run_info: dict = {}
+        """Rank 0: the job's run (run_id, attempt: ReplayBuffer.begin_run), stamped on records and checkpoints."""
         self.checkpoint_dir = Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
     @property
@@ -144,6 +146,7 @@ class Trainer:
         if self.is_main:
             self.tokenizer = load_tokenizer(self.spec.model.path)
             self.buffer.ensure_group()
+            self.run_info = self.buffer.run_info()
             self.bus.connect()
         if tr.resume_from:
             self._resume(checkpoint.resolve(tr.resume_from, self.checkpoint_dir))
@@ -168,6 +171,8 @@ class Trainer:
         if self.is_main:
             # after a crash Redis may be ahead (steps after the checkpoint were lost): give their slots back
             self.buffer.rewind(version, self.spec.algorithm.groups_per_step)
+            # the lost steps' progress records go too: readers never see a version twice
+            self.buffer.truncate_progress(version)
 
     def stop(self, restart: bool = False) -> None:
         """End `run` after the step in progress. restart: the pool is being restarted (e.g. with another
@@ -243,7 +248,8 @@ class Trainer:
         Ends with a checkpoint (if checkpoint_every) and the HF export (if export_hf)."""
         spec, alg, tr = self.spec, self.spec.algorithm, self.spec.trainer
         version = self.buffer.version() if self.is_main else 0
-        t_start = time.monotonic()
+        # elapsed_s is the run's clock: a pool after a rescale or restart continues it
+        t_start = time.monotonic() - (self.buffer.start_clock() if self.is_main else 0.0)
         last_checkpoint = None
         while True:
             t0 = time.monotonic()
@@ -305,6 +311,9 @@ class Trainer:
         record = {
             "step": version,
             "version": version,
+            "run_id": self.run_info.get("run_id"),
+            "attempt": self.run_info.get("attempt"),
+            "samples": len(samples),
             "reward_mean": sum(s.reward for s in samples) / len(samples),
             "staleness_mean": sum(stale) / len(stale),
             "staleness_max": max(stale),
@@ -328,6 +337,8 @@ class Trainer:
     def checkpoint(self, version: int) -> int:
         """Write a checkpoint at `version` (every rank)."""
         state = {"step": version, "version": version}
+        if self.run_info:
+            state["run_id"] = self.run_info["run_id"]
         if self.is_main:
             stats = self.buffer.stats()
             state["buffer"] = {k: v for k, v in stats.items() if isinstance(v, int)}
