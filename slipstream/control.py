@@ -336,16 +336,20 @@ class JobControl:
             if latest
             else "there is no checkpoint"
         )
-        out = {"name": name, "state": state, "force": force, "checkpoint": checkpoint and not force}
+        out = {"name": name, "state": state, "force": force}
         if state not in ACTIVE_STATES:
             at = f" at version {st['version']}" if st.get("version") is not None else ""
             log.info("job %s: stop: already %s, nothing to do", name, state)
             return {
                 **out,
                 "stop": False,
+                "checkpoint": False,
                 "message": f"job {name!r} already ended ({state}{at}): nothing to do; {on_disk}",
             }
-        again = self.store.desired(name)["stop"]
+        want = self.store.desired(name)
+        again = want["stop"]
+        # a stop asked for with a checkpoint keeps it (the trainer was told so already)
+        checkpoint = checkpoint or (again and want["stop_checkpoint"])
         self.store.request_stop(name, checkpoint=checkpoint, reason=reason)
         if force and st.get("ray_job_id"):
             try:
@@ -355,7 +359,9 @@ class JobControl:
         if force:
             message = f"stopping the Ray job now: no checkpoint is written at the stop; {on_disk}"
         elif again:
-            message = "a stop was requested already: the trainer ends after its current step"
+            message = "a stop was requested already: the trainer ends after its current step" + (
+                ", with a checkpoint there" if checkpoint else ", writing no checkpoint"
+            )
         elif checkpoint:
             message = (
                 f"the trainer ends after its current step and writes a checkpoint there (under {ck_dir}); "
@@ -370,7 +376,7 @@ class JobControl:
             " (forced)" if force else "",
             message,
         )
-        return {**out, "stop": True, "message": message}
+        return {**out, "stop": True, "checkpoint": checkpoint and not force, "message": message}
 
     def checkpoint(self, name: str) -> dict:
         st = self._job(name, reconcile=True)

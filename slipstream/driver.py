@@ -467,7 +467,7 @@ class JobDriver:
         self.start_generators(desired.get("generators", self.spec.generators.num_engines))
         self.start_trainers(desired.get("trainers", self.spec.trainer.num_trainers))
         self.report("running")
-        stopping = False
+        stopping = stop_checkpoint = False
         while True:
             if (result := self.check_trainers()) is not None:
                 break
@@ -496,9 +496,13 @@ class JobDriver:
                     f" ({want['stop_reason']})" if want.get("stop_reason") else "",
                     "with a checkpoint there" if want["stop_checkpoint"] else "writing no checkpoint",
                 )
-                stopping = True
+                stopping, stop_checkpoint = True, want["stop_checkpoint"]
                 self.report("stopping")
-                self.trainers[0].stop.remote(False, want["stop_checkpoint"])
+                self.trainers[0].stop.remote(False, stop_checkpoint)
+            elif stopping and want["stop_checkpoint"] and not stop_checkpoint:
+                log.info("stop: a checkpoint is asked for now (it is written where the trainer stops)")
+                stop_checkpoint = True
+                self.trainers[0].stop.remote(False, True)
             if stopping:
                 continue
             for cmd in self.store.pop_commands(self.job):

@@ -178,7 +178,7 @@ def _watch(client: ControlClient, name: str) -> int:
             time.sleep(2)
             st = client.get(name)
             live.update(render_status(st))
-    return 0 if st.get("state") != "failed" else 1
+    return 0 if st.get("state") in ("succeeded", "stopped") else 1
 
 
 def main(args: argparse.Namespace) -> int:
