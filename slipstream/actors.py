@@ -256,8 +256,8 @@ class TrainerActor:
         self.trainer.close()
         return result
 
-    def stop(self, restart: bool = False) -> None:
-        self.trainer.stop(restart)
+    def stop(self, restart: bool = False, checkpoint: bool = True) -> None:
+        self.trainer.stop(restart, checkpoint)
 
     def request_checkpoint(self) -> None:
         self.trainer.request_checkpoint()

@@ -56,6 +56,9 @@ message, not FastAPI's default 422 schema (a list of field errors) alone."""
 
 class StopRequest(BaseModel):
     force: bool = Field(False, description="also stop the Ray job now instead of after the current step")
+    checkpoint: bool = Field(
+        True, description="write a checkpoint where the trainer stops (whatever checkpoint_every says)"
+    )
 
 
 def create_app(token: str, control=None) -> FastAPI:
@@ -138,7 +141,8 @@ def create_app(token: str, control=None) -> FastAPI:
 
     @app.post("/jobs/{name}/stop", dependencies=auth, summary="Stop a job")
     def stop(name: str, req: StopRequest | None = None) -> dict:
-        return call(ctl().stop, name, bool(req and req.force))
+        req = req or StopRequest()
+        return call(ctl().stop, name, req.force, req.checkpoint)
 
     @app.delete("/jobs/{name}", dependencies=auth, summary="Remove an ended job's records")
     def remove(name: str, purge: bool = False) -> dict:
@@ -168,6 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = cluster.load_info(args.home)
     control = JobControl(info)
+    try:  # after a cluster restart, jobs that were running have no driver any more: mark them
+        if marked := control.reconcile():
+            log.warning("jobs whose driver is gone, marked: %s", ", ".join(marked))
+    except Exception as e:  # Redis or Ray not answering: get/list/stop/submit reconcile later
+        log.warning("start-up reconcile of the jobs failed: %s", e)
     # Prometheus discovers every job's processes from the file this writes (deploy/prometheus.yml).
     targets = TargetWriter(control.r, Path(info.home) / "prometheus" / "targets")
     targets.start()

@@ -59,6 +59,11 @@ STARTUP_TIMEOUT_S = {"redis": 30.0, "ray": 180.0, "prometheus": 60.0, "api": 60.
 STOP_TIMEOUT_S = 30.0
 """SIGTERM, then this long for a clean exit (Redis flushes its AOF, Prometheus its head block), then SIGKILL."""
 POLL_S = 0.2
+JOB_STOP_TIMEOUT_S = 900.0
+"""`down` waits this long (default; --job-timeout) for running jobs to stop with their checkpoint: the
+current step, the checkpoint and the final export of a large model take minutes."""
+JOB_PROGRESS_S = 10.0
+"""How often `down` says which jobs it still waits for."""
 PROMETHEUS_SKIPPED = "Prometheus skipped: no `prometheus` on PATH (Debian: apt-get install prometheus)"
 RAY_DISCOVERY_FILE = "prom_metrics_service_discovery.json"
 """Ray's head writes its nodes' metrics addresses here, under its temp dir (Prometheus file_sd)."""
@@ -650,12 +655,69 @@ def _stop_service(home: Path, state: _State, service: str) -> bool:
     return was
 
 
-def down(home: str | Path | None = None) -> None:
-    """Stop the control API, Prometheus, Ray and Redis (in that order). All data stays in HOME."""
+def stop_jobs(home: Path, state: _State, timeout_s: float = JOB_STOP_TIMEOUT_S) -> dict[str, dict]:
+    """Stop every active job the way `slipstream stop` does (the trainer ends after its current step
+    with a checkpoint) and wait for their drivers to end, saying every JOB_PROGRESS_S which ones it
+    still waits for. Returns each job's final status; raises RuntimeError naming the jobs that did not
+    end within `timeout_s` (their stop stays requested; `down --force` stops them without a checkpoint).
+    Nothing to do when Redis or Ray is not running (no job runs then; the control API marks the jobs
+    whose driver is gone when it starts again)."""
+    if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
+        return {}
+    from slipstream.control import JobControl
+    from slipstream.jobs import ACTIVE_STATES
+
+    control = JobControl(_info(home, state, _load_secrets(home, create=False)))
+    try:
+        active = [j["name"] for j in control.list() if j["state"] in ACTIVE_STATES]
+        for name in active:
+            out = control.stop(name, reason="cluster down")
+            _event(home, f"job {name}: stop requested (cluster down): {out['message']}")
+        ended: dict[str, dict] = {}
+        deadline = time.monotonic() + timeout_s
+        next_say = time.monotonic() + JOB_PROGRESS_S
+        while True:
+            for name in active:
+                if name not in ended and (st := control.get(name)).get("state") not in ACTIVE_STATES:
+                    ended[name] = st
+                    how = st.get("note") or st.get("error") or ""
+                    _event(home, f"job {name} {st['state']} at version {st.get('version', 0)}: {how}")
+            waiting = [n for n in active if n not in ended]
+            if not waiting:
+                return ended
+            now = time.monotonic()
+            if now >= deadline:
+                raise RuntimeError(
+                    f"job(s) {', '.join(waiting)} did not stop within {timeout_s:.0f} s (their stop stays "
+                    "requested: each ends after its current step with a checkpoint); run `slipstream "
+                    "cluster down` again to wait longer, or `slipstream cluster down --force` to stop them "
+                    "now without a checkpoint (a resubmission with trainer.resume_from: latest resumes "
+                    "from their latest one); nothing was stopped"
+                )
+            if now >= next_say:
+                next_say = now + JOB_PROGRESS_S
+                states = ", ".join(
+                    f"{n} ({(st := control.store.status(n)).get('state')}, version {st.get('version', 0)})"
+                    for n in waiting
+                )
+                _event(home, f"waiting for job(s) to stop with their checkpoint: {states}")
+            time.sleep(1.0)
+    finally:
+        control.r.close()
+
+
+def down(
+    home: str | Path | None = None, force: bool = False, job_timeout_s: float = JOB_STOP_TIMEOUT_S
+) -> None:
+    """Stop the running jobs (`stop_jobs`: each with a checkpoint; `force`: skip that, they are killed and
+    marked `interrupted` when the cluster comes back), then the control API, Prometheus, Ray and Redis
+    (in that order). All data stays in HOME."""
     home = resolve_home(home)
     state = _read_state(home)
     if state is None:
         raise FileNotFoundError(f"no cluster at {home}: run `make cluster-up`")
+    if not force:
+        stop_jobs(home, state, job_timeout_s)
     for service in reversed(SERVICES):
         if service in state.services or service in state.pids:
             _stop_service(home, state, service)
@@ -693,10 +755,22 @@ def add_parser(sub) -> None:
     u.add_argument("--no-prometheus", action="store_true")
     u.add_argument("--no-api", action="store_true")
     for name, help_ in (
-        ("down", "stop every service; data is kept"),
+        ("down", "stop running jobs (each with a checkpoint), then every service; data is kept"),
         ("status", "each service alive or dead"),
     ):
         csub.add_parser(name, help=help_).add_argument("--home", help=home_help)
+    d = csub.choices["down"]
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="do not wait for running jobs to stop with a checkpoint: they are killed (marked interrupted)",
+    )
+    d.add_argument(
+        "--job-timeout",
+        type=float,
+        default=JOB_STOP_TIMEOUT_S,
+        help="seconds to wait for running jobs to stop (then refuse, naming them)",
+    )
 
 
 def _this_host_ip() -> str:
@@ -783,7 +857,7 @@ def main(args: argparse.Namespace) -> int:
         if args.cluster_cmd == "down":
             alive = status(home)
             info = load_info(home)
-            down(home)
+            down(home, force=args.force, job_timeout_s=args.job_timeout)
             stopped = [f"{s} (pid {info.pids.get(s)})" for s in reversed(SERVICES) if alive.get(s)]
             print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
             print(f"data kept in {home} (`slipstream cluster up` starts it again, same ports and secrets)")

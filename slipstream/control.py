@@ -5,10 +5,12 @@ checkpoint. State lives in the cluster's Redis (slipstream/jobs.py); the driver 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +21,16 @@ import yaml
 from replay_buffer import ReplayBuffer
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
-from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
+from slipstream.jobs import ACTIVE_STATES, JobStore, check_name, checkpoint_dir, latest_checkpoint
 from slipstream.launcher import ProgressReader
 from slipstream.logtext import plain
 
 log = logging.getLogger(__name__)
 
 RAY_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+SUBMIT_GRACE_S = 120.0
+"""A job recorded as submitted with no Ray job id after this long never reached Ray (the control API
+died between recording it and submitting it): it is marked interrupted."""
 
 
 class ControlError(Exception):
@@ -96,10 +101,82 @@ class JobControl:
             )
         return self._ray
 
-    def _job(self, name: str) -> dict[str, Any]:
+    def _job(self, name: str, reconcile: bool = False) -> dict[str, Any]:
+        """The job's status; `reconcile`: first mark an active job whose driver is gone (see reconcile)."""
         if not self.store.exists(name):
             raise ControlError(404, f"no job {name!r} (slipstream list shows the jobs)")
-        return self.store.status(name)
+        st = self.store.status(name)
+        return self._reconcile(name, st) if reconcile else st
+
+    def _ray_status(self, ray_id: str) -> tuple[str, str]:
+        """(status, message) of a Ray job: Ray's status, `GONE` if Ray does not know the job (its head
+        was restarted: job records do not survive it), `UNKNOWN` if Ray cannot be asked."""
+        try:
+            info = self.ray.get_job_info(ray_id)
+        except RuntimeError as e:  # the SDK's answer to an HTTP error status
+            if "status code 404" in str(e):
+                return "GONE", f"Ray has no job {ray_id} (the cluster was restarted since it started)"
+            return "UNKNOWN", str(e)
+        except Exception as e:  # Ray down or unreachable
+            return "UNKNOWN", f"{type(e).__name__}: {e}"
+        return str(getattr(info.status, "value", info.status)), info.message or ""
+
+    def _reconcile(self, name: str, st: dict[str, Any]) -> dict[str, Any]:
+        """An active job whose driver is gone (Ray does not know its Ray job, or says it ended, or it
+        never reached Ray) without having reported an end is marked `interrupted` (`failed` if Ray says
+        the driver failed) with the reason and its latest checkpoint, so that it can be resubmitted
+        (resumed with `trainer.resume_from: latest`) and no command finds it stuck. Ray unreachable:
+        nothing is decided. Adds `ray_status` to the status it returns."""
+        state, ray_id = st.get("state"), st.get("ray_job_id")
+        if ray_id:
+            ray_status, message = self._ray_status(ray_id)
+            st["ray_status"] = ray_status if ray_status != "UNKNOWN" else f"unknown ({message})"
+        elif state in ACTIVE_STATES and time.time() - st.get("submitted_at", time.time()) > SUBMIT_GRACE_S:
+            ray_status, message = "GONE", "the job never reached Ray (its submission was interrupted)"
+        else:
+            return st
+        if state not in ACTIVE_STATES or ray_status not in RAY_TERMINAL + ("GONE",):
+            return st
+        if ray_status == "FAILED":
+            new, why = "failed", f"the driver failed: {message}"
+        elif ray_status == "STOPPED" and self.store.desired(name)["stop"]:
+            new, why = "stopped", f"stopped by Ray before the driver could report: {message}"
+        else:
+            new, why = "interrupted", f"the driver is gone without reporting an end: {message or ray_status}"
+        ck = latest_checkpoint(checkpoint_dir(json.loads(self.store.spec_json(name) or "{}")))
+        note = (
+            f"latest checkpoint at version {ck['version']}: {ck['path']} "
+            "(resume: submit with trainer.resume_from: latest)"
+            if ck
+            else "no checkpoint was written (a resubmission starts from the initial model)"
+        )
+        error = f"{why}; last reported version {st.get('version', 0)}; {note}"
+        st = self.store.update_status(
+            name,
+            state=new,
+            error=error,
+            checkpoint=ck["path"] if ck else "",
+            checkpoint_version=ck["version"] if ck else None,
+            note=note,
+            phase=None,
+            pools={"generators": 0, "rollout_workers": 0, "trainers": 0},
+        )
+        st["ray_status"] = ray_status
+        log.warning("job %s: %s -> %s: %s", name, state, new, error)
+        return st
+
+    def reconcile(self) -> list[str]:
+        """Mark every active job whose driver is gone (the control API does it at start-up: after a
+        cluster restart no job is left `running` with nothing running it). The jobs marked."""
+        marked = []
+        for name in self.store.names():
+            st = self.store.status(name)
+            if (
+                st.get("state") in ACTIVE_STATES
+                and self._reconcile(name, st).get("state") not in ACTIVE_STATES
+            ):
+                marked.append(name)
+        return marked
 
     # --- operations -----------------------------------------------------------------------------------
     def submit(self, spec_text: str, overrides: list[str] | None = None, cwd: str | None = None) -> dict:
@@ -115,7 +192,10 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: {why}")
         if why := check_name(spec.name):
             raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
-        if self.store.exists(spec.name) and self.store.active(spec.name):
+        if (
+            self.store.exists(spec.name)
+            and self._job(spec.name, reconcile=True).get("state") in ACTIVE_STATES
+        ):
             raise ControlError(
                 409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
             )
@@ -151,30 +231,17 @@ class JobControl:
         return {"name": spec.name, "ray_job_id": ray_id, "output_dir": spec.output_dir}
 
     def get(self, name: str) -> dict:
-        st = self._job(name)
+        st = self._job(name, reconcile=True)
         st["name"] = name
         st["desired"] = self.store.desired(name)
-        ray_id = st.get("ray_job_id")
-        if ray_id:
-            try:
-                info = self.ray.get_job_info(ray_id)
-                st["ray_status"] = str(info.status.value if hasattr(info.status, "value") else info.status)
-                if st.get("state") in ACTIVE_STATES and st["ray_status"] in RAY_TERMINAL:
-                    # the driver died without reporting (killed, crashed before it could)
-                    st = self.store.update_status(
-                        name, state="failed" if st["ray_status"] == "FAILED" else "stopped",
-                        error=info.message or st.get("error"), phase=None,
-                        pools={"generators": 0, "rollout_workers": 0, "trainers": 0},
-                    )  # fmt: skip
-                    st.update(name=name, desired=self.store.desired(name), ray_status=info.status.value)
-            except Exception as e:  # Ray down: report what Redis has
-                st["ray_status"] = f"unknown ({e})"
         return st
 
     def list(self) -> list[dict]:
         out = []
         for name in self.store.names():
             st = self.store.status(name)
+            if st.get("state") in ACTIVE_STATES:
+                st = self._reconcile(name, st)
             out.append(
                 {
                     "name": name,
@@ -246,7 +313,7 @@ class JobControl:
         }
 
     def scale(self, name: str, generators: int | None = None, trainers: int | None = None) -> dict:
-        st = self._job(name)
+        st = self._job(name, reconcile=True)
         if generators is None and trainers is None:
             raise ControlError(422, "scale needs generators and/or trainers")
         for key, v in (("generators", generators), ("trainers", trainers)):
@@ -254,27 +321,96 @@ class JobControl:
                 raise ControlError(422, f"{key} must be >= 1, got {v}")
         if st.get("state") not in ("submitted", "starting", "running", "scaling"):
             raise ControlError(409, f"job {name!r} is {st.get('state')}: nothing to scale")
-        spec = jobspec.from_dict(msgspec.json.decode(self.store.spec_json(name)))
+        raw = msgspec.json.decode(self.store.spec_json(name))
+        spec = jobspec.from_dict(raw)
         if generators is not None and (spec.generators.engine == "external" or spec.generators.router_url):
             raise ControlError(
                 422,
                 "generators of a job with external engines or a router are not launched by Slipstream: "
                 "add engines to the router or the urls instead",
             )
+        self._check_scale(name, raw, spec, generators, trainers)
         self.store.set_desired(name, generators=generators, trainers=trainers)
         log.info("job %s: desired generators=%s trainers=%s", name, generators, trainers)
         return {"name": name, "desired": self.store.desired(name)}
 
-    def stop(self, name: str, force: bool = False) -> dict:
-        st = self._job(name)
-        self.store.request_stop(name)
+    def _check_scale(
+        self, name: str, raw: dict, spec: jobspec.JobSpec, generators: int | None, trainers: int | None
+    ) -> None:
+        """Refuse (422, with the spec's own reason) pool sizes the job's spec does not allow: the spec is
+        rebuilt with them (and the rollout workers the driver would run), so every rule of the spec
+        (fsdp for several trainer ranks, pool caps, ...) applies as at submit."""
+        want = self.store.desired(name)
+        n = generators if generators is not None else want.get("generators", spec.generators.num_engines)
+        m = trainers if trainers is not None else want.get("trainers", spec.trainer.num_trainers)
+        g = dict(raw.get("generators") or {})
+        if n != spec.generators.num_engines:  # the driver runs workers_per_engine per engine then
+            per = -(-spec.generators.num_workers // spec.generators.num_engines)  # driver.workers_per_engine
+            g.update(num_engines=n, num_workers=per * n)
+        scaled = {**raw, "generators": g, "trainer": {**(raw.get("trainer") or {}), "num_trainers": m}}
+        try:
+            jobspec.from_dict(scaled)
+        except jobspec.JobSpecError as e:
+            why = str(e).removeprefix("invalid job spec: ")
+            asked = ", ".join(
+                f"{k} {v}" for k, v in (("generators", generators), ("trainers", trainers)) if v
+            )
+            raise ControlError(422, f"job {name!r} cannot run with {asked}: {why}") from None
+
+    def stop(self, name: str, force: bool = False, checkpoint: bool = True, reason: str = "") -> dict:
+        """Ask the job's trainer to end after its current step, writing a checkpoint there unless
+        `checkpoint` is False; `force`: also stop the Ray job now (no checkpoint). The answer's `message`
+        says what happens (or that the job has ended already: nothing to do)."""
+        st = self._job(name, reconcile=True)
+        state = st.get("state")
+        ck_dir = checkpoint_dir(json.loads(self.store.spec_json(name) or "{}"))
+        latest = latest_checkpoint(ck_dir)
+        on_disk = (
+            f"the latest checkpoint is at version {latest['version']}: {latest['path']}"
+            if latest
+            else "there is no checkpoint"
+        )
+        out = {"name": name, "state": state, "force": force}
+        if state not in ACTIVE_STATES:
+            at = f" at version {st['version']}" if st.get("version") is not None else ""
+            log.info("job %s: stop: already %s, nothing to do", name, state)
+            return {
+                **out,
+                "stop": False,
+                "checkpoint": False,
+                "message": f"job {name!r} already ended ({state}{at}): nothing to do; {on_disk}",
+            }
+        want = self.store.desired(name)
+        again = want["stop"]
+        # a stop asked for with a checkpoint keeps it (the trainer was told so already)
+        checkpoint = checkpoint or (again and want["stop_checkpoint"])
+        self.store.request_stop(name, checkpoint=checkpoint, reason=reason)
         if force and st.get("ray_job_id"):
             try:
                 self.ray.stop_job(st["ray_job_id"])
             except Exception as e:
                 raise ControlError(503, f"Ray could not stop job {name!r}: {e}") from e
-        log.info("job %s: stop requested%s", name, " (forced)" if force else "")
-        return {"name": name, "stop": True, "force": force}
+        if force:
+            message = f"stopping the Ray job now: no checkpoint is written at the stop; {on_disk}"
+        elif again:
+            message = "a stop was requested already: the trainer ends after its current step" + (
+                ", with a checkpoint there" if checkpoint else ", writing no checkpoint"
+            )
+        elif checkpoint:
+            message = (
+                f"the trainer ends after its current step and writes a checkpoint there (under {ck_dir}); "
+                f"`slipstream status {name}` shows it once the job has stopped"
+            )
+        else:
+            message = f"the trainer ends after its current step; no checkpoint is written (--no-checkpoint): {on_disk}"
+        log.info(
+            "job %s: stop requested%s%s: %s",
+            name,
+            f" ({reason})" if reason else "",
+            " (forced)" if force else "",
+            message,
+        )
+        return {**out, "stop": True, "checkpoint": checkpoint and not force, "message": message}
 
     def remove(self, name: str, purge: bool = False) -> dict:
         """Delete an ended job's records: its control entry and every Redis key under its prefix (the
@@ -302,7 +438,7 @@ class JobControl:
         return {"name": name, "keys": removed, "output_dir": str(out), "output_removed": output_removed}
 
     def checkpoint(self, name: str) -> dict:
-        st = self._job(name)
+        st = self._job(name, reconcile=True)
         if st.get("state") not in ("running", "scaling"):
             raise ControlError(409, f"job {name!r} is {st.get('state')}: no trainer to checkpoint")
         self.store.push_command(name, "checkpoint")

@@ -551,7 +551,7 @@ class JobDriver:
         self.report(phase=f"starting {m} trainer rank(s)")
         self.start_trainers(m)
         self.report("running", phase=None)
-        stopping = False
+        stopping = stop_checkpoint = False
         while True:
             if (result := self.check_trainers()) is not None:
                 break
@@ -560,10 +560,18 @@ class JobDriver:
             self.read_progress(block_ms=int(POLL_S * 1000))
             want = self.store.desired(self.job)
             if want["stop"] and not stopping:
-                log.info("stop requested: the trainer ends after its current step")
-                stopping = True
+                log.info(
+                    "stop requested%s: the trainer ends after its current step, %s",
+                    f" ({want['stop_reason']})" if want.get("stop_reason") else "",
+                    "with a checkpoint there" if want["stop_checkpoint"] else "writing no checkpoint",
+                )
+                stopping, stop_checkpoint = True, want["stop_checkpoint"]
                 self.report("stopping", phase="the trainer ends after its current step")
-                self.trainers[0].stop.remote()
+                self.trainers[0].stop.remote(False, stop_checkpoint)
+            elif stopping and want["stop_checkpoint"] and not stop_checkpoint:
+                log.info("stop: a checkpoint is asked for now (it is written where the trainer stops)")
+                stop_checkpoint = True
+                self.trainers[0].stop.remote(False, True)
             if stopping:
                 continue
             for cmd in self.store.pop_commands(self.job):
@@ -629,6 +637,40 @@ def _kill(actor) -> None:
         log.debug("ray.kill: %s", e)
 
 
+def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> dict:
+    """The job's final status fields on its checkpoint: `checkpoint` (path, "" if none),
+    `checkpoint_version`, and `note`, one line on what a resumption starts from."""
+    from slipstream.jobs import latest_checkpoint
+
+    if result is not None and result.get("checkpoint"):
+        ck = {"path": result["checkpoint"], "version": result.get("checkpoint_version")}
+        note = f"checkpoint at version {ck['version']}: {ck['path']}"
+    else:
+        ck = latest_checkpoint(driver._checkpoint_dir())
+        if result is not None and stopped and result["version"] > 0:
+            why = "no checkpoint written at the stop (stop --no-checkpoint)"
+        elif result is not None:
+            why = (
+                "no checkpoint written (trainer.checkpoint_every is 0)"
+                if result["version"]
+                else "no step trained"
+            )
+        else:
+            why = "no checkpoint written at the stop (forced)"
+        note = why + (
+            f"; the latest is at version {ck['version']}: {ck['path']}"
+            if ck
+            else "; there is none to resume from"
+        )
+    if ck:
+        note += " (resume: submit with trainer.resume_from: latest)"
+    return {
+        "checkpoint": ck["path"] if ck else "",
+        "checkpoint_version": ck["version"] if ck else None,
+        "note": note,
+    }
+
+
 def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
 
@@ -667,10 +709,15 @@ def main(argv: list[str] | None = None) -> int:
         result = driver.run()
         stopped = store.desired(args.job)["stop"]
         final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
-        log.info("job %s %s at version %d", args.job, final["state"], result["version"])
-    except (_Stop, KeyboardInterrupt):
-        final = {"state": "stopped"}
-        log.info("job %s stopped", args.job)
+        final.update(_checkpoint_note(driver, result, stopped))
+        log.info("job %s %s at version %d: %s", args.job, final["state"], result["version"], final["note"])
+    except (_Stop, KeyboardInterrupt) as e:
+        want = store.desired(args.job)
+        final = {"state": "stopped" if want["stop"] else "interrupted"}
+        final.update(_checkpoint_note(driver, None, want["stop"]))
+        if not want["stop"]:
+            final["error"] = f"the driver was terminated ({e or 'interrupt'}) without a stop request"
+        log.info("job %s %s (%s): %s", args.job, final["state"], e or "interrupt", final["note"])
     except Exception as e:
         log.exception("job %s failed", args.job)
         final = {"state": "failed", "error": f"{type(e).__name__}: {e}"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -21,6 +22,9 @@ NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 RESERVED_NAMES = {"control"}
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
 """A job in one of these holds resources; a new job of the same name is refused until it ends."""
+ENDED_STATES = ("succeeded", "failed", "stopped", "interrupted")
+"""`interrupted`: the job's driver is gone without having reported an end (a cluster restart, a killed
+driver); `slipstream status` says why and where its latest checkpoint is, and its name can be reused."""
 COMMANDS = ("checkpoint",)
 
 
@@ -72,6 +76,7 @@ class JobStore:
             if k in out:
                 out[k] = int(out[k])
         out["stop"] = out.get("stop") == "1"
+        out["stop_checkpoint"] = out.get("stop_checkpoint") != "0"
         return out
 
     def set_desired(self, job: str, generators: int | None = None, trainers: int | None = None) -> None:
@@ -79,8 +84,13 @@ class JobStore:
         if mapping:
             self.r.hset(self._k(job, "desired"), mapping=mapping)
 
-    def request_stop(self, job: str) -> None:
-        self.r.hset(self._k(job, "desired"), "stop", "1")
+    def request_stop(self, job: str, checkpoint: bool = True, reason: str = "") -> None:
+        """The trainer ends after its current step, writing a checkpoint there unless `checkpoint` is
+        False; `reason` (e.g. "cluster down") goes to the driver's log and the job's final status."""
+        mapping = {"stop": "1", "stop_checkpoint": "1" if checkpoint else "0"}
+        self.r.hset(
+            self._k(job, "desired"), mapping={**mapping, **({"stop_reason": reason} if reason else {})}
+        )
 
     # --- commands --------------------------------------------------------------------------------------
     def push_command(self, job: str, command: str) -> None:
@@ -125,3 +135,21 @@ class JobStore:
 
     def active(self, job: str) -> bool:
         return self.status(job).get("state") in ACTIVE_STATES
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any] | None:
+    """{"version", "path"} of the newest complete checkpoint under `checkpoint_dir` (what
+    `resume_from: latest` resumes from), or None; reads trainer/checkpoint.py's files without torch."""
+    d = Path(checkpoint_dir)
+    try:
+        path = d / (d / "latest").read_text().strip()
+        state = json.loads((path / "trainer_state.json").read_text())
+        return {"version": int(state["version"]), "path": str(path)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def checkpoint_dir(spec: dict[str, Any]) -> Path:
+    """Where a job's checkpoints go, from its resolved spec (as stored at submit)."""
+    tr = spec.get("trainer") or {}
+    return Path(tr.get("checkpoint_dir") or Path(spec.get("output_dir", ".")) / "checkpoints")

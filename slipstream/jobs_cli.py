@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-TERMINAL = ("succeeded", "failed", "stopped")
+TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 
 
 class ApiError(Exception):
@@ -98,8 +98,8 @@ class ControlClient:
             "POST", f"/jobs/{name}/scale", json={"generators": generators, "trainers": trainers}
         )
 
-    def stop(self, name: str, force: bool = False) -> dict:
-        return self._call("POST", f"/jobs/{name}/stop", json={"force": force})
+    def stop(self, name: str, force: bool = False, checkpoint: bool = True) -> dict:
+        return self._call("POST", f"/jobs/{name}/stop", json={"force": force, "checkpoint": checkpoint})
 
     def checkpoint(self, name: str) -> dict:
         return self._call("POST", f"/jobs/{name}/checkpoint")
@@ -156,7 +156,13 @@ def add_parsers(sub) -> None:
     )
     sp = common(sub.add_parser("stop", help="stop a job after the trainer's current step"))
     sp.add_argument("job")
-    sp.add_argument("--force", action="store_true", help="stop the Ray job now")
+    sp.add_argument("--force", action="store_true", help="stop the Ray job now (no checkpoint at the stop)")
+    sp.add_argument(
+        "--no-checkpoint",
+        dest="checkpoint",
+        action="store_false",
+        help="write no checkpoint at the stop (by default one is written, whatever checkpoint_every says)",
+    )
     ck = common(sub.add_parser("checkpoint", help="write a checkpoint after the current step"))
     ck.add_argument("job")
     rm = common(sub.add_parser("rm", help="remove an ended job's records (refuses a job that runs)"))
@@ -203,6 +209,8 @@ def render_status(st: dict):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
     if st.get("scaling"):
         rows.append(("scaling", st["scaling"]))
+    if st.get("note"):
+        rows.append(("checkpoint", st["note"]))
     if st.get("error"):
         rows.append(("error", st["error"]))
     rows.append(("ray job", f"{st.get('ray_job_id', '-')} ({st.get('ray_status', '-')})"))
@@ -220,7 +228,7 @@ def _watch(client: ControlClient, name: str) -> int:
             time.sleep(2)
             st = client.get(name)
             live.update(render_status(st))
-    return 0 if st.get("state") != "failed" else 1
+    return 0 if st.get("state") in ("succeeded", "stopped") else 1
 
 
 def main(args: argparse.Namespace) -> int:
@@ -275,10 +283,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"job {args.job}: desired {out['desired']}")
             return 0
         if args.cmd == "stop":
-            client.stop(args.job, args.force)
-            print(
-                f"job {args.job}: stop requested{' (forced)' if args.force else ' (after the current step)'}"
-            )
+            out = client.stop(args.job, args.force, args.checkpoint)
+            print(f"job {args.job}: {'stop requested: ' if out['stop'] else ''}{out['message']}")
             return 0
         if args.cmd == "rm":
             out = client.remove(args.job, args.purge)

@@ -107,6 +107,10 @@ class Trainer:
         self._stop = False
         self._restart = False
         """stop(restart=True): checkpoint where it stopped, skip the final export (the pool comes back)."""
+        self._stop_checkpoint = False
+        """stop(checkpoint=True): write a checkpoint where it stopped, whatever checkpoint_every says."""
+        self._resumed: tuple[int, Path] | None = None
+        """(version, path) of the checkpoint this pool resumed from: a stop before any step needs no other."""
         self._checkpoint_requested = False
         self._batch: list = []
         """Rank 0: entries taken for the next batch before an idle publish interrupted the wait."""
@@ -162,6 +166,7 @@ class Trainer:
     def _resume(self, path: Path) -> None:
         state = checkpoint.load(self.learner, path)
         version = int(state["version"])
+        self._resumed = (version, path)
         if self.is_main:
             current = self.buffer.version()
             if current != version:
@@ -174,10 +179,13 @@ class Trainer:
             # the lost steps' progress records go too: readers never see a version twice
             self.buffer.truncate_progress(version)
 
-    def stop(self, restart: bool = False) -> None:
+    def stop(self, restart: bool = False, checkpoint: bool = True) -> None:
         """End `run` after the step in progress. restart: the pool is being restarted (e.g. with another
-        number of ranks): write a checkpoint there, whatever checkpoint_every says, and export nothing."""
+        number of ranks): write a checkpoint there, whatever checkpoint_every says, and export nothing.
+        checkpoint: write a checkpoint where it stopped, whatever checkpoint_every says (a stop loses no
+        step unless told so: checkpoint=False)."""
         self._restart = self._restart or restart
+        self._stop_checkpoint = self._stop_checkpoint or checkpoint or restart
         self._stop = True
 
     def request_checkpoint(self) -> None:
@@ -245,12 +253,14 @@ class Trainer:
 
     def run(self) -> dict:
         """Train until version reaches spec.algorithm.total_steps (or stop()); every rank calls it.
-        Ends with a checkpoint (if checkpoint_every) and the HF export (if export_hf)."""
+        Ends with a checkpoint (if checkpoint_every, or stopped by `stop(checkpoint=True)`) and the HF
+        export (if export_hf). `checkpoint`/`checkpoint_version` name the newest checkpoint of this pool
+        (written or resumed from), "" / None if there is none."""
         spec, alg, tr = self.spec, self.spec.algorithm, self.spec.trainer
         version = self.buffer.version() if self.is_main else 0
         # elapsed_s is the run's clock: a pool after a rescale or restart continues it
         t_start = time.monotonic() - (self.buffer.start_clock() if self.is_main else 0.0)
-        last_checkpoint = None
+        last_checkpoint = self._resumed  # (version, path)
         while True:
             t0 = time.monotonic()
             while True:  # rank 0 decides, every rank learns: a step, an idle publish, or the end
@@ -286,11 +296,14 @@ class Trainer:
                 self.buffer.set_version(version)
                 self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub)
             if (tr.checkpoint_every and version % tr.checkpoint_every == 0) or header["checkpoint"]:
-                last_checkpoint = self.checkpoint(version)
-        # ranks that ran no step learn where rank 0 is, and whether the pool restarts
-        version, restart = self.pool.broadcast((version, self._restart))
-        if (tr.checkpoint_every or restart) and version > 0 and last_checkpoint != version:
-            last_checkpoint = self.checkpoint(version)
+                last_checkpoint = (version, self.checkpoint(version))
+        # ranks that ran no step learn where rank 0 is, whether the pool restarts, and whether a stop
+        # asked for a checkpoint (each rank writes its shards)
+        stop_ckpt = self._stop and self._stop_checkpoint
+        version, restart, stop_ckpt = self.pool.broadcast((version, self._restart, stop_ckpt))
+        due = tr.checkpoint_every or restart or stop_ckpt
+        if due and version > 0 and (last_checkpoint is None or last_checkpoint[0] != version):
+            last_checkpoint = (version, self.checkpoint(version))
         if self.is_main:
             self.buffer.trim()
         export = tr.export_hf and not restart
@@ -299,7 +312,8 @@ class Trainer:
             "version": version,
             "elapsed_s": time.monotonic() - t_start,
             "final_model": str(final_model or ""),
-            "checkpoint": str(checkpoint.step_dir(self.checkpoint_dir, version)) if last_checkpoint else "",
+            "checkpoint": str(last_checkpoint[1]) if last_checkpoint else "",
+            "checkpoint_version": last_checkpoint[0] if last_checkpoint else None,
             "restart": restart,
         }
 
@@ -334,21 +348,20 @@ class Trainer:
         self._log_sample(version, groups[0].samples[0])
         metrics.observe_step(record)
 
-    def checkpoint(self, version: int) -> int:
-        """Write a checkpoint at `version` (every rank)."""
+    def checkpoint(self, version: int) -> Path:
+        """Write a checkpoint at `version` (every rank); its path."""
         state = {"step": version, "version": version}
         if self.run_info:
             state["run_id"] = self.run_info["run_id"]
         if self.is_main:
             stats = self.buffer.stats()
             state["buffer"] = {k: v for k, v in stats.items() if isinstance(v, int)}
-        checkpoint.save(
+        return checkpoint.save(
             self.learner,
             checkpoint.step_dir(self.checkpoint_dir, version),
             state,
             keep=self.spec.trainer.keep_checkpoints,
         )
-        return version
 
     def _log_sample(self, version: int, sample) -> None:
         """Append one rendered trajectory per step to <output_dir>/samples.txt: what the model wrote and
