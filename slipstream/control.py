@@ -5,6 +5,7 @@ checkpoint. State lives in the cluster's Redis (slipstream/jobs.py); the driver 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,6 +16,7 @@ import msgspec
 import redis
 import yaml
 
+from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
@@ -74,8 +76,10 @@ def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
 
 
 class JobControl:
-    def __init__(self, info: ClusterInfo) -> None:
+    def __init__(self, info: ClusterInfo, tool_modules: list[str] | None = None) -> None:
+        """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any)."""
         self.info = info
+        self.tool_modules = tool_modules
         self.home = Path(info.home)
         self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
         self.store = JobStore(self.r)
@@ -112,6 +116,9 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: {why}")
         if why := check_name(spec.name):
             raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
+        # Each tools[].impl: allowed, and a class with the Tool protocol's members in its source (read, not run).
+        if why := check_tools(spec.tools, self.tool_modules):
+            raise ControlError(422, f"invalid job spec: {why}")
         if self.store.exists(spec.name) and self.store.active(spec.name):
             raise ControlError(
                 409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
@@ -136,6 +143,12 @@ class JobControl:
                         "PYTHONPATH": project_pythonpath(),
                         "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false",
+                        # the rollout workers enforce the allow-list again when they build the tools
+                        **(
+                            {TOOL_MODULES_ENV: json.dumps(self.tool_modules)}
+                            if self.tool_modules is not None
+                            else {}
+                        ),
                     }
                 },
                 metadata={"slipstream_job": spec.name},
