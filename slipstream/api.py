@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
     targets = TargetWriter(control.r, Path(info.home) / "prometheus" / "targets")
     targets.start()
     log.info("control API on %s:%d for the cluster at %s (%s)", args.host, args.port, args.home, limits)
+    if args.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving plain HTTP on %s: the bearer token crosses the network in clear text; put a TLS "
+            "reverse proxy in front of it (README: Security)",
+            args.host,
+        )
     log.info(
         "custom tools from: %s",
         "any module" if tool_modules is None else ", ".join(tool_modules) or "nowhere (builtin tools only)",

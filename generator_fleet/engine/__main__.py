@@ -83,6 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         logging.getLogger(__name__).warning(
             "no API key: every route is open to any local user (set $%s to require one)", API_KEY_ENV
         )
+    elif not is_loopback(args.host):
+        logging.getLogger(__name__).warning(
+            "serving plain HTTP on %s: the API key crosses the network in clear text; put a TLS reverse "
+            "proxy in front of it (README: Security)",
+            args.host,
+        )
 
     from generator_fleet.engine.server import EngineServer  # after parsing: --help stays instant
 
