@@ -18,6 +18,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -244,6 +245,30 @@ def limits_from_args(args: argparse.Namespace) -> HttpLimits:
     )
 
 
+class _Throttled:
+    """Counts connections closed for a slow request head and logs them at most once a minute (a slowloris
+    opens thousands: one line each would flood the log)."""
+
+    EVERY_S = 60.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.logged_at: float | None = None
+
+    def note(self, client: str, timeout_s: float) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self.logged_at is None or now - self.logged_at >= self.EVERY_S:
+            log.warning(
+                "closed %d connection(s) whose request head was not complete within %g s (latest from %s)",
+                self.count,
+                timeout_s,
+                client,
+            )
+            self.count, self.logged_at = 0, now
+
+
+_HEAD_TIMEOUTS = _Throttled()
 _PROTOCOLS: dict[float, type] = {}
 
 
