@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         "--tool-modules",
         default=None,
         metavar="MOD[,MOD...]",
-        help="jobs' custom tools may come only from these modules (''; builtin tools only; default: any)",
+        help="jobs' custom tools may come only from these modules ('': builtin tools only; default: any)",
     )
     add_limit_arguments(p, LIMITS)
     args = p.parse_args(argv)
