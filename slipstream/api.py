@@ -11,16 +11,28 @@ import logging
 import secrets
 from pathlib import Path
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi import Depends, FastAPI, HTTPException
+from fastapi.responses import HTMLResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
+
+from slipstream.http_guard import API_LIMITS, BearerGuard, BodyGuard, add_limit_arguments, limits_from_args
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8420
 MAX_BODY_BYTES = 1 << 20
-"""A job spec is a few kB; larger requests are refused (413) before they are read."""
+"""A job spec is a few kB; larger requests are refused (413): by Content-Length before they are read,
+chunked ones as soon as the bytes received pass it."""
+LIMITS = API_LIMITS
+PUBLIC_PATHS = frozenset(
+    ("/healthz", "/ui", "/ui/app.js", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+)
+"""GET (and HEAD) of these, and of /ui/jobs/NAME, answer without the token: they hold no data."""
+
+
+def is_public(method: str, path: str) -> bool:
+    return method in ("GET", "HEAD") and (path in PUBLIC_PATHS or path.startswith("/ui/jobs/"))
 
 
 class SubmitRequest(BaseModel):
@@ -61,8 +73,10 @@ class StopRequest(BaseModel):
     )
 
 
-def create_app(token: str, control=None) -> FastAPI:
-    """`control`: a slipstream.control.JobControl (None: only /healthz answers, for tests of auth)."""
+def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.body_timeout_s) -> FastAPI:
+    """`control`: a slipstream.control.JobControl (None: only /healthz answers, for tests of auth).
+    The token is checked on the request's head, before any of its body is read (BearerGuard); the
+    route dependency below checks it again and puts the scheme in the OpenAPI schema."""
     if not token:
         raise ValueError("the control API needs a token")
     app = FastAPI(title="Slipstream control API", version="0.1", description=__doc__, responses=ERRORS)
@@ -73,12 +87,8 @@ def create_app(token: str, control=None) -> FastAPI:
         if not secrets.compare_digest(given.encode(), token.encode()):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
-            return JSONResponse({"detail": f"request body over {MAX_BODY_BYTES} bytes"}, status_code=413)
-        return await call_next(request)
+    app.add_middleware(BodyGuard, max_bytes=MAX_BODY_BYTES, body_timeout_s=body_timeout_s, what="the API's")
+    app.add_middleware(BearerGuard, token=token, public=is_public)  # the outer one: no token, no 413 either
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:
@@ -168,10 +178,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--home", type=Path, required=True, help="the cluster's state directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--tool-modules",
+        default=None,
+        metavar="MOD[,MOD...]",
+        help="jobs' custom tools may come only from these modules ('': builtin tools only; default: any)",
+    )
+    add_limit_arguments(p, LIMITS)
     args = p.parse_args(argv)
+    limits = limits_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = cluster.load_info(args.home)
-    control = JobControl(info)
+    tool_modules = None if args.tool_modules is None else [m for m in args.tool_modules.split(",") if m]
+    control = JobControl(info, tool_modules=tool_modules)
     try:  # after a cluster restart, jobs that were running have no driver any more: mark them
         if marked := control.reconcile():
             log.warning("jobs whose driver is gone, marked: %s", ", ".join(marked))
@@ -180,9 +199,25 @@ def main(argv: list[str] | None = None) -> None:
     # Prometheus discovers every job's processes from the file this writes (deploy/prometheus.yml).
     targets = TargetWriter(control.r, Path(info.home) / "prometheus" / "targets")
     targets.start()
-    log.info("control API on %s:%d for the cluster at %s", args.host, args.port, args.home)
+    log.info("control API on %s:%d for the cluster at %s (%s)", args.host, args.port, args.home, limits)
+    if args.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "serving plain HTTP on %s: the bearer token crosses the network in clear text; put a TLS "
+            "reverse proxy in front of it (README: Security)",
+            args.host,
+        )
+    log.info(
+        "custom tools from: %s",
+        "any module" if tool_modules is None else ", ".join(tool_modules) or "nowhere (builtin tools only)",
+    )
     try:
-        uvicorn.run(create_app(info.api_token, control), host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(
+            create_app(info.api_token, control, body_timeout_s=limits.body_timeout_s),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            **limits.uvicorn_kwargs(),
+        )
     finally:
         targets.stop()
 

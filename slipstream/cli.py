@@ -111,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     except jobspec.JobSpecError as e:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2
+    from generator_fleet.tools.impl_check import check_tools
+
+    if why := check_tools(spec.tools):  # reads the tools' sources, runs none of them
+        print(f"slipstream: invalid job spec: {why}", file=sys.stderr)
+        return 2
     if args.cmd == "validate":
         print(jobspec.to_json(spec))
         return 0

@@ -106,6 +106,8 @@ class _State(msgspec.Struct):
     prometheus_url: str | None = None
     api_url: str = ""
     updated: str = ""
+    tool_modules: list[str] | None = None
+    """The modules jobs' custom tools may come from ([]: builtin tools only; None: any): the API enforces it."""
 
 
 # ---------------------------------------------------------------- home, secrets, state
@@ -491,6 +493,8 @@ def _start_api(home: Path, state: _State, info: ClusterInfo) -> int:
 
     cmd = [sys.executable, "-m", "slipstream.api", "--home", str(home), "--host", state.host]
     cmd += ["--port", str(state.ports["api"])]
+    if state.tool_modules is not None:
+        cmd += ["--tool-modules", ",".join(state.tool_modules)]
     env = {
         **os.environ,
         "PYTHONPATH": project_pythonpath(),
@@ -546,11 +550,13 @@ def up(
     num_gpus: int | None = None,
     start_api: bool = True,
     start_prometheus: bool = True,
+    tool_modules: list[str] | None = None,
 ) -> ClusterInfo:
     """Start whatever of the cluster at HOME is not running; services already running are left alone.
 
     A port of 0 takes the one remembered in cluster.json, else a free one (then remembered). If a service
-    fails to start, the services this call started are stopped again and the error carries its log's end."""
+    fails to start, the services this call started are stopped again and the error carries its log's end.
+    `tool_modules`: the modules jobs' custom tools may come from ([]: builtin tools only; None: any)."""
     home = resolve_home(home)
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     for d in ("redis", "prometheus/targets", "logs", "jobs"):
@@ -598,6 +604,7 @@ def up(
         ports=ports,
         ray_temp_dir=old.ray_temp_dir if old else str(ray_temp_dir(home)),
         services=services,
+        tool_modules=tool_modules,
         pids={s: pid for s, pid in (old.pids if old else {}).items() if s in running},
     )
     h = _connect_host(host)
@@ -754,6 +761,14 @@ def add_parser(sub) -> None:
     u.add_argument("--num-gpus", type=int)
     u.add_argument("--no-prometheus", action="store_true")
     u.add_argument("--no-api", action="store_true")
+    tools = u.add_mutually_exclusive_group()
+    tools.add_argument(
+        "--tool-modules",
+        metavar="MOD[,MOD...]",
+        help="jobs' custom tools (tools[].impl) may come only from these modules and their submodules "
+        "(default: any importable module; the API token is admin-equivalent either way)",
+    )
+    tools.add_argument("--builtin-tools-only", action="store_true", help="jobs may use builtin tools only")
     for name, help_ in (
         ("down", "stop running jobs (each with a checkpoint), then every service; data is kept"),
         ("status", "each service alive or dead"),
@@ -851,6 +866,11 @@ def main(args: argparse.Namespace) -> int:
                 num_gpus=args.num_gpus,
                 start_api=not args.no_api,
                 start_prometheus=not args.no_prometheus,
+                tool_modules=[]
+                if args.builtin_tools_only
+                else None
+                if args.tool_modules is None
+                else [m.strip() for m in args.tool_modules.split(",") if m.strip()],
             )
             _print_up(info, before, args)
             return 0

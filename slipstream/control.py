@@ -18,6 +18,7 @@ import msgspec
 import redis
 import yaml
 
+from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from replay_buffer import ReplayBuffer
 from slipstream import jobspec
 from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
@@ -82,8 +83,10 @@ def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
 
 
 class JobControl:
-    def __init__(self, info: ClusterInfo) -> None:
+    def __init__(self, info: ClusterInfo, tool_modules: list[str] | None = None) -> None:
+        """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any)."""
         self.info = info
+        self.tool_modules = tool_modules
         self.home = Path(info.home)
         self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
         self.store = JobStore(self.r)
@@ -192,6 +195,9 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: {why}")
         if why := check_name(spec.name):
             raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
+        # Each tools[].impl: allowed, and a class with the Tool protocol's members in its source (read, not run).
+        if why := check_tools(spec.tools, self.tool_modules):
+            raise ControlError(422, f"invalid job spec: {why}")
         if (
             self.store.exists(spec.name)
             and self._job(spec.name, reconcile=True).get("state") in ACTIVE_STATES
@@ -219,6 +225,12 @@ class JobControl:
                         "PYTHONPATH": project_pythonpath(),
                         "HF_HUB_OFFLINE": "1",
                         "TOKENIZERS_PARALLELISM": "false",
+                        # the rollout workers enforce the allow-list again when they build the tools
+                        **(
+                            {TOOL_MODULES_ENV: json.dumps(self.tool_modules)}
+                            if self.tool_modules is not None
+                            else {}
+                        ),
                     }
                 },
                 metadata={"slipstream_job": spec.name},

@@ -397,6 +397,8 @@ class JobSpec(Spec):
     redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
 
     def __post_init__(self) -> None:
+        if self.tools and self.agent is None:
+            raise _bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.update_every - 1 > self.buffer.max_staleness:
             # engines lag the trainer by up to update_every - 1 versions; data they make would be too stale
             raise _bad(

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
 import sys
 
+from slipstream.http_guard import ENGINE_LIMITS, add_limit_arguments, limits_from_args
+
 API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
 """Where the key is read from when --api-key is absent: a command line is visible to every local user."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (what --host binds) is reachable only from this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,8 +66,29 @@ def main(argv: list[str] | None = None) -> None:
         help="a /generate asking for more prompts x n gets 400 (default 16384)",
     )
     p.add_argument("--log-level", default="INFO")
+    add_limit_arguments(p, ENGINE_LIMITS)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    http_limits = limits_from_args(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None:
+        # Without a key every route is open, /update_weights_from_disk (any path) and pause included.
+        if not is_loopback(args.host):
+            p.exit(
+                2,
+                f"{p.prog}: error: refusing to serve on --host {args.host} without an API key: anyone who "
+                f"can reach it could load weights from any path or stop generation. Set ${API_KEY_ENV} "
+                "(or --api-key), or bind 127.0.0.1\n",
+            )
+        logging.getLogger(__name__).warning(
+            "no API key: every route is open to any local user (set $%s to require one)", API_KEY_ENV
+        )
+    elif not is_loopback(args.host):
+        logging.getLogger(__name__).warning(
+            "serving plain HTTP on %s: the API key crosses the network in clear text; put a TLS reverse "
+            "proxy in front of it (README: Security)",
+            args.host,
+        )
 
     from generator_fleet.engine.server import EngineServer  # after parsing: --help stays instant
 
@@ -68,8 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     server = EngineServer(
         args.model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=api_key,
         **limits,
+        limits=http_limits,
         host=args.host,
         port=args.port,
         device=args.device,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import hmac
 import logging
 import os
 import socket
@@ -31,6 +30,7 @@ from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from generator_fleet.engine.metrics import EngineMetrics
 from generator_fleet.engine.runner import Completion, EngineUnhealthy, Runner, SamplingParams
 from generator_fleet.engine.runner import Request as GenRequest
+from slipstream.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard, HttpLimits
 from weight_bus.receiver import WeightReceiver
 from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 
@@ -45,6 +45,7 @@ PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
 MAX_BODY_BYTES = 64 << 20
 """Default bound on a request body: a batch of long prompts as token ids is a few MiB; larger is a 413."""
+LIMITS = ENGINE_LIMITS
 MAX_REQUESTS_PER_CALL = 1 << 14
 """Default bound on the requests one /generate call makes (prompts x n): each is queued and kept until
 the call returns, so an unbounded `n` would stall the engine for every client."""
@@ -143,10 +144,6 @@ T = TypeVar("T")
 
 class BadRequest(Exception):
     """A handler's ValueError-class failure, rendered as {"error": {"message"}} (SGLang)."""
-
-
-class BodyTooLarge(Exception):
-    """A chunked request body that grew past the limit while being read (a 413)."""
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -457,55 +454,17 @@ def _render(c: Completion, item: _Item, tokenizer, return_text_in_logprobs: bool
 # ---- the app -------------------------------------------------------------------------------------
 
 
-class _BearerAuth:
-    """ASGI middleware: with an API key, everything but GET /health and GET /metrics needs
-    `Authorization: Bearer <key>` (plain ASGI, so it adds nothing to the /generate path but a compare)."""
-
-    def __init__(self, app, api_key: str | None) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-
-    async def __call__(self, scope, receive, send) -> None:
-        if self.expected is not None and scope["type"] == "http":
-            public = scope["method"] == "GET" and scope["path"] in PUBLIC_GET_PATHS
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not public and not hmac.compare_digest(given, self.expected):
-                await _json({"error": {"message": "Unauthorized"}}, 401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+def _public(method: str, path: str) -> bool:
+    """With an API key, everything but GET /health and GET /metrics needs `Authorization: Bearer <key>`."""
+    return method == "GET" and path in PUBLIC_GET_PATHS
 
 
-class _BodyLimit:
-    """ASGI middleware: a body over `max_bytes` is a 413, refused by its Content-Length before it is read,
-    or (chunked) as soon as the bytes read pass the limit."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        size = dict(scope["headers"]).get(b"content-length")
-        if size is not None and (not size.isdigit() or int(size) > self.max_bytes):
-            await _body_too_large(self.max_bytes)(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
-                raise BodyTooLarge()
-            return message
-
-        await self.app(scope, limited, send)
+def _unauthorized_body(status: int, message: str) -> bytes:
+    return msgspec.json.encode({"error": {"message": "Unauthorized"}})
 
 
-def _body_too_large(max_bytes: int) -> Response:
-    return _http_error(413, f"request body over the engine's limit of {max_bytes} bytes")
+def _error_body(status: int, message: str) -> bytes:
+    return bytes(_http_error(status, message).body)
 
 
 class _EngineState:
@@ -567,6 +526,7 @@ def build_app(
     served_model_name: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_requests_per_call: int = MAX_REQUESTS_PER_CALL,
+    body_timeout_s: float | None = LIMITS.body_timeout_s,
 ) -> FastAPI:
     """The FastAPI app over a started runner (EngineServer wires lifecycle; tests may use this alone).
     OpenAPI at /openapi.json (behind the API key like every route but /health and /metrics)."""
@@ -576,12 +536,19 @@ def build_app(
     state = _EngineState(runner, model_name)
     app.state.engine = state
 
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
-    app.add_middleware(_BearerAuth, api_key=api_key)  # the outer one: no key, no 413 either
-
-    @app.exception_handler(BodyTooLarge)
-    async def on_body_too_large(request: Request, exc: Exception) -> Response:
-        return _body_too_large(max_body_bytes)
+    # Plain ASGI (slipstream/http_guard.py), so they add nothing to the /generate path but a compare: the
+    # key is checked on the request head before any body byte is read; a body over the limit is a 413,
+    # by its Content-Length or (chunked) as soon as the bytes read pass it; a stalled body is a 408.
+    app.add_middleware(
+        BodyGuard,
+        max_bytes=max_body_bytes,
+        body_timeout_s=body_timeout_s,
+        error_body=_error_body,
+        what="the engine's",
+    )
+    app.add_middleware(  # the outer one: no key, no 413 either
+        BearerGuard, token=api_key, public=_public, error_body=_unauthorized_body, message="Unauthorized"
+    )
 
     @app.exception_handler(msgspec.DecodeError)  # also catches its subclass msgspec.ValidationError
     async def on_validation_error(request: Request, exc: Exception) -> Response:
@@ -926,15 +893,18 @@ class EngineServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         max_requests_per_call: int = MAX_REQUESTS_PER_CALL,
         fatal_exit_grace_s: float = FATAL_EXIT_GRACE_S,
+        limits: HttpLimits = LIMITS,
     ) -> None:
         """`dtype`: "bfloat16", "float16", "float32" or None (bf16 on CUDA, fp32 on CPU); `kv_cache_tokens`:
         KV pool size (default: see Runner); `cuda_graphs`: capture decode steps on CUDA; `load_format`:
         "dummy" for random weights from the config (see Runner); `max_body_bytes`: larger requests are
-        a 413; `max_requests_per_call`: a /generate asking for more (prompts x n) is a 400;
+        a 413; `max_requests_per_call`: a /generate asking for more (prompts x n) is a 400; `limits`: the
+        HTTP server's connection limits (request-head and body timeouts, keep-alive, concurrency);
         `fatal_exit_grace_s`: after a fatal CUDA error, how long the server answers 503 before it stops
         (serve_forever returns; the CLI exits non-zero, an EngineActor's watch fails)."""
         self.fatal_exit_grace_s = fatal_exit_grace_s
         self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.max_requests_per_call = max_requests_per_call
         self.model_path = str(model_path)
         self.dtype = dtype
@@ -983,6 +953,7 @@ class EngineServer:
             served_model_name=self.served_model_name,
             max_body_bytes=self.max_body_bytes,
             max_requests_per_call=self.max_requests_per_call,
+            body_timeout_s=self.limits.body_timeout_s,
         )
         # Bind here so port=0 resolves before uvicorn starts and the URL is known to the caller.
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
@@ -992,7 +963,12 @@ class EngineServer:
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            **self.limits.uvicorn_kwargs(),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

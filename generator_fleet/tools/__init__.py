@@ -18,6 +18,7 @@ from typing import Any
 from generator_fleet.tools.base import Tool, ToolContext, ToolResult
 from generator_fleet.tools.calculator import Calculator
 from generator_fleet.tools.check_answer import CheckAnswer
+from generator_fleet.tools.impl_check import BUILTIN_TOOL_NAMES, allowed_from_env, module_allowed, not_allowed
 from generator_fleet.tools.python_sandbox import PythonSandbox
 from generator_fleet.tools.spec import ToolSpec
 
@@ -38,6 +39,7 @@ BUILTIN_TOOLS: dict[str, type] = {
     "python": PythonSandbox,
     "check_answer": CheckAnswer,
 }
+assert tuple(BUILTIN_TOOLS) == BUILTIN_TOOL_NAMES
 
 
 def build_tools(specs: Iterable[ToolSpec]) -> dict[str, Tool]:
@@ -59,6 +61,10 @@ def build_tool(spec: ToolSpec) -> Tool:
                 "set impl: 'package.module:ClassName' for a custom tool"
             )
     else:
+        # The operator's allow-list, checked again here (the control API checked it at submit).
+        allowed = allowed_from_env()
+        if not module_allowed(spec.impl.partition(":")[0], allowed):
+            raise ValueError(f"tool {spec.name!r}: {not_allowed(spec.impl.partition(':')[0], allowed or [])}")
         factory = _import(spec.name, spec.impl)
     try:
         tool = factory(**spec.args)
