@@ -98,7 +98,7 @@ class JobKeys(msgspec.Struct, frozen=True):
 
     def per_run(self) -> list[str]:
         """Every key a run writes (not the control records of slipstream/jobs.py): a new run of the same
-        job name deletes them all. `inflight:<worker>` lists are found by prefix."""
+        job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
         names = (
             "groups", "dead", "version", "started", "trained", "reservations", "workers", "recycle",
             "reissue", "ledger", "stats", "staleness", "progress", "run",

@@ -199,7 +199,10 @@ class ReplayBuffer:
     def reset_run(self) -> int:
         """Delete every per-run key of the job (stream and consumer group, version, admission, trained
         ids, progress, engine registry, ...; not the control records); returns how many existed."""
-        keys = self.keys.per_run() + list(self.r.scan_iter(match=self.keys.inflight_prefix + "*", count=1000))
+        # a worker's `inflight:<worker>` list exists only while it is in the `workers` lease zset (leaving
+        # or reaping removes both), so no SCAN: a job's Redis user may not list keys (other jobs' names)
+        workers = [_str(w) for w in self.r.zrange(self.keys.workers, 0, -1)]
+        keys = self.keys.per_run() + [self.keys.inflight(w) for w in workers]
         return int(self.r.delete(*keys))
 
     def begin_run(self, resume: bool) -> dict:
