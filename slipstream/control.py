@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ import redis
 import yaml
 
 from slipstream import jobspec
-from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
+from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name
 from slipstream.launcher import ProgressReader
+from slipstream.redis_server import job_user, set_job_user
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,19 @@ class JobControl:
         self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
         self.store = JobStore(self.r)
         self._ray = None
+        self._admin = None
+
+    def _job_credentials(self, name: str) -> None:
+        """A fresh ACL user for the job (its keys `slipstream:<name>:*` only, a new random password at every
+        submission) and its URL in HOME/jobs/<name>/redis_url (0600), where the driver reads it: never on
+        a command line, in the Ray job's runtime env or in job.json. The driver hands it to its actors
+        as an argument (Ray's object store, in memory)."""
+        if self._admin is None:
+            self._admin = redis.Redis.from_url(self.info.redis_admin_url, socket_connect_timeout=5)
+        password = secrets.token_hex(32)
+        set_job_user(self._admin, name, password)
+        where = self.info.redis_url.rsplit("@", 1)[1]
+        write_job_redis_url(self.home, name, f"redis://{job_user(name)}:{password}@{where}")
 
     @property
     def ray(self):
@@ -124,6 +139,10 @@ class JobControl:
             raise ControlError(
                 422, f"invalid job spec: cannot write the output directory: {e} - at `$.output_dir`"
             ) from None
+        try:
+            self._job_credentials(spec.name)
+        except (redis.RedisError, OSError) as e:
+            raise ControlError(503, f"cannot create the job's Redis user: {e}") from e
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )
