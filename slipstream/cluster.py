@@ -55,6 +55,7 @@ SERVICES = ("redis", "ray", "prometheus", "api")
 RAY_TEMP_DIR_MAX_CHARS = 40
 """Ray puts Unix sockets at TEMP/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (~64 chars after
 TEMP) and a socket path must fit in 107 bytes: a longer TEMP gets a short directory under /tmp."""
+RAY_TEMP_PARENT_PREFIX = "slipstream-ray-"
 STARTUP_TIMEOUT_S = {"redis": 30.0, "ray": 180.0, "prometheus": 60.0, "api": 60.0}
 """Upper bounds on a service becoming ready (a loaded 2-core box starts Ray in ~10 s)."""
 STOP_TIMEOUT_S = 30.0
@@ -115,11 +116,15 @@ def resolve_home(home: str | Path | None = None) -> Path:
 
 
 def ray_temp_dir(home: Path) -> Path:
-    """HOME/ray, or /tmp/slipstream-ray-<hash of HOME> where HOME/ray would make Ray's socket paths too long."""
+    """HOME/ray, or /tmp/slipstream-ray-<hash of HOME>/ray where HOME/ray would make Ray's socket paths too
+    long. Either way its parent is an owner-only directory (HOME, or that /tmp one): Ray makes some of
+    the directories it creates in its temp dir world-writable, and the parent keeps every other user out."""
     d = home / "ray"
     if len(str(d)) <= RAY_TEMP_DIR_MAX_CHARS:
         return d
-    return Path("/tmp") / f"slipstream-ray-{hashlib.sha1(str(home).encode()).hexdigest()[:12]}"
+    return (
+        Path("/tmp") / f"{RAY_TEMP_PARENT_PREFIX}{hashlib.sha1(str(home).encode()).hexdigest()[:12]}" / "ray"
+    )
 
 
 def private_dir(home: Path, path: Path) -> None:
@@ -313,7 +318,7 @@ def _markers(home: Path, state: _State, service: str) -> list[str]:
             "redis-server",
             f":{state.ports['redis']} ",
         ],  # Redis sets its title to "redis-server HOST:PORT"
-        "ray": [" slipstream.ray_head start ", f" --temp-dir {state.ray_temp_dir} "],
+        "ray": [" ray.scripts.scripts start ", f" --temp-dir {state.ray_temp_dir} "],
         "prometheus": [f" --config.file={home / 'prometheus' / 'prometheus.yml'} "],
         "api": [" slipstream.api ", f" --home {home} "],
     }[service]
@@ -460,12 +465,16 @@ def _start_ray(home: Path, state: _State, sec: dict[str, str], num_cpus, num_gpu
     import httpx
 
     temp_dir = Path(state.ray_temp_dir)
-    private_dir(home, temp_dir)  # and slipstream.ray_head keeps what Ray creates in it owner-only
+    if temp_dir.parent.name.startswith(RAY_TEMP_PARENT_PREFIX):  # the /tmp fallback's owner-only parent
+        private_dir(home, temp_dir.parent)
+    # Ray chmods the directories it makes in there 0777 (every Ray process does, at start): the owner-only
+    # parent is what keeps others out. Its files and sockets are owner-only (umask 077, see _spawn).
+    private_dir(home, temp_dir)
     if left := _ray_leftovers(str(temp_dir)):  # a previous head that died without its children
         _event(home, f"ray: stopping {len(left)} leftover processes of {temp_dir}")
         _stop_ray(None, str(temp_dir))
     host, p = state.host, state.ports
-    cmd = [sys.executable, "-m", "slipstream.ray_head", "start", "--head", "--block"]
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"]
     cmd += ["--port", str(p["ray"]), "--temp-dir", str(temp_dir), "--disable-usage-stats"]
     cmd += ["--include-dashboard", "true", "--dashboard-host", host, "--dashboard-port", str(p["dashboard"])]
     # Ray's defaults for these (10001, 52365) clash with any other Ray on the machine.
