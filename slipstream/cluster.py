@@ -702,7 +702,10 @@ def up(
     state = _State(
         host=host,
         ports=ports,
-        ray_temp_dir=old.ray_temp_dir if old else str(ray_temp_dir(home)),
+        # Kept while a service uses it; else today's (a long HOME's once sat directly in /tmp).
+        ray_temp_dir=old.ray_temp_dir
+        if old and {"ray", "prometheus"} & set(running)
+        else str(ray_temp_dir(home)),
         services=services,
         pids={s: pid for s, pid in (old.pids if old else {}).items() if s in running},
         redis_maxmemory=redis_maxmemory or (old.redis_maxmemory if old else ""),

@@ -6,6 +6,7 @@ gives every box a real Redis.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -165,17 +166,14 @@ class ManagedRedis:
                 parts = line.split()
                 if len(parts) > 1 and parts[0] == "user" and parts[1].startswith("job-"):
                     kept.append(line)
-        return (
-            "\n".join(
-                [
-                    # The default user keeps full rights behind the password (an ACL file replaces requirepass).
-                    f"user default on >{self.password} ~* &* +@all",
-                    f"user {APP_USER} on >{self.password} ~slipstream:* {CONTROL_RULES}",
-                    *kept,
-                ]
-            )
-            + "\n"
-        )
+        digest = hashlib.sha256(self.password.encode()).hexdigest()  # the file never holds the password
+        users = [
+            # The default user keeps full rights behind the password (an ACL file replaces requirepass).
+            f"user default on #{digest} ~* &* +@all",
+            f"user {APP_USER} on #{digest} ~slipstream:* {CONTROL_RULES}",
+            *kept,
+        ]
+        return "\n".join(users) + "\n"
 
     def start(self) -> ManagedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -128,10 +128,11 @@ def test_a_jobs_user_reaches_its_own_keys_only(small_redis):
 
 def test_a_jobs_user_survives_a_redis_restart(tmp_path):
     with ManagedRedis(data_dir=tmp_path / "r", password="pw") as server:
+        assert ">pw" not in (tmp_path / "r" / "users.acl").read_text()  # no password in the file
         url, port = _job_url(server, "kept"), server.port
         redis.Redis.from_url(url).set("slipstream:kept:version", 5)
     acl = (tmp_path / "r" / "users.acl").read_text()
-    assert "user job-kept " in acl and "pw" not in acl.replace(">pw", "")  # the job's password is hashed
+    assert "user job-kept " in acl and url.split(":")[2].split("@")[0] not in acl  # stored hashed
     with ManagedRedis(data_dir=tmp_path / "r", password="pw", port=port) as server:
         r = redis.Redis.from_url(url)
         assert r.get("slipstream:kept:version") == b"5"
