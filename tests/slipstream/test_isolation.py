@@ -209,9 +209,13 @@ def test_job_passwords_stay_out_of_command_lines_ray_and_job_files(info, home, j
         info.dashboard_url, headers={"Authorization": f"Bearer {info.ray_auth_token}"}
     ).list_jobs()
     text = repr([(j.entrypoint, j.runtime_env, j.metadata) for j in ray_jobs])
-    for name, pw in passwords.items():
+    # Every file of the cluster but the jobs' own 0600 URL files: job.json, the jobs' logs, Ray's logs.
+    files = [p for p in home.rglob("*") if p.is_file() and not p.is_symlink() and p.name != "redis_url"]
+    assert any(p.name == "driver.log" for p in files)
+    contents = "\n".join(p.read_bytes().decode(errors="replace") for p in files)
+    for pw in passwords.values():
         assert pw not in text
-        assert pw not in (home / "jobs" / name / "job.json").read_text()
+        assert pw not in contents
         for p in psutil.process_iter(["cmdline"]):
             assert pw not in " ".join(p.info["cmdline"] or [])
 
