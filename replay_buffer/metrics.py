@@ -19,6 +19,17 @@ RECLAIMED = Counter("slipstream_buffer_reclaimed_total", "Pending entries claime
 TRIMMED = Counter("slipstream_buffer_trimmed_total", "Acknowledged entries trimmed from the stream")
 DEPTH = Gauge("slipstream_buffer_depth", "Entries in the job's stream (unread + pending + not yet trimmed)")
 PENDING = Gauge("slipstream_buffer_pending", "Entries read by a trainer and not yet acknowledged")
+REDIS_USED_MEMORY = Gauge(
+    "slipstream_redis_used_memory_bytes", "Redis' used_memory (INFO memory), read by the trainer"
+)
+REDIS_MAXMEMORY = Gauge(
+    "slipstream_redis_maxmemory_bytes",
+    "Redis' memory limit (0: none); at it, writes fail and nothing is evicted",
+)
+REDIS_OOM = Counter(
+    "slipstream_buffer_redis_oom_total",
+    "Buffer writes Redis refused at its memory limit (maxmemory, noeviction)",
+)
 OLDEST_AGE = Gauge(
     "slipstream_buffer_oldest_age_seconds",
     "Age of the oldest group still in the stream after trimming (waiting or being trained); 0 when empty",

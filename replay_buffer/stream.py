@@ -66,6 +66,46 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
+class RedisFullError(RuntimeError):
+    """Redis refused a write at its memory limit (maxmemory with `noeviction`: nothing stored was evicted)."""
+
+
+def _is_oom(e: redis.RedisError) -> bool:
+    return isinstance(e, redis.exceptions.OutOfMemoryError) or "used memory > 'maxmemory'" in str(e)
+
+
+def _full(e: redis.RedisError, job: str, mem: tuple[int, int] | None) -> RedisFullError:
+    """The clear error for an OOM reply (and one more count of `slipstream_buffer_redis_oom_total`)."""
+    metrics.REDIS_OOM.inc()
+    used = f" (used {mem[0]} of maxmemory {mem[1]} bytes)" if mem else ""
+    log.error("job %s: Redis is full%s: a buffer write was refused", job, used)
+    return RedisFullError(
+        f"Redis is full{used}: it refuses writes at its memory limit instead of evicting, so nothing "
+        f"stored was lost, but job {job!r} cannot add to its buffer. Raise the limit (`slipstream cluster "
+        "down`, then `slipstream cluster up --redis-maxmemory SIZE`) or free memory (end other jobs, let "
+        f"the trainer drain the buffer). Redis said: {e}"
+    )
+
+
+def _memory_of(info: dict) -> tuple[int, int]:
+    return int(info["used_memory"]), int(info.get("maxmemory", 0))
+
+
+def _memory(r: redis.Redis) -> tuple[int, int] | None:
+    """(used_memory, maxmemory) in bytes, or None when this user may not read INFO (or Redis is gone)."""
+    try:
+        return _memory_of(r.info("memory"))
+    except redis.RedisError:
+        return None
+
+
+async def _memory_async(r: aioredis.Redis) -> tuple[int, int] | None:
+    try:
+        return _memory_of(await r.info("memory"))
+    except redis.RedisError:
+        return None
+
+
 class BufferProducer:
     """Producer side (asyncio), one per rollout worker: admission, heartbeats, XADD."""
 
@@ -90,10 +130,21 @@ class BufferProducer:
     async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
         """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
         versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
-        n = await self._admit(
-            keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
-            args=[groups_per_step, max_staleness, self.worker_id, self.lease_ms, self.keys.inflight_prefix],
-        )
+        try:
+            n = await self._admit(
+                keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
+                args=[
+                    groups_per_step,
+                    max_staleness,
+                    self.worker_id,
+                    self.lease_ms,
+                    self.keys.inflight_prefix,
+                ],
+            )
+        except redis.ResponseError as e:
+            if _is_oom(e):
+                raise _full(e, self.keys.job, await _memory_async(self.r)) from e
+            raise
         return int(n) > 0
 
     async def begin(self, prompt_id: str) -> None:
@@ -136,7 +187,12 @@ class BufferProducer:
         pipe.hincrby(self.keys.stats, "produced", 1)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
         pipe.lrem(self._inflight, 1, group.prompt_id)
-        entry_id, *_ = await pipe.execute()
+        try:
+            entry_id, *_ = await pipe.execute()
+        except redis.ResponseError as e:
+            if _is_oom(e):
+                raise _full(e, self.keys.job, await _memory_async(self.r)) from e
+            raise
         metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
         metrics.GROUPS_PRODUCED.inc()
         return _str(entry_id)
@@ -292,7 +348,12 @@ class ReplayBuffer:
         pipe = self.r.pipeline(transaction=True)
         pipe.xadd(self.keys.groups, {"d": encode(group)})
         pipe.hincrby(self.keys.stats, "produced", 1)
-        entry_id, _ = pipe.execute()
+        try:
+            entry_id, _ = pipe.execute()
+        except redis.ResponseError as e:
+            if _is_oom(e):
+                raise _full(e, self.keys.job, _memory(self.r)) from e
+            raise
         return _str(entry_id)
 
     # --- consumption -------------------------------------------------------------------------------
@@ -474,7 +535,12 @@ class ReplayBuffer:
             # A redelivered group with min_version < (next version) - max_staleness is stale: dropped
             # as such, so its id need not be remembered.
             pipe.zremrangebyscore(self.keys.trained, "-inf", f"({version + 1 - max_staleness}")
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.ResponseError as e:
+            if _is_oom(e):
+                raise _full(e, self.keys.job, _memory(self.r)) from e
+            raise
         metrics.GROUPS_CONSUMED.inc(len(entries))
         if time.monotonic() >= self._next_trim:  # trimming costs ~5 round trips: at most every interval
             self.trim()
@@ -498,6 +564,9 @@ class ReplayBuffer:
         metrics.DEPTH.set(depth)
         metrics.PENDING.set(info["pending"])
         metrics.OLDEST_AGE.set(self.oldest_age_s())
+        if mem := _memory(self.r):
+            metrics.REDIS_USED_MEMORY.set(mem[0])
+            metrics.REDIS_MAXMEMORY.set(mem[1])
         return removed
 
     def oldest_age_s(self) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import hashlib
 import ipaddress
 import json
@@ -30,6 +31,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -54,6 +56,7 @@ SERVICES = ("redis", "ray", "prometheus", "api")
 RAY_TEMP_DIR_MAX_CHARS = 40
 """Ray puts Unix sockets at TEMP/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store (~64 chars after
 TEMP) and a socket path must fit in 107 bytes: a longer TEMP gets a short directory under /tmp."""
+RAY_TEMP_PARENT_PREFIX = "slipstream-ray-"
 STARTUP_TIMEOUT_S = {"redis": 30.0, "ray": 180.0, "prometheus": 60.0, "api": 60.0}
 """Upper bounds on a service becoming ready (a loaded 2-core box starts Ray in ~10 s)."""
 STOP_TIMEOUT_S = 30.0
@@ -75,7 +78,8 @@ class ClusterInfo(msgspec.Struct):
     home: str
     host: str
     redis_url: str
-    """The app's ACL user `slipstream` (keys slipstream:* only), like ManagedRedis.url."""
+    """The control plane's ACL user `slipstream` (keys slipstream:* only), like ManagedRedis.url. A job's
+    processes use the job's own user instead (`job_redis_url`)."""
     redis_admin_url: str
     ray_address: str
     """host:port of Ray's GCS, for `ray.init(address=...)` and `ray start --address`."""
@@ -108,6 +112,8 @@ class _State(msgspec.Struct):
     updated: str = ""
     tool_modules: list[str] | None = None
     """The modules jobs' custom tools may come from ([]: builtin tools only; None: any): the API enforces it."""
+    redis_maxmemory: str = ""
+    """Redis' memory limit (`--redis-maxmemory`; "" = redis_server.DEFAULT_MAXMEMORY), kept for the next `up`."""
 
 
 # ---------------------------------------------------------------- home, secrets, state
@@ -118,11 +124,69 @@ def resolve_home(home: str | Path | None = None) -> Path:
 
 
 def ray_temp_dir(home: Path) -> Path:
-    """HOME/ray, or /tmp/slipstream-ray-<hash of HOME> where HOME/ray would make Ray's socket paths too long."""
+    """HOME/ray, or /tmp/slipstream-ray-<hash of HOME>/ray where HOME/ray would make Ray's socket paths too
+    long. Either way its parent is an owner-only directory (HOME, or that /tmp one): Ray makes some of
+    the directories it creates in its temp dir world-writable, and the parent keeps every other user out."""
     d = home / "ray"
     if len(str(d)) <= RAY_TEMP_DIR_MAX_CHARS:
         return d
-    return Path("/tmp") / f"slipstream-ray-{hashlib.sha1(str(home).encode()).hexdigest()[:12]}"
+    return (
+        Path("/tmp") / f"{RAY_TEMP_PARENT_PREFIX}{hashlib.sha1(str(home).encode()).hexdigest()[:12]}" / "ray"
+    )
+
+
+def private_dir(home: Path, path: Path) -> None:
+    """Make `path` an owner-only directory of this user (0700, and nothing in it readable by others):
+    created 0700, or an existing one tightened; one that is a symlink or belongs to another user is
+    refused (under /tmp anyone could have made it first)."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        created = True
+    except FileExistsError:
+        created = False
+    st = path.lstat()
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"{path} is not a directory (a symlink?): refusing to keep cluster state there")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(
+            f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()}): refusing to keep cluster "
+            "state there; remove it or choose another --home"
+        )
+    if created:
+        return
+    loose = _tighten(path)
+    if loose and (home / "logs").is_dir():
+        _event(home, f"{path}: {loose} entries were readable or writable by others; now owner-only")
+    elif loose:
+        log.warning("%s: %d entries were readable or writable by others; now owner-only", path, loose)
+
+
+def _tighten(root: Path) -> int:
+    """Clear the group and other bits of `root` and everything under it (symlinks are left alone, and
+    not followed); how many entries had any."""
+    changed = 0
+
+    def fix(p: str) -> None:
+        nonlocal changed
+        try:
+            st = os.lstat(p)
+        except OSError:
+            return
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid():
+            return
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            try:
+                os.chmod(p, mode & 0o700)
+                changed += 1
+            except OSError:
+                pass
+
+    fix(str(root))
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            fix(os.path.join(dirpath, name))
+    return changed
 
 
 def _load_secrets(home: Path, create: bool) -> dict[str, str]:
@@ -136,6 +200,31 @@ def _load_secrets(home: Path, create: bool) -> dict[str, str]:
             json.dump(fresh, f, indent=2)
     path.chmod(0o600)
     return json.loads(path.read_text())
+
+
+def job_redis_url_path(home: str | Path, job: str) -> Path:
+    """HOME/jobs/JOB/redis_url (0600): the URL with the job's own Redis credentials, for its driver."""
+    return resolve_home(home) / "jobs" / job / "redis_url"
+
+
+def write_job_redis_url(home: str | Path, job: str, url: str) -> None:
+    path = job_redis_url_path(home, job)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(url + "\n")
+
+
+def job_redis_url(home: str | Path, job: str) -> str:
+    """The job's Redis URL (its ACL user: its own keys only), as the control plane wrote it at submission."""
+    path = job_redis_url_path(home, job)
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"job {job!r} has no Redis credentials at {path}: submit it through the control plane"
+        ) from None
 
 
 def _read_state(home: Path) -> _State | None:
@@ -285,6 +374,7 @@ def _spawn(home: Path, service: str, cmd: list[str], env: dict[str, str] | None 
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,
+            umask=0o077,  # its files (AOF, TSDB, logs, sockets) owner-only
             # Not HOME: Ray jobs inherit this cwd, and its ray/ directory would shadow the ray package.
             cwd=REPO_ROOT,
         )
@@ -362,7 +452,7 @@ def _stop_ray(pid: int | None, temp_dir: str) -> None:
 
 
 def _start_redis(home: Path, state: _State, sec: dict[str, str]) -> int:
-    from slipstream.redis_server import ManagedRedis
+    from slipstream.redis_server import DEFAULT_MAXMEMORY, ManagedRedis
 
     server = ManagedRedis(
         data_dir=home / "redis",
@@ -370,6 +460,7 @@ def _start_redis(home: Path, state: _State, sec: dict[str, str]) -> int:
         password=sec["redis_password"],
         host=state.host,
         log_path=home / "logs" / "redis.log",
+        maxmemory=state.redis_maxmemory or DEFAULT_MAXMEMORY,
     )
     try:
         server.start()
@@ -382,7 +473,11 @@ def _start_ray(home: Path, state: _State, sec: dict[str, str], num_cpus, num_gpu
     import httpx
 
     temp_dir = Path(state.ray_temp_dir)
-    temp_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if temp_dir.parent.name.startswith(RAY_TEMP_PARENT_PREFIX):  # the /tmp fallback's owner-only parent
+        private_dir(home, temp_dir.parent)
+    # Ray chmods the directories it makes in there 0777 (every Ray process does, at start): the owner-only
+    # parent is what keeps others out. Its files and sockets are owner-only (umask 077, see _spawn).
+    private_dir(home, temp_dir)
     if left := _ray_leftovers(str(temp_dir)):  # a previous head that died without its children
         _event(home, f"ray: stopping {len(left)} leftover processes of {temp_dir}")
         _stop_ray(None, str(temp_dir))
@@ -537,6 +632,21 @@ def _service_alive(home: Path, state: _State, service: str) -> bool:
     return _port_open(state.host, port)
 
 
+def _owner_only(fn):
+    """Run `fn` under umask 077: what it writes (cluster.json, cluster.log, directories) is owner-only."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kw):
+        umask = os.umask(0o077)
+        try:
+            return fn(*args, **kw)
+        finally:
+            os.umask(umask)
+
+    return wrapper
+
+
+@_owner_only
 def up(
     home: str | Path | None = None,
     host: str = "127.0.0.1",
@@ -551,16 +661,18 @@ def up(
     start_api: bool = True,
     start_prometheus: bool = True,
     tool_modules: list[str] | None = None,
+    redis_maxmemory: str | None = None,
 ) -> ClusterInfo:
     """Start whatever of the cluster at HOME is not running; services already running are left alone.
 
     A port of 0 takes the one remembered in cluster.json, else a free one (then remembered). If a service
     fails to start, the services this call started are stopped again and the error carries its log's end.
-    `tool_modules`: the modules jobs' custom tools may come from ([]: builtin tools only; None: any)."""
+    `tool_modules`: the modules jobs' custom tools may come from ([]: builtin tools only; None: any);
+    `redis_maxmemory` (e.g. "4gb"; None: the remembered one, else 2gb) applies when Redis (re)starts."""
     home = resolve_home(home)
-    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    private_dir(home, home)
     for d in ("redis", "prometheus/targets", "logs", "jobs"):
-        (home / d).mkdir(parents=True, exist_ok=True)
+        (home / d).mkdir(mode=0o700, parents=True, exist_ok=True)
     sec = _load_secrets(home, create=True)
     old = _read_state(home)
     if old is not None:
@@ -602,10 +714,14 @@ def up(
     state = _State(
         host=host,
         ports=ports,
-        ray_temp_dir=old.ray_temp_dir if old else str(ray_temp_dir(home)),
+        # Kept while a service uses it; else today's (a long HOME's once sat directly in /tmp).
+        ray_temp_dir=old.ray_temp_dir
+        if old and {"ray", "prometheus"} & set(running)
+        else str(ray_temp_dir(home)),
         services=services,
         tool_modules=tool_modules,
         pids={s: pid for s, pid in (old.pids if old else {}).items() if s in running},
+        redis_maxmemory=redis_maxmemory or (old.redis_maxmemory if old else ""),
     )
     h = _connect_host(host)
     state.redis_address = f"{h}:{ports['redis']}"
@@ -757,6 +873,11 @@ def add_parser(sub) -> None:
     u.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: accept other nodes)")
     for name in ("redis", "ray", "dashboard", "api", "prometheus"):
         u.add_argument(f"--{name}-port", type=int, default=0, help="0: remembered, else a free port")
+    u.add_argument(
+        "--redis-maxmemory",
+        help="Redis memory limit, e.g. 4gb (default: the last one, else 2gb); at the limit writes fail "
+        "with a clear error, nothing is evicted",
+    )
     u.add_argument("--num-cpus", type=int)
     u.add_argument("--num-gpus", type=int)
     u.add_argument("--no-prometheus", action="store_true")
@@ -871,6 +992,7 @@ def main(args: argparse.Namespace) -> int:
                 else None
                 if args.tool_modules is None
                 else [m.strip() for m in args.tool_modules.split(",") if m.strip()],
+                redis_maxmemory=args.redis_maxmemory,
             )
             _print_up(info, before, args)
             return 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -21,10 +22,11 @@ import yaml
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from replay_buffer import ReplayBuffer
 from slipstream import jobspec
-from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env
+from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
 from slipstream.jobs import ACTIVE_STATES, JobStore, check_name, checkpoint_dir, latest_checkpoint
 from slipstream.launcher import ProgressReader
 from slipstream.logtext import plain
+from slipstream.redis_server import delete_job_user, job_user, set_job_user
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,24 @@ class JobControl:
         self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
         self.store = JobStore(self.r)
         self._ray = None
+        self._admin = None
+
+    @property
+    def admin(self) -> redis.Redis:
+        """A client of Redis' admin user, for ACL changes only (made on first use)."""
+        if self._admin is None:
+            self._admin = redis.Redis.from_url(self.info.redis_admin_url, socket_connect_timeout=5)
+        return self._admin
+
+    def _job_credentials(self, name: str) -> None:
+        """A fresh ACL user for the job (its keys `slipstream:<name>:*` only, a new random password at every
+        submission) and its URL in HOME/jobs/<name>/redis_url (0600), where the driver reads it: never on
+        a command line, in the Ray job's runtime env or in job.json. The driver hands it to its actors
+        as an argument (Ray's object store, in memory)."""
+        password = secrets.token_hex(32)
+        set_job_user(self.admin, name, password)
+        where = self.info.redis_url.rsplit("@", 1)[1]
+        write_job_redis_url(self.home, name, f"redis://{job_user(name)}:{password}@{where}")
 
     @property
     def ray(self):
@@ -213,6 +233,10 @@ class JobControl:
             raise ControlError(
                 422, f"invalid job spec: cannot write the output directory: {e} - at `$.output_dir`"
             ) from None
+        try:
+            self._job_credentials(spec.name)
+        except (redis.RedisError, OSError) as e:
+            raise ControlError(503, f"cannot create the job's Redis user: {e}") from e
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )
@@ -435,6 +459,11 @@ class JobControl:
             )
         out = Path(st.get("output_dir") or self.home / "jobs" / name)
         removed = self.store.remove(name)
+        try:  # its processes are gone: so goes its Redis user
+            delete_job_user(self.admin, name)
+            (self.home / "jobs" / name / "redis_url").unlink(missing_ok=True)
+        except redis.RedisError as e:
+            log.warning("job %s: its Redis user could not be deleted: %s", name, e)
         output_removed = False
         if purge:
             own = (self.home / "jobs" / name).resolve()

@@ -683,8 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--job", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    info = cluster.load_info(args.home)
-    store = JobStore(connect(info.redis_url))
+    # The job's own Redis user (its keys only), not the control plane's: cluster.job_redis_url.
+    redis_url = cluster.job_redis_url(args.home, args.job)
+    store = JobStore(connect(redis_url))
     spec = jobspec.from_dict(msgspec.json.decode(store.spec_json(args.job) or "null"))
     out = Path(spec.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -702,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         address="auto", namespace=f"slipstream-{args.job}", log_to_driver=True, logging_level=logging.WARNING
     )
     signal.signal(signal.SIGTERM, _raise_stop)
-    driver = JobDriver(spec, info.redis_url, store)
+    driver = JobDriver(spec, redis_url, store)
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
     code, final = 0, {}
     try:

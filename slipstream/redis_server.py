@@ -6,6 +6,7 @@ gives every box a real Redis.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -22,7 +23,53 @@ log = logging.getLogger(__name__)
 
 MIN_VERSION = (6, 2)
 APP_USER = "slipstream"
+"""The control plane's ACL user (and `slipstream run`'s, whose Redis serves one job): every `slipstream:*` key."""
 STARTUP_TIMEOUT_S = 20.0
+DEFAULT_MAXMEMORY = "2gb"
+"""Redis' memory limit unless told otherwise (`slipstream cluster up --redis-maxmemory`). At the limit
+writes fail with OOM (`maxmemory-policy noeviction`): no stream entry is ever dropped to make room."""
+APP_RULES = (
+    "resetchannels +@all -@admin -@dangerous -@pubsub -@scripting +eval +evalsha +script|load +script|exists"
+)
+"""Least privilege: no admin/dangerous command (FLUSHALL, CONFIG, KEYS, DEBUG, ...), no pub/sub, and of
+the scripting commands only running scripts and loading them (EVALSHA falls back to SCRIPT LOAD): no
+SCRIPT FLUSH/KILL, which would reach every job's scripts. (Redis 6.2 has no `-script|flush`: all of SCRIPT
+is denied, then its two harmless subcommands allowed.) ACL rules apply inside scripts too."""
+CONTROL_RULES = APP_RULES + " +info"
+"""The control plane also reads INFO (memory use against maxmemory)."""
+JOB_RULES = APP_RULES + " +info -scan -randomkey"
+"""A job's user: INFO for its memory gauge; no SCAN/RANDOMKEY, which would list other jobs' key names."""
+
+
+def job_user(job: str) -> str:
+    """The ACL user of one job's processes (its keys `slipstream:<job>:*` only)."""
+    return f"job-{job}"
+
+
+def set_job_user(admin: redis.Redis, job: str, password: str) -> None:
+    """Create or replace (new password, same rights) the job's ACL user, and save the ACL file so the user
+    survives a Redis restart. `admin`: a client of the default (admin) user."""
+    rules = ["reset", "on", f">{password}", f"~slipstream:{job}:*", *JOB_RULES.split()]
+    admin.execute_command("ACL", "SETUSER", job_user(job), *rules)
+    _acl_save(admin)
+
+
+def delete_job_user(admin: redis.Redis, job: str) -> None:
+    admin.execute_command("ACL", "DELUSER", job_user(job))
+    _acl_save(admin)
+
+
+def _acl_save(admin: redis.Redis) -> None:
+    try:
+        admin.execute_command("ACL", "SAVE")
+    except redis.ResponseError as e:  # a server started before ACL files (inline users): memory only
+        log.warning("ACL change not saved (it lasts until Redis restarts): %s", e)
+
+
+def memory(r: redis.Redis) -> tuple[int, int]:
+    """(used_memory, maxmemory) in bytes from INFO memory; maxmemory 0 = no limit."""
+    info = r.info("memory")
+    return int(info["used_memory"]), int(info.get("maxmemory", 0))
 
 
 def _version(binary: str) -> tuple[int, int]:
@@ -71,6 +118,7 @@ class ManagedRedis:
         appendfsync: str = "everysec",
         host: str = "127.0.0.1",
         log_path: str | Path | None = None,
+        maxmemory: str | int = DEFAULT_MAXMEMORY,
     ) -> None:
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="slipstream-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
@@ -78,12 +126,13 @@ class ManagedRedis:
         self.port = port or free_port(host)
         self.password = password or secrets.token_hex(16)
         self.appendfsync = appendfsync
+        self.maxmemory = maxmemory
         self.log_path = Path(log_path) if log_path else self.data_dir / "redis.log"
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        """What Slipstream's processes use: the ACL user `slipstream`, limited to `slipstream:*` keys."""
+        """The ACL user `slipstream` (the control plane's; `slipstream run`'s job's), `slipstream:*` keys."""
         return f"redis://{APP_USER}:{self.password}@{self.host}:{self.port}/0"
 
     @property
@@ -99,10 +148,32 @@ class ManagedRedis:
         return template + (
             f"\nbind {self.host}\nport {self.port}\ndir {self.data_dir}\n"
             f"requirepass {self.password}\nappendfsync {self.appendfsync}\n"
-            # Least privilege for the app: its own key prefix, no admin/dangerous commands (FLUSHALL,
-            # CONFIG, KEYS, DEBUG, ...). The default user keeps full rights behind the same password.
-            f"user {APP_USER} on >{self.password} ~slipstream:* &* +@all -@admin -@dangerous\n"
+            f"maxmemory {self.maxmemory}\nmaxmemory-policy noeviction\n"
+            # Users live in an ACL file (each job's user is added at submission: ACL SETUSER + ACL SAVE).
+            f"aclfile {self.acl_path}\n"
         )
+
+    @property
+    def acl_path(self) -> Path:
+        return self.data_dir / "users.acl"
+
+    def acl_text(self) -> str:
+        """The ACL file: the default (admin) user and the control plane's user with this password; the
+        jobs' users a previous run saved are kept."""
+        kept = []
+        if self.acl_path.exists():
+            for line in self.acl_path.read_text().splitlines():
+                parts = line.split()
+                if len(parts) > 1 and parts[0] == "user" and parts[1].startswith("job-"):
+                    kept.append(line)
+        digest = hashlib.sha256(self.password.encode()).hexdigest()  # the file never holds the password
+        users = [
+            # The default user keeps full rights behind the password (an ACL file replaces requirepass).
+            f"user default on #{digest} ~* &* +@all",
+            f"user {APP_USER} on #{digest} ~slipstream:* {CONTROL_RULES}",
+            *kept,
+        ]
+        return "\n".join(users) + "\n"
 
     def start(self) -> ManagedRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -113,6 +184,11 @@ class ManagedRedis:
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.config_text())
+        acl = self.acl_text()
+        fd = os.open(self.acl_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(acl)
         binary = find_redis_server()
         with open(self.log_path, "ab") as out:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(
@@ -120,6 +196,7 @@ class ManagedRedis:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C in the terminal reaches us, and we stop Redis last
+                umask=0o077,  # the AOF and anything else it writes: owner-only
             )
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         client = self.client(socket_connect_timeout=1)

@@ -48,7 +48,16 @@ def tcp_store(
 ) -> dist.TCPStore:
     """A group's store: rank 0 hosts it (`master_port` 0: the OS picks a free port, read it from
     `.port`; no window in which another process can take it), the others connect to it, retrying until
-    `timeout_s`."""
+    `timeout_s`.
+
+    The host listens on `master_address` only (the address its peers are told to dial), never on every
+    interface: torch's store server binds the wildcard address itself, so it gets a socket bound and
+    listening here (`master_listen_fd`). The store has no credential; the bind is what keeps it private."""
+    fd = None
+    if is_master:
+        sock = listen_socket(master_address, int(master_port))
+        master_port, fd = sock.getsockname()[1], sock.detach()
+    # The store owns `fd` from here on (it closes it, also when it fails to start).
     return dist.TCPStore(
         master_address,
         int(master_port),
@@ -56,7 +65,22 @@ def tcp_store(
         is_master=is_master,
         timeout=datetime.timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=fd,
     )
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host` (an address or a name; port 0: the OS picks) and listening."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def group_on(

@@ -152,11 +152,18 @@ def test_compose_redis_arguments_run(compose, tmp_path):
             app.set("other:key", 1)
         with pytest.raises(redis.exceptions.NoPermissionError):
             app.keys("*")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            app.script_flush()
+        assert (
+            app.register_script("return redis.call('GET', KEYS[1])")(keys=["slipstream:job:version"]) == b"1"
+        )
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=port, retry=Retry(NoBackoff(), 0)).ping()
         admin = redis.Redis(port=port, password=password)
         assert admin.config_get("appendonly") == {"appendonly": "yes"}
         assert admin.config_get("appendfsync") == {"appendfsync": "everysec"}
+        assert admin.config_get("maxmemory") == {"maxmemory": str(2 << 30)}
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         app.close()
         admin.close()
     finally:
