@@ -16,6 +16,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
+from slipstream.jobspec import MAX_POOL  # a scale request's cap is the spec's pool-size cap
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8420
@@ -27,11 +29,6 @@ class SubmitRequest(BaseModel):
     spec: str = Field(description="the job spec, YAML (or JSON) text")
     overrides: list[str] = Field(default_factory=list, description="dotted.key=value overrides")
     cwd: str | None = Field(None, description="where relative paths in the spec are resolved")
-
-
-MAX_POOL = 4096
-"""Largest pool size a scale request may ask for: more than a cluster's GPUs, so a bigger number is a typo
-(or a fuzzer), not a plan, and must not reach the driver."""
 
 
 class ScaleRequest(BaseModel):

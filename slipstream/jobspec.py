@@ -43,7 +43,9 @@ class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelSpec(Spec):
     path: str = "runs/demo/model"
-    """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers."""
+    """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers. Like every
+    relative path in a spec (run, validate and submit alike): relative to the working directory of the
+    command, not to the spec file."""
     build: Literal["tiny-arith", "tiny-tools", "smollm2-135m"] | None = None
     """If set and `path` has no model yet, build it there first: `tiny-arith` / `tiny-tools` (tiny model,
     tokenizer trained on the fly, SFT warm-up), `smollm2-135m` (SmolLM2-135M-Instruct from the
@@ -296,7 +298,8 @@ class TrainerSpec(Spec):
     """Write a checkpoint (torch.distributed.checkpoint: weights, optimizer, version) every this many
     optimizer steps and after the last; 0 = never."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; null = <output_dir>/checkpoints."""
+    """Where checkpoints go; null = <output_dir>/checkpoints, a relative path is under output_dir (for
+    a submitted job it must stay inside the job's directory)."""
     keep_checkpoints: Pos = 2
     """Newest checkpoints kept; older ones are deleted."""
     resume_from: str | None = None
@@ -350,7 +353,9 @@ class JobSpec(Spec):
     name: str = "demo"
     """Job id; namespaces every Redis key (`slipstream:{name}:...`)."""
     output_dir: str = "runs/demo"
-    """Where the final model, metrics and plots are written."""
+    """Where the final model, metrics and plots are written. A submitted job's is always its own
+    directory, $SLIPSTREAM_HOME/jobs/<name>: a relative value is ignored, an absolute one must lie
+    inside it (else the submit is refused); `slipstream run` writes where it says."""
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     dataset: DatasetSpec = msgspec.field(default_factory=DatasetSpec)
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
@@ -528,6 +533,50 @@ def loads(text: str | bytes, overrides: list[str] | None = None, source: str = "
     if raw is not None and not isinstance(raw, dict):
         raise JobSpecError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     return from_dict(apply_overrides(raw or {}, overrides or []))
+
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+"""The source tree's example specs: a model is never built in here."""
+
+
+def resolve_paths(spec: JobSpec, base: str | Path) -> JobSpec:
+    """The one rule for relative paths, in `run`, `validate` and `submit` alike: relative to `base`, the
+    working directory of the command (not the spec file's directory). Resolves model.path,
+    dataset.path, the reference and critic models, trainer.resume_from (unless `latest`) and
+    output_dir; a relative trainer.checkpoint_dir is under output_dir. Refuses a model.build target
+    inside the source tree's examples/."""
+    base = Path(base)
+
+    def rel(p: str | None) -> str | None:
+        return None if p is None else str((base / p).resolve())
+
+    s = spec
+    out = rel(s.output_dir)
+    tr = s.trainer
+    tr = msgspec.structs.replace(
+        tr,
+        checkpoint_dir=None if tr.checkpoint_dir is None else str((Path(out) / tr.checkpoint_dir).resolve()),
+        resume_from=tr.resume_from if tr.resume_from in (None, "latest") else rel(tr.resume_from),
+    )
+    model = msgspec.structs.replace(s.model, path=rel(s.model.path))
+    if model.build is not None and Path(model.path).is_relative_to(EXAMPLES_DIR):
+        raise JobSpecError(
+            f"invalid job spec: model.build would write into the source tree's examples/ ({model.path}); "
+            "run from the project root or give model.path under runs/ - at `$.model.path`"
+        )
+    alg = msgspec.structs.replace(
+        s.algorithm,
+        ref_model_path=rel(s.algorithm.ref_model_path),
+        critic_model_path=rel(s.algorithm.critic_model_path),
+    )
+    return msgspec.structs.replace(
+        s,
+        model=model,
+        dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)),
+        algorithm=alg,
+        trainer=tr,
+        output_dir=out,
+    )
 
 
 def to_json(spec: JobSpec) -> str:

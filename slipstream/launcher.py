@@ -42,9 +42,11 @@ class JobResult(msgspec.Struct):
 
 
 def resolve_paths(spec: JobSpec) -> JobSpec:
-    """Absolute model/output paths: actors run with another working directory."""
-    model = msgspec.structs.replace(spec.model, path=str(Path(spec.model.path).resolve()))
-    return msgspec.structs.replace(spec, model=model, output_dir=str(Path(spec.output_dir).resolve()))
+    """Absolute paths (actors run with another working directory), by jobspec.resolve_paths' rule:
+    relative to this process's working directory."""
+    from slipstream import jobspec
+
+    return jobspec.resolve_paths(spec, Path.cwd())
 
 
 def prepare_model(spec: JobSpec) -> None:
