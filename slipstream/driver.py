@@ -31,6 +31,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import sys
@@ -531,7 +532,8 @@ class JobDriver:
 def error_text(e: BaseException) -> str:
     """An error in one line for the job's status: its type and first line, and, where it carries a
     traceback (an actor's error through Ray), the line that ends it: the real cause."""
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()] or [""]
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Ray colours the actor's name
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or [""]
     cause = f" ... {lines[-1][:500]}" if len(lines) > 1 else ""
     return f"{type(e).__name__}: {lines[0][:300]}{cause}"
 
