@@ -117,6 +117,8 @@ class JobControl:
             spec = resolve_spec_paths(spec, self.home, cwd)
         except jobspec.JobSpecError as e:
             raise ControlError(422, str(e)) from None
+        except (OSError, ValueError) as e:  # e.g. a lone surrogate the filesystem cannot encode
+            raise ControlError(422, f"invalid job spec: a path cannot be resolved: {e}") from None
         try:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
             (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))

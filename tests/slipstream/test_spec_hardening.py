@@ -196,6 +196,8 @@ def test_a_submitted_job_writes_only_inside_its_own_directory(control, tmp_path)
     msg = _refused(control, "name: a\noutput_dir: " + str(jobs / "a" / "link" / "out"))
     assert "`$.output_dir`" in msg, msg
     assert not outside.exists()
+    # a path no filesystem name can hold is refused, not a 500
+    assert "path" in _refused(control, 'name: a\nmodel: {path: "m\\ud800"}')
     assert victim_json.read_text() == before  # the other job's record is untouched
 
     # inside its own directory is fine, normalised; a relative checkpoint_dir goes under output_dir
