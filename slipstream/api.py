@@ -17,6 +17,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
 from slipstream.http_guard import API_LIMITS, BearerGuard, BodyGuard, add_limit_arguments, limits_from_args
+from slipstream.jobspec import MAX_POOL  # a scale request's cap is the spec's pool-size cap
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,6 @@ class SubmitRequest(BaseModel):
     spec: str = Field(description="the job spec, YAML (or JSON) text")
     overrides: list[str] = Field(default_factory=list, description="dotted.key=value overrides")
     cwd: str | None = Field(None, description="where relative paths in the spec are resolved")
-
-
-MAX_POOL = 4096
-"""Largest pool size a scale request may ask for: more than a cluster's GPUs, so a bigger number is a typo
-(or a fuzzer), not a plan, and must not reach the driver."""
 
 
 class ScaleRequest(BaseModel):

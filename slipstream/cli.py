@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in jobs_cli.COMMANDS:
         return jobs_cli.main(args)
     try:
-        spec = jobspec.load(args.spec, args.overrides)
+        # relative paths: against the working directory, as `submit` sends it (jobspec.resolve_paths)
+        spec = jobspec.resolve_paths(jobspec.load(args.spec, args.overrides), os.getcwd())
     except jobspec.JobSpecError as e:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2

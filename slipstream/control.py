@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import shutil
 import sys
 import time
@@ -45,26 +46,22 @@ class ControlError(Exception):
 
 
 def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jobspec.JobSpec:
-    """Relative paths in a submitted spec: model and data paths against the submitter's working
-    directory (`cwd`, same filesystem as the cluster), the output directory under HOME/jobs/NAME."""
-    base = Path(cwd) if cwd else Path.cwd()
-
-    def rel(p: str | None) -> str | None:
-        return None if p is None else str((base / p).resolve()) if not Path(p).is_absolute() else p
-
-    s = spec
-    s = msgspec.structs.replace(s, model=msgspec.structs.replace(s.model, path=rel(s.model.path)))
-    s = msgspec.structs.replace(s, dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)))
-    alg = msgspec.structs.replace(
-        s.algorithm,
-        ref_model_path=rel(s.algorithm.ref_model_path),
-        critic_model_path=rel(s.algorithm.critic_model_path),
-    )
-    out = s.output_dir if Path(s.output_dir).is_absolute() else str(home / "jobs" / s.name)
-    tr = s.trainer
-    if tr.checkpoint_dir is not None and not Path(tr.checkpoint_dir).is_absolute():
-        tr = msgspec.structs.replace(tr, checkpoint_dir=str(Path(out) / tr.checkpoint_dir))
-    return msgspec.structs.replace(s, algorithm=alg, output_dir=out, trainer=tr)
+    """Relative paths in a submitted spec by jobspec.resolve_paths' rule, against the submitter's
+    working directory (`cwd`, same filesystem as the cluster). Outputs are contained: output_dir is
+    the job's own directory HOME/jobs/NAME (a relative one is ignored; an absolute one, normalised with
+    symlinks resolved, must lie inside it), and so must checkpoint_dir; so no two jobs share one and no
+    job writes outside HOME. Raises JobSpecError naming the key."""
+    job_dir = (home / "jobs" / spec.name).resolve()
+    if not Path(spec.output_dir).is_absolute():
+        spec = msgspec.structs.replace(spec, output_dir=str(job_dir))
+    s = jobspec.resolve_paths(spec, Path(cwd) if cwd else Path.cwd())
+    for key, p in (("$.output_dir", s.output_dir), ("$.trainer.checkpoint_dir", s.trainer.checkpoint_dir)):
+        if p is not None and not Path(p).is_relative_to(job_dir):
+            raise jobspec.JobSpecError(
+                f"invalid job spec: {p} is outside the job's directory {job_dir}: a submitted job writes "
+                f"only under its own directory (leave it unset, or give a path inside it) - at `{key}`"
+            )
+    return s
 
 
 def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
@@ -225,7 +222,12 @@ class JobControl:
             raise ControlError(
                 409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
             )
-        spec = resolve_spec_paths(spec, self.home, cwd)
+        try:
+            spec = resolve_spec_paths(spec, self.home, cwd)
+        except jobspec.JobSpecError as e:
+            raise ControlError(422, str(e)) from None
+        except (OSError, ValueError) as e:  # e.g. a lone surrogate the filesystem cannot encode
+            raise ControlError(422, f"invalid job spec: a path cannot be resolved: {e}") from None
         try:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
             (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
@@ -240,7 +242,10 @@ class JobControl:
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )
-        entry = f"{sys.executable} -m slipstream.driver --home {self.home} --job {spec.name}"
+        # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
+        entry = shlex.join(
+            [sys.executable, "-m", "slipstream.driver", "--home", str(self.home), "--job", spec.name]
+        )
         try:
             ray_id = self.ray.submit_job(
                 entrypoint=entry,
@@ -353,8 +358,8 @@ class JobControl:
         if generators is None and trainers is None:
             raise ControlError(422, "scale needs generators and/or trainers")
         for key, v in (("generators", generators), ("trainers", trainers)):
-            if v is not None and v < 1:
-                raise ControlError(422, f"{key} must be >= 1, got {v}")
+            if v is not None and not 1 <= v <= jobspec.MAX_POOL:
+                raise ControlError(422, f"{key} must be 1 to {jobspec.MAX_POOL} (as in a spec), got {v}")
         if st.get("state") not in ("submitted", "starting", "running", "scaling"):
             raise ControlError(409, f"job {name!r} is {st.get('state')}: nothing to scale")
         raw = msgspec.json.decode(self.store.spec_json(name))

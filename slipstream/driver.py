@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import signal
 import sys
@@ -46,7 +47,7 @@ from generator_fleet.registry import EngineRegistry, engines_key, joining_key
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream import jobspec
-from slipstream.jobs import JobStore
+from slipstream.jobs import JobStore, check_name
 from slipstream.jobspec import JobSpec
 from slipstream.launcher import (
     RUN_FILES,
@@ -314,10 +315,12 @@ class JobDriver:
         return None
 
     # --- supervision ----------------------------------------------------------------------------------
-    def _count_restart(self, kind: str) -> None:
+    def _count_restart(self, kind: str, why: str = "") -> None:
         self.restarts[kind] += 1
         if self.restarts[kind] > MAX_RESTARTS:
-            raise RuntimeError(f"{kind}: more than {MAX_RESTARTS} replacements; giving up (see the logs)")
+            raise RuntimeError(
+                f"{kind}: more than {MAX_RESTARTS} replacements; giving up. The last one {why} (see the logs)"
+            )
 
     def check_workers(self) -> None:
         """Replace rollout workers that died (or returned: they only do when told to stop)."""
@@ -338,7 +341,7 @@ class JobDriver:
                     f"rollout workers die right after they start ({self._early_deaths} in a row, each "
                     f"within {EARLY_DEATH_S:.0f} s); the last one: {why}"
                 )
-            self._count_restart("rollout_workers")
+            self._count_restart("rollout_workers", f"rollout worker {why}")
             log.warning(
                 "rollout worker %s; starting a replacement (its unfinished prompts are reissued once its "
                 "lease expires, buffer.worker_lease_s)",
@@ -383,7 +386,7 @@ class JobDriver:
         """Kill engine i and start its replacement; the loop goes on meanwhile (a start takes seconds, more
         on a loaded host) and `_started` takes the new engine in when its start() answers."""
         old, url = self.engines[i], self.engine_urls[i]
-        self._count_restart("engines")
+        self._count_restart("engines", f"engine {url} {why}")
         log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
         _kill(old)
         for key in (engines_key(self.job), joining_key(self.job)):
@@ -431,7 +434,7 @@ class JobDriver:
 
     def restart_trainers(self, why: str) -> None:
         m = len(self.trainers)
-        self._count_restart("trainer_pool")
+        self._count_restart("trainer_pool", f"trainer rank {why}")
         for t in self.trainers:
             _kill(t)
         self._continue_engines()
@@ -605,6 +608,15 @@ class JobDriver:
         self.workers, self.trainers, self.train_runs = [], [], []
 
 
+def error_text(e: BaseException) -> str:
+    """An error in one line for the job's status: its type and first line, and, where it carries a
+    traceback (an actor's error through Ray), the line that ends it: the real cause."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Ray colours the actor's name
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or [""]
+    cause = f" ... {lines[-1][:500]}" if len(lines) > 1 else ""
+    return f"{type(e).__name__}: {lines[0][:300]}{cause}"
+
+
 def _outcome(ref, failed_only: bool = False) -> str | None:
     """How a finished Ray call ended, in a few words (None with failed_only when it returned)."""
     import ray
@@ -671,6 +683,25 @@ def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> d
     }
 
 
+def load_job_spec(store: JobStore, job: str) -> JobSpec:
+    """The spec the control plane stored for `job`; JobSpecError (never a default spec) when the name
+    is invalid, there is none, it does not parse or validate, or it names another job."""
+    if why := check_name(job):
+        raise jobspec.JobSpecError(f"job name {job!r}: {why}")
+    raw = store.spec_json(job)
+    if raw is None:
+        raise jobspec.JobSpecError(
+            f"job {job!r}: no spec stored for it in the cluster's Redis (not submitted?)"
+        )
+    try:
+        spec = jobspec.from_dict(msgspec.json.decode(raw))
+    except (msgspec.DecodeError, jobspec.JobSpecError) as e:
+        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is invalid: {e}") from None
+    if spec.name != job:
+        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is job {spec.name!r}'s")
+    return spec
+
+
 def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
 
@@ -684,9 +715,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The job's own Redis user (its keys only), not the control plane's: cluster.job_redis_url.
-    redis_url = cluster.job_redis_url(args.home, args.job)
+    if why := check_name(args.job):
+        print(f"slipstream.driver: job name {args.job!r}: {why}", file=sys.stderr)
+        return 1
+    try:
+        redis_url = cluster.job_redis_url(args.home, args.job)
+    except OSError as e:
+        print(f"slipstream.driver: job {args.job!r} has no Redis credentials: {e}", file=sys.stderr)
+        return 1
     store = JobStore(connect(redis_url))
-    spec = jobspec.from_dict(msgspec.json.decode(store.spec_json(args.job) or "null"))
+    try:
+        spec = load_job_spec(store, args.job)
+    except jobspec.JobSpecError as e:  # never run a job on defaults: fail it, loudly
+        print(f"slipstream.driver: {e}", file=sys.stderr)
+        try:
+            if store.status(args.job):
+                store.update_status(args.job, state="failed", error=str(e))
+        except redis.RedisError as re_:
+            print(f"slipstream.driver: could not mark the job failed: {re_}", file=sys.stderr)
+        return 1
     out = Path(spec.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -721,7 +768,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("job %s %s (%s): %s", args.job, final["state"], e or "interrupt", final["note"])
     except Exception as e:
         log.exception("job %s failed", args.job)
-        final = {"state": "failed", "error": f"{type(e).__name__}: {e}"}
+        final = {"state": "failed", "error": error_text(e)}
         code = 1
     finally:
         driver.close()  # the final state is reported once every actor is gone

@@ -18,7 +18,8 @@ from replay_buffer import JobKeys
 
 INDEX_KEY = "slipstream:control:jobs"
 """Hash job name -> submission time: every job the cluster knows, running or ended."""
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+"""A job name, matched whole (fullmatch: `$` would also accept a trailing newline)."""
 RESERVED_NAMES = {"control"}
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
 """A job in one of these holds resources; a new job of the same name is refused until it ends."""
@@ -30,7 +31,7 @@ COMMANDS = ("checkpoint",)
 
 def check_name(name: str) -> str | None:
     """Why `name` cannot name a job (it becomes Redis keys and a directory), or None."""
-    if not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         return "lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63"
     if name in RESERVED_NAMES:
         return f"{name!r} is reserved"

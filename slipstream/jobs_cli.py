@@ -243,7 +243,7 @@ def main(args: argparse.Namespace) -> int:
             except OSError as e:
                 print(f"slipstream: {e}", file=sys.stderr)
                 return 2
-            cwd = str(Path(args.spec).resolve().parent)  # relative paths in a spec are relative to it
+            cwd = os.getcwd()  # relative paths in a spec: the working directory's, as in run and validate
             out = client.submit(text, args.overrides, cwd)
             print(f"submitted job {out['name']} (Ray job {out['ray_job_id']}); output in {out['output_dir']}")
             print(f"follow it: slipstream status {out['name']} --watch")

@@ -7,15 +7,33 @@ Every field documents its unit. Validation happens here, once, before any proces
 from __future__ import annotations
 
 import json
+import math
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
 
-Pos = Annotated[int, msgspec.Meta(ge=1)]
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+MAX_POOL = 4096
+"""Most engines, rollout workers or trainer ranks a job may ask for, at submit and in a scale request:
+more than a cluster's GPUs, so a bigger number is a typo (or a fuzzer), not a plan."""
+MAX_COUNT = 1_000_000_000
+"""Upper bound of every other count (steps, groups, tokens, problems, milliseconds)."""
+MAX_TIMEOUT_S = 86_400.0
+"""Upper bound of every duration in seconds (a day): longer is a typo, and some (torch.distributed's
+timedelta) overflow."""
+MAX_SPEC_BYTES = 1 << 20
+"""Largest spec text (UTF-8 bytes) parsed; a job spec is a few kB."""
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists in a spec (and in an override's value)."""
+
+Pos = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Pool = Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 Prob = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
@@ -25,7 +43,9 @@ class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ModelSpec(Spec):
     path: str = "runs/demo/model"
-    """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers."""
+    """HF-format model directory (config, weights, tokenizer) loaded by engines and trainers. Like every
+    relative path in a spec (run, validate and submit alike): relative to the working directory of the
+    command, not to the spec file."""
     build: Literal["tiny-arith", "tiny-tools", "smollm2-135m"] | None = None
     """If set and `path` has no model yet, build it there first: `tiny-arith` / `tiny-tools` (tiny model,
     tokenizer trained on the fly, SFT warm-up), `smollm2-135m` (SmolLM2-135M-Instruct from the
@@ -75,7 +95,8 @@ class AgentSpec(Spec):
     """Model turns per episode; still calling tools in the last turn ends it as `tool_budget`."""
     max_total_tokens: Pos = 512
     """Response tokens per episode, model and tool tokens together."""
-    tool_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    tool_timeout_s: Seconds = 10.0
+    """Seconds one tool call may take (at most MAX_TIMEOUT_S, a day)."""
     parser: Literal["hermes"] = "hermes"
     """Tool-call format: Hermes/Qwen `<tool_call>{"name":..., "arguments":...}</tool_call>`."""
     system_prompt: str | None = None
@@ -89,7 +110,7 @@ class SamplingSpec(Spec):
 
 
 class RolloutSpec(Spec):
-    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 8
     """Samples per prompt (G); GRPO needs at least 2."""
     concurrency: Pos = 16
     """Groups each rollout worker keeps in flight."""
@@ -128,8 +149,9 @@ class SGLangSpec(Spec):
     gpus_per_engine: NonNeg | None = None
     """GPUs Ray reserves per engine (they become its CUDA_VISIBLE_DEVICES); null = tp_size, 0 = none
     (a CPU build of SGLang)."""
-    startup_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
-    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs)."""
+    startup_timeout_s: Seconds = 900.0
+    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs); at most
+    a day."""
 
 
 class GeneratorsSpec(Spec):
@@ -137,10 +159,11 @@ class GeneratorsSpec(Spec):
     """`builtin`: `num_engines` of Slipstream's SGLang-compatible engines; `sglang`: the fleet launches
     `num_engines` real SGLang servers (section `sglang`); `external`: attach to engines someone else
     runs (`urls`, or the workers of `router_url`)."""
-    num_engines: Pos = 1
-    """Engines the fleet starts (`builtin`, `sglang`); `external` engines are the `urls`."""
-    num_workers: Pos = 1
-    """Rollout worker processes (asyncio); each drives every engine."""
+    num_engines: Pool = 1
+    """Engines the fleet starts (`builtin`, `sglang`; at most MAX_POOL = 4096, as in a scale request);
+    `external` engines are the `urls`."""
+    num_workers: Pool = 1
+    """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
     max_batch_size: Pos = 256
     """Most requests an engine decodes together."""
     gpus_per_engine: NonNeg = 0
@@ -267,7 +290,8 @@ class AlgorithmSpec(Spec):
     groups_per_step: Pos = 16
     """Groups (prompts) consumed per optimizer step."""
     total_steps: Pos = 50
-    """Optimizer steps; the job ends after the last one is published."""
+    """Optimizer steps; the job ends after the last one is published. Like every count in a spec, at
+    most MAX_COUNT (10**9)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -288,7 +312,7 @@ class BufferSpec(Spec):
     """How long one XREADGROUP waits for new groups (milliseconds)."""
     reclaim_idle_ms: Pos = 30_000
     """Entries a trainer read but did not commit for this long are claimed by another (milliseconds)."""
-    worker_lease_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    worker_lease_s: Seconds = 30.0
     """A rollout worker silent for this long is presumed dead; its admission reservations are released
     and the prompts it had in flight are generated again by the others."""
     ledger: bool = False
@@ -297,8 +321,8 @@ class BufferSpec(Spec):
 
 
 class TrainerSpec(Spec):
-    num_trainers: Pos = 1
-    """Trainer ranks: one process each (one GPU each on cuda), one FSDP2 group (NCCL on cuda, gloo on
+    num_trainers: Pool = 1
+    """Trainer ranks (at most MAX_POOL = 4096, as in a scale request): one process each (one GPU each on cuda), one FSDP2 group (NCCL on cuda, gloo on
     cpu). Rank 0 reads the buffer and publishes weights; a step's samples are split across ranks by
     tokens."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -327,7 +351,8 @@ class TrainerSpec(Spec):
     """Write a checkpoint (torch.distributed.checkpoint: weights, optimizer, version) every this many
     optimizer steps and after the last; 0 = never."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; null = <output_dir>/checkpoints."""
+    """Where checkpoints go; null = <output_dir>/checkpoints, a relative path is under output_dir (for
+    a submitted job it must stay inside the job's directory)."""
     keep_checkpoints: Pos = 2
     """Newest checkpoints kept; older ones are deleted."""
     resume_from: str | None = None
@@ -348,7 +373,7 @@ class TrainerSpec(Spec):
 
 class BusSpec(Spec):
     backend: Literal["gloo", "nccl"] = "gloo"
-    bucket_bytes: Pos = 512 * 1024 * 1024
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = 512 * 1024 * 1024
     """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
     pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     """How engines pause for the swap: keep in-flight requests with their KV cache (in_place: partial
@@ -357,15 +382,15 @@ class BusSpec(Spec):
     dtype: Literal["bfloat16", "float16", "float32"] | None = None
     """What the weights travel and load as; null = the engines' dtype (/get_server_info) when they all
     report one, else the trainer's."""
-    timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 60.0
+    timeout_s: Seconds = 60.0
     """Bound on every engine call and collective of an update: an engine that dies or stalls longer is
-    dropped from the update group and the update goes on with the others."""
+    dropped from the update group and the update goes on with the others (seconds, at most a day)."""
     master_address: str | None = None
     """Address engines reach the trainer's update group at (rank 0 hosts its store there); null =
     127.0.0.1 while every engine is local, else this node's address on its default route."""
     update_every: Pos = 1
     """Publish weights every this many optimizer steps (and after the last one)."""
-    idle_sync_s: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    idle_sync_s: Seconds = 5.0
     """When the trainer has waited this long for a batch while engines wait to join (new ones, or ones
     dropped and due for a retry), it publishes its current weights to admit them now instead of at its
     next step: with every engine gone or joining, no rollout comes and that step never would."""
@@ -381,7 +406,9 @@ class JobSpec(Spec):
     name: str = "demo"
     """Job id; namespaces every Redis key (`slipstream:{name}:...`)."""
     output_dir: str = "runs/demo"
-    """Where the final model, metrics and plots are written."""
+    """Where the final model, metrics and plots are written. A submitted job's is always its own
+    directory, $SLIPSTREAM_HOME/jobs/<name>: a relative value is ignored, an absolute one must lie
+    inside it (else the submit is refused); `slipstream run` writes where it says."""
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     dataset: DatasetSpec = msgspec.field(default_factory=DatasetSpec)
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
@@ -412,8 +439,81 @@ class JobSpecError(ValueError):
     """Invalid job spec; the message carries the path of the bad key (`$.algorithm.lr`)."""
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses aliases (`*name`: a few hundred bytes of nested aliases expand to
+    gigabytes, "billion laughs") and nesting deeper than MAX_DEPTH, each with the line it is on."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a job spec: write the value out", mark
+            )
+        if self._depth >= MAX_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested too deeply (more than {MAX_DEPTH} levels)", self.peek_event().start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def parse_yaml(text: str | bytes, source: str = "job spec") -> Any:
+    """Parse spec (or override) YAML safely: UTF-8 only, at most MAX_SPEC_BYTES, no aliases, at most
+    MAX_DEPTH levels; any problem is a JobSpecError that names `source` and, from YAML, the line."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise JobSpecError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise JobSpecError(f"{source}: over {MAX_SPEC_BYTES} bytes; a job spec is a few kB")
+    loader = _SpecLoader(text)
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise JobSpecError(f"{source}: {e}") from None
+    except RecursionError:
+        raise JobSpecError(f"{source}: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """(the Struct class or plain type behind `tp` with Annotated and `| None` removed, accepts str)."""
+    args = (
+        typing.get_args(tp)
+        if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+        else (tp,)
+    )
+    args = tuple(a for a in args if a is not type(None))
+    takes_str = str in args
+    return (args[0] if len(args) == 1 else None), takes_str
+
+
+def _takes_str(parts: list[str]) -> bool:
+    """Whether the spec field at dotted `parts` is a string field (`name`, `model.path`, ...)."""
+    cls: Any = JobSpec
+    for i, part in enumerate(parts):
+        if not (isinstance(cls, type) and issubclass(cls, msgspec.Struct)):
+            return False
+        hints = typing.get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls, takes_str = _unwrap(hints[part])
+        if i == len(parts) - 1:
+            return takes_str
+    return False
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b.c=value` overrides (value parsed as YAML) to a raw spec dict, returning it."""
+    """Apply `a.b.c=value` overrides (value parsed as YAML, as safely as a spec) to a raw spec dict,
+    returning it. A string field keeps the literal text (`name=123` is the name "123"; `null` is
+    still null where the field allows it)."""
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
@@ -425,11 +525,29 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
             if not isinstance(child, dict):
                 raise JobSpecError(f"override {item!r}: $.{'.'.join(parts[: i + 1])} is not a section")
             node = child
-        try:
-            node[parts[-1]] = yaml.safe_load(value)
-        except yaml.YAMLError as e:
-            raise JobSpecError(f"override {item!r}: the value is not YAML: {e}") from None
+        parsed = parse_yaml(value, source=f"override {item!r}: the value is not YAML")
+        if parsed is not None and not isinstance(parsed, (str, dict, list)) and _takes_str(parts):
+            parsed = value
+        node[parts[-1]] = parsed
     return raw
+
+
+def _nonfinite(value: Any, path: str = "$") -> str | None:
+    """The key path of the first float that is not finite (inf, nan: JSON cannot hold them), or of an
+    integer beyond 64 bits, in a converted spec's builtins; None if there is none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, int) and not isinstance(value, bool) and not -(1 << 63) <= value < (1 << 63):
+        return path
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if p := _nonfinite(v, f"{path}.{k}"):
+                return p
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if p := _nonfinite(v, f"{path}[{i}]"):
+                return p
+    return None
 
 
 _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `(?P<at>[^`]+)`)?")
@@ -439,7 +557,7 @@ _NESTED = re.compile(r"(?P<msg>.*) - at `(?P<key>\.[^`]+)`(?: - at `(?P<at>[^`]+
 def from_dict(raw: Any) -> JobSpec:
     try:
         # strict=False: YAML 1.1 reads `1e-4` as a string; numeric strings convert, "fast" still fails.
-        return msgspec.convert(raw if raw is not None else {}, JobSpec, strict=False)
+        spec = msgspec.convert(raw if raw is not None else {}, JobSpec, strict=False)
     except msgspec.ValidationError as e:
         msg = str(e)
         if m := _UNKNOWN.fullmatch(msg):  # point at the bad key itself, not its parent
@@ -447,26 +565,73 @@ def from_dict(raw: Any) -> JobSpec:
         elif m := _NESTED.fullmatch(msg):  # a section's own check (`_bad`) names its key
             msg = f"{m['msg']} - at `{m['at'] or '$'}{m['key']}`"  # no `at`: the root's own check
         raise JobSpecError(f"invalid job spec: {msg}") from e
+    except RecursionError:
+        raise JobSpecError("invalid job spec: nested too deeply") from None
+    if at := _nonfinite(msgspec.to_builtins(spec)):
+        raise JobSpecError(f"invalid job spec: expected a finite number within 64 bits - at `{at}`")
+    return spec
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     """Read a YAML job spec, apply overrides, validate; raise JobSpecError with the key path."""
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            text = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise JobSpecError(f"{path}: {e}") from e
     return loads(text, overrides, source=str(path))
 
 
-def loads(text: str, overrides: list[str] | None = None, source: str = "job spec") -> JobSpec:
+def loads(text: str | bytes, overrides: list[str] | None = None, source: str = "job spec") -> JobSpec:
     """`load` from YAML (or JSON) text, e.g. a spec sent to the control API."""
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise JobSpecError(f"{source}: {e}") from e
+    raw = parse_yaml(text, source)
     if raw is not None and not isinstance(raw, dict):
         raise JobSpecError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     return from_dict(apply_overrides(raw or {}, overrides or []))
+
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+"""The source tree's example specs: a model is never built in here."""
+
+
+def resolve_paths(spec: JobSpec, base: str | Path) -> JobSpec:
+    """The one rule for relative paths, in `run`, `validate` and `submit` alike: relative to `base`, the
+    working directory of the command (not the spec file's directory). Resolves model.path,
+    dataset.path, the reference and critic models, trainer.resume_from (unless `latest`) and
+    output_dir; a relative trainer.checkpoint_dir is under output_dir. Refuses a model.build target
+    inside the source tree's examples/."""
+    base = Path(base)
+
+    def rel(p: str | None) -> str | None:
+        return None if p is None else str((base / p).resolve())
+
+    s = spec
+    out = rel(s.output_dir)
+    tr = s.trainer
+    tr = msgspec.structs.replace(
+        tr,
+        checkpoint_dir=None if tr.checkpoint_dir is None else str((Path(out) / tr.checkpoint_dir).resolve()),
+        resume_from=tr.resume_from if tr.resume_from in (None, "latest") else rel(tr.resume_from),
+    )
+    model = msgspec.structs.replace(s.model, path=rel(s.model.path))
+    if model.build is not None and Path(model.path).is_relative_to(EXAMPLES_DIR):
+        raise JobSpecError(
+            f"invalid job spec: model.build would write into the source tree's examples/ ({model.path}); "
+            "run from the project root or give model.path under runs/ - at `$.model.path`"
+        )
+    alg = msgspec.structs.replace(
+        s.algorithm,
+        ref_model_path=rel(s.algorithm.ref_model_path),
+        critic_model_path=rel(s.algorithm.critic_model_path),
+    )
+    return msgspec.structs.replace(
+        s,
+        model=model,
+        dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)),
+        algorithm=alg,
+        trainer=tr,
+        output_dir=out,
+    )
 
 
 def to_json(spec: JobSpec) -> str:

@@ -42,20 +42,56 @@ class JobResult(msgspec.Struct):
 
 
 def resolve_paths(spec: JobSpec) -> JobSpec:
-    """Absolute model/output paths: actors run with another working directory."""
-    model = msgspec.structs.replace(spec.model, path=str(Path(spec.model.path).resolve()))
-    return msgspec.structs.replace(spec, model=model, output_dir=str(Path(spec.output_dir).resolve()))
+    """Absolute paths (actors run with another working directory), by jobspec.resolve_paths' rule:
+    relative to this process's working directory."""
+    from slipstream import jobspec
+
+    return jobspec.resolve_paths(spec, Path.cwd())
 
 
 def prepare_model(spec: JobSpec) -> None:
-    """Build the model if the spec asks for a recipe and the directory has none yet."""
+    """Build the model if the spec asks for a recipe and the directory has none yet. Jobs (and `run`s)
+    sharing one model.path build it once: under an exclusive lock on `.<name>.lock` beside it, into a
+    temporary directory beside it, renamed into place when complete; a second job waits for the lock
+    and then finds the finished model, never a half-written one."""
+    import fcntl
+    import tempfile
+
     path = Path(spec.model.path)
     if (path / "config.json").exists():
         return
     build = spec.model.build
     if build is None:
         raise FileNotFoundError(f"model.path {path} has no config.json and model.build is not set")
-    log.info("building %s model at %s", build, path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("model %s is being built by another job; waiting for it", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "config.json").exists():
+            log.info("model %s was built by another job; using it", path)
+            return
+        if path.exists():
+            if not path.is_dir() or any(path.iterdir()):
+                raise FileExistsError(
+                    f"model.path {path} exists but holds no model (no config.json; an interrupted build?): "
+                    "remove it, or point model.path elsewhere"
+                )
+            path.rmdir()  # an empty directory: the build takes its place
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.building-", dir=path.parent))
+        try:
+            log.info("building %s model at %s (in %s until complete)", build, path, tmp)
+            _build_model(spec, build, tmp)
+            os.rename(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        log.info("built %s model at %s", build, path)
+
+
+def _build_model(spec: JobSpec, build: str, path: Path) -> None:
     if build == "tiny-arith":
         from trainer.warmup import build_tiny_arith
 

@@ -481,7 +481,9 @@ class WeightBus:
 
     def _rebuild(self) -> None:
         """Build a new group over self.engines (new name, new port); engines that cannot join are
-        dropped and the build retried without them. Raises BusError after MAX_REBUILDS tries."""
+        dropped and the build retried without them. Raises BusError after MAX_REBUILDS tries, with the
+        last try's cause."""
+        cause = "no try"
         for _ in range(MAX_REBUILDS):
             self._leave_group()
             if not self.engines:
@@ -495,9 +497,8 @@ class WeightBus:
             try:  # the store listens before any engine is told its port (port 0: no race for a free one)
                 store = tcp_store(self.master_address, 0, world, True, timeout)
             except Exception as e:  # ours, not the engines': they are not dropped for it
-                log.warning(
-                    "weight group %s: could not host its store on %s: %s", name, self.master_address, e
-                )
+                cause = f"could not host its store on {self.master_address}: {type(e).__name__}: {e}"
+                log.warning("weight group %s: %s", name, cause)
                 continue
             port = store.port
             futures: dict[str, Future] = {}
@@ -515,7 +516,8 @@ class WeightBus:
             try:
                 self.group = group_on(store, 0, world, self.backend, name, timeout)
             except Exception as e:
-                log.warning("weight group %s: setup failed: %s", name, e)
+                cause = f"setup failed: {type(e).__name__}: {e}"
+                log.warning("weight group %s: %s", name, cause)
             wait(futures.values(), timeout=self.timeout_s + 2 * self._grace)
             failed = {u: f.exception() if f.done() else TimeoutError("no answer") for u, f in futures.items()}
             failed = {u: err for u, err in failed.items() if err is not None}
@@ -525,10 +527,11 @@ class WeightBus:
                 )
                 return
             for url, err in failed.items():
-                log.warning("weight group %s: %s could not join: %s", name, url, err)
+                cause = f"{url} could not join: {err}"
+                log.warning("weight group %s: %s", name, cause)
             self._drop(list(failed) or [])
         self._leave_group()
-        raise BusError(f"no weight update group could be built over {self.urls}")
+        raise BusError(f"no weight update group could be built over {self.urls}; the last try: {cause}")
 
     def _nccl_backstop_s(self) -> float:
         """NCCL groups' own timeout: its watchdog takes the whole process down when a collective times
