@@ -354,12 +354,13 @@ class JobControl:
         }
 
     def scale(self, name: str, generators: int | None = None, trainers: int | None = None) -> dict:
-        st = self._job(name, reconcile=True)
+        # a request that cannot be right for any job is refused before the job is looked up
         if generators is None and trainers is None:
             raise ControlError(422, "scale needs generators and/or trainers")
         for key, v in (("generators", generators), ("trainers", trainers)):
             if v is not None and not 1 <= v <= jobspec.MAX_POOL:
                 raise ControlError(422, f"{key} must be 1 to {jobspec.MAX_POOL} (as in a spec), got {v}")
+        st = self._job(name, reconcile=True)
         if st.get("state") not in ("submitted", "starting", "running", "scaling"):
             raise ControlError(409, f"job {name!r} is {st.get('state')}: nothing to scale")
         raw = msgspec.json.decode(self.store.spec_json(name))
