@@ -163,6 +163,10 @@ class JobDriver:
                     "step_s",
                     "loss",
                     "mfu",
+                    "lr",
+                    "behav_kl",
+                    "is_masked_fraction",
+                    "clip_fraction",
                 )
                 if k in self.last
             },

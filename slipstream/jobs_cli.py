@@ -195,6 +195,8 @@ def render_status(st: dict):
         ("throughput", f"{_fmt(st.get('tokens_per_s'), '.0f')} generated tok/s, "
          f"{_fmt(st.get('samples_per_s'), '.2f')} samples/s, trainer {_fmt(st.get('train_tokens_per_s'), '.0f')} tok/s"),
         ("step", f"{_fmt(st.get('step_s'), '.2f')} s, loss {_fmt(st.get('loss'), '+.4f')}"),
+        ("policy", f"lr {_fmt(st.get('lr'), '.3g')}, clipped {_fmt(st.get('clip_fraction'))}, "
+                   f"IS-masked {_fmt(st.get('is_masked_fraction'))}, behav_kl {_fmt(st.get('behav_kl'), '.4f')}"),
         ("generators", f"{pools.get('generators', '-')} (want {want.get('generators', '-')}), "
          f"rollout workers {pools.get('rollout_workers', '-')}"),
         ("trainers", f"{pools.get('trainers', '-')} (want {want.get('trainers', '-')})"),
@@ -202,6 +204,7 @@ def render_status(st: dict):
          f"produced {buf.get('produced', '-')}, consumed {buf.get('consumed', '-')}, "
          f"dropped stale {buf.get('dropped_stale', '-')}"),
         ("output", str(st.get("output_dir", "-"))),
+        ("run", f"{st.get('run_id', '-')} (attempt {st.get('attempt', '-')})"),
     ]  # fmt: skip
     if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
         rows.insert(0, ("phase", st["phase"]))

@@ -22,3 +22,19 @@ def test_status_shows_replacements_when_there_were_some():
     assert "engines 0" not in text
     calm = _text({"name": "j", "state": "running", "restarts": {"rollout_workers": 0, "engines": 0}})
     assert "replaced" not in calm
+
+
+def test_status_shows_the_policy_recipe_metrics_and_the_run():
+    st = {
+        "name": "j",
+        "state": "running",
+        "lr": 2.5e-4,
+        "clip_fraction": 0.125,
+        "is_masked_fraction": 0.03,
+        "behav_kl": 0.0123,
+        "run_id": "abc123",
+        "attempt": 2,
+    }
+    text = _text(st)
+    assert "lr 0.00025" in text and "clipped 0.125" in text and "IS-masked 0.030" in text
+    assert "behav_kl 0.0123" in text and "abc123 (attempt 2)" in text
