@@ -11,7 +11,7 @@ The scenario, in one invocation:
    sglang:num_requests counter), then measures stage "2+1" from the next step on.
 3. trainers 1 -> 2 (`set_desired(job, trainers=2)`): the driver stops the pool after its step with a
    checkpoint and starts 2 ranks from it (FSDP2 reshards; gloo on CPU, NCCL on cuda). Stage "2+2" starts
-   at the first step of the new pool (its progress records restart elapsed_s at 0).
+   at the first step of the new pool (its progress records carry a new `pool_id`).
 4. async vs sync at 2+2: two more jobs that START at 2 engines + 2 trainers, the same steps, only
    buffer.max_staleness differs (0 = synchronous on-policy, `--max-staleness`, default 2).
 
@@ -123,8 +123,8 @@ def job_spec(
 
 class Progress:
     """Follows the job's trainer progress stream from this process (the driver reads its own copy). Each
-    record gains `arrival` (monotonic time it was read) and `pool` (trainer pool index: a new pool restarts
-    elapsed_s at 0)."""
+    record gains `arrival` (monotonic time it was read) and `pool` (trainer pool index: a new pool writes
+    a new `pool_id`; elapsed_s is the run's clock and goes on across pools)."""
 
     def __init__(self, job, timeout_s: float) -> None:
         from replay_buffer.client import connect
@@ -136,13 +136,13 @@ class Progress:
         self.pending: collections.deque[dict] = collections.deque()
         self.all: list[dict] = []
         self.pool = 0
-        self._last_elapsed = -1.0
+        self._last_pool_id: str | None = None
 
     def poll(self, block_ms: int = 200) -> None:
         for rec in self.reader.read(block_ms=block_ms):
-            if rec["elapsed_s"] < self._last_elapsed:
+            if self._last_pool_id is not None and rec["pool_id"] != self._last_pool_id:
                 self.pool += 1
-            self._last_elapsed = rec["elapsed_s"]
+            self._last_pool_id = rec["pool_id"]
             rec["arrival"], rec["pool"] = time.monotonic(), self.pool
             self.pending.append(rec)
             self.all.append(rec)

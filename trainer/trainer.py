@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -261,6 +262,9 @@ class Trainer:
         # elapsed_s is the run's clock: a pool after a rescale or restart continues it
         t_start = time.monotonic() - (self.buffer.start_clock() if self.is_main else 0.0)
         last_checkpoint = self._resumed  # (version, path)
+        # this pool's id in its progress records (elapsed_s continues across pools, so readers that care
+        # about pool changes, such as a rescale's measurement, compare this)
+        self.pool_id = uuid.uuid4().hex[:8]
         while True:
             t0 = time.monotonic()
             while True:  # rank 0 decides, every rank learns: a step, an idle publish, or the end
@@ -327,6 +331,8 @@ class Trainer:
             "version": version,
             "run_id": self.run_info.get("run_id"),
             "attempt": self.run_info.get("attempt"),
+            "pool_id": self.pool_id,
+            "ranks": self.world_size,
             "samples": len(samples),
             "reward_mean": sum(s.reward for s in samples) / len(samples),
             "staleness_mean": sum(stale) / len(stale),
