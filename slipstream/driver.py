@@ -497,11 +497,18 @@ class JobDriver:
                 log.warning("an earlier run's checkpoints moved from %s to %s", ckpts, aside)
         log.info("job %s: run %s, attempt %d", self.job, self.run_info["run_id"], self.run_info["attempt"])
 
+    def _this_attempt(self, rec: dict) -> bool:
+        """A record of this attempt of the run (a resumed attempt first reads the records of the earlier
+        ones, up to where they got, before its trainer drops those after the checkpoint it resumes from)."""
+        return rec.get("attempt") in (None, self.run_info.get("attempt"))
+
     def read_progress(self, block_ms: int = 0) -> None:
         """Take the trainer's new progress records (waiting up to block_ms for one) into the status.
         With `on_progress` (`slipstream run` prints each record as its line) the per-step log line is
         DEBUG, so a step shows once on the terminal; the cluster's driver.log keeps it at INFO."""
         for rec in self.progress.read(block_ms=block_ms):
+            if not self._this_attempt(rec):
+                continue  # an earlier attempt's record: the run's report keeps it, the status does not
             self.last = rec
             self.version = rec["version"]
             if self.on_progress:
@@ -593,7 +600,8 @@ class JobDriver:
                     result = ended
                     break
         for rec in self.progress.read(block_ms=0):
-            self.last, self.version = rec, rec["version"]
+            if self._this_attempt(rec):
+                self.last, self.version = rec, rec["version"]
         self.version = result["version"]
         return result
 

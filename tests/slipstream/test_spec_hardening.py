@@ -385,20 +385,27 @@ def test_a_driver_without_its_jobs_spec_fails_instead_of_running_defaults(info):
     control = JobControl(info)
     admin = redis.Redis.from_url(info.redis_admin_url)
     keys_before = set(admin.keys("*"))
-    run = _driver(info, "ghost")
+    run = _driver(info, "ghost")  # never submitted: no credentials for its Redis user either
     assert run.returncode == 1, run.stdout + run.stderr
-    assert "no spec stored" in run.stderr and "ghost" in run.stderr, run.stderr
+    assert "no Redis credentials" in run.stderr and "ghost" in run.stderr, run.stderr
     assert set(admin.keys("*")) == keys_before  # nothing made for it: no keys, no default job "demo"
+    assert not (Path(info.home) / "jobs" / "demo").exists()
+    control._job_credentials("ghost2")  # its Redis user exists, its spec does not
+    run = _driver(info, "ghost2")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no spec stored" in run.stderr and "ghost2" in run.stderr, run.stderr
     assert not (Path(info.home) / "jobs" / "demo").exists()
 
     # a record whose stored spec is another job's (or invalid) fails that job, with the reason
     other = jobspec.to_json(jobspec.loads("name: someone-else"))
     control.store.create("mixed", other, 1, 1)
+    control._job_credentials("mixed")
     run = _driver(info, "mixed")
     assert run.returncode == 1 and "someone-else" in run.stderr, run.stderr
     st = control.store.status("mixed")
     assert st["state"] == "failed" and "someone-else" in st["error"], st
     control.store.create("broken", '{"name": "broken", "algorithm": {"lr": -1}}', 1, 1)
+    control._job_credentials("broken")
     assert _driver(info, "broken").returncode == 1
     st = control.store.status("broken")
     assert st["state"] == "failed" and "`$.algorithm.lr`" in st["error"], st

@@ -6,7 +6,6 @@ the control API (a real cluster, started with an operator allow-list of tool mod
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import textwrap
@@ -168,7 +167,7 @@ def _submit(info, text: str, cwd: Path) -> httpx.Response:
 
 
 @pytest.mark.slow
-def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(info, tmp_path, tiny_model_dir):
+def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(info, tmp_path, tiny_model_dir, monkeypatch):
     marker = tmp_path / "ran"
     head = f"model: {{path: {tiny_model_dir}}}\nalgorithm: {{total_steps: 100000}}\n"
     refused = {
@@ -200,7 +199,8 @@ def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(info, tmp_pat
     )
     r = _submit(info, text, tmp_path)
     assert r.status_code == 201, r.text
-    os.environ.update(ray_env(info))
+    for k, v in ray_env(info).items():  # for this test only: later tests start Ray instances of their own
+        monkeypatch.setenv(k, v)
     from ray.job_submission import JobSubmissionClient
 
     ray = JobSubmissionClient(info.dashboard_url, headers={"Authorization": f"Bearer {info.ray_auth_token}"})
