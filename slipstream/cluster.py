@@ -790,7 +790,9 @@ def stop_jobs(home: Path, state: _State, timeout_s: float = JOB_STOP_TIMEOUT_S) 
     from slipstream.control import JobControl
     from slipstream.jobs import ACTIVE_STATES
 
-    control = JobControl(_info(home, state, _load_secrets(home, create=False)))
+    info = _info(home, state, _load_secrets(home, create=False))
+    control = JobControl(info)
+    saved = {k: os.environ.get(k) for k in ray_env(info)}  # JobControl exports Ray's auth variables
     try:
         active = [j["name"] for j in control.list() if j["state"] in ACTIVE_STATES]
         for name in active:
@@ -827,6 +829,11 @@ def stop_jobs(home: Path, state: _State, timeout_s: float = JOB_STOP_TIMEOUT_S) 
             time.sleep(1.0)
     finally:
         control.r.close()
+        for k, v in saved.items():  # a process that goes on (a test, an embedding program) keeps its own
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def down(
