@@ -1,4 +1,4 @@
-"""Scale run (issue 13): ONE job whose generator and trainer pools are scaled independently while it trains,
+"""Scale run: ONE job whose generator and trainer pools are scaled independently while it trains,
 measured at each size, plus async vs sync at the final size.
 
 The scenario, in one invocation:

@@ -1,4 +1,4 @@
-"""Probe (issue 8): is the weight bus's own NCCL group slower than torch.distributed's default group?
+"""Probe (weight bus bandwidth): is the weight bus's own NCCL group slower than torch.distributed's default group?
 
 Two processes (GPU 0 sends, GPU 1 receives). Each times 30 sequential broadcasts of 512 MiB buckets
 (the bus's default bucket size, the 7B-shape volume), once over the default group from

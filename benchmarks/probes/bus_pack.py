@@ -1,4 +1,4 @@
-"""Probe (issue 8): is packing buckets on the trainer GPU what holds the weight bus back?
+"""Probe (weight bus bandwidth): is packing buckets on the trainer GPU what holds the weight bus back?
 
 Packs Qwen2.5-7B-shaped weights (bf16 already, and fp32 cast to bf16 as an FSDP trainer's gathered
 master weights would be) into 512 MiB buckets with weight_bus.bus.pack, timed with CUDA events, no
