@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from raw_http import connect, read_until_closed, send_chunks
 
 REPO = Path(__file__).resolve().parents[2]
 HEADER_TIMEOUT_S = 2
@@ -74,26 +75,9 @@ def test_warns_when_serving_without_a_key_on_loopback(engine):
     assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200  # served, unauthenticated
 
 
-def _connect(url: str) -> socket.socket:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    s = socket.create_connection((host, int(port)), timeout=BOUND_S)
-    return s
-
-
-def _closed_by_server(s: socket.socket) -> bytes:
-    """Block until the server closes the connection; what it sent before (b"" for a silent close)."""
-    got = b""
-    try:
-        while chunk := s.recv(65536):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    return got
-
-
 def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
     url, _ = engine
-    socks = [_connect(url) for _ in range(LIMIT)]
+    socks = [connect(url, BOUND_S) for _ in range(LIMIT)]
     for s in socks:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
     # Over the concurrency limit: a complete request is refused with 503 instead of piling up.
@@ -113,7 +97,7 @@ def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
     t.start()
     try:
         for s in socks:
-            assert _closed_by_server(s) == b""  # closed (recv would block until BOUND_S otherwise)
+            assert read_until_closed(s) == b""  # closed (recv would block until BOUND_S otherwise)
     finally:
         stop.set()
         t.join()
@@ -126,17 +110,17 @@ def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
 
 def test_a_stalled_request_body_gets_408(engine):
     url, _ = engine
-    s = _connect(url)
+    s = connect(url, BOUND_S)
     with s:
         s.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"input_ids"')
-        got = _closed_by_server(s)
+        got = read_until_closed(s)
     assert got.startswith(b"HTTP/1.1 408"), got
     assert b"connection: close" in got.lower() and f"for {BODY_TIMEOUT_S} s".encode() in got
     # A chunked body that stalls, too.
-    s = _connect(url)
+    s = connect(url, BOUND_S)
     with s:
         s.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"in\r\n')
-        got = _closed_by_server(s)
+        got = read_until_closed(s)
     assert got.startswith(b"HTTP/1.1 408"), got
 
 
@@ -154,29 +138,15 @@ def test_a_keyed_engine_answers_401_to_a_chunked_body_without_reading_it(tiny_mo
     try:
         line = proc.stdout.readline()
         assert line.startswith("engine ready at "), line
-        s = _connect(line.split()[-1])
+        s = connect(line.split()[-1], BOUND_S)
         with s:
             s.sendall(
                 b"POST /update_weights_from_disk HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             )
-            sent = _send_chunks(s, total=256 << 20)
-            got = _closed_by_server(s)
+            sent = send_chunks(s, total=256 << 20)
+            got = read_until_closed(s)
         assert got.startswith(b"HTTP/1.1 401"), got
         assert sent < 256 << 20
     finally:
         proc.terminate()
         proc.wait(60)
-
-
-def _send_chunks(s: socket.socket, total: int, chunk: int = 1 << 20) -> int:
-    """Send up to `total` bytes as HTTP chunks; the bytes sent before the server closed the connection."""
-    sent = 0
-    data = b"%x\r\n" % chunk + b"a" * chunk + b"\r\n"
-    try:
-        while sent < total:
-            s.sendall(data)
-            sent += chunk
-        s.sendall(b"0\r\n\r\n")
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    return sent

@@ -83,7 +83,9 @@ def test_a_new_run_starts_from_empty_state_and_keeps_the_control_records(buf, re
     buf.take_batch(1, version=458, max_staleness=2, block_ms=100)  # pending
     buf.put(_group(job_id, [458, 458], "unread"))
     redis_client.set(buf.keys.started, 40)
-    redis_client.zadd(buf.keys.workers, {"w1": 1})  # as admission does: a worker's lease, then its in-flight list
+    redis_client.zadd(
+        buf.keys.workers, {"w1": 1}
+    )  # as admission does: a worker's lease, then its in-flight list
     redis_client.rpush(buf.keys.inflight("w1"), "p9")
     redis_client.zadd(buf.keys.trained, {"g": 1})
     _progress(redis_client, buf.keys, 458, 100.0)

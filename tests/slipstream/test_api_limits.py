@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from raw_http import connect, read_until_closed, send_chunks
 
 from slipstream import cluster
 from slipstream.api import MAX_BODY_BYTES
@@ -42,8 +43,7 @@ def _auth(info) -> dict[str, str]:
 
 
 def _connect(info) -> socket.socket:
-    host, port = info.api_url.removeprefix("http://").rsplit(":", 1)
-    return socket.create_connection((host, int(port)), timeout=BOUND_S)
+    return connect(info.api_url, BOUND_S)
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -56,30 +56,6 @@ def _status(pid: int) -> dict[str, int]:
     return out
 
 
-def _send_chunks(s: socket.socket, total: int, chunk: int = 1 << 20) -> int:
-    """Send up to `total` bytes as HTTP chunks; the bytes sent before the server closed the connection."""
-    sent = 0
-    data = b"%x\r\n" % chunk + b"a" * chunk + b"\r\n"
-    try:
-        while sent < total:
-            s.sendall(data)
-            sent += chunk
-        s.sendall(b"0\r\n\r\n")
-    except (BrokenPipeError, ConnectionResetError):
-        pass
-    return sent
-
-
-def _read_until_closed(s: socket.socket) -> bytes:
-    got = b""
-    try:
-        while chunk := s.recv(65536):
-            got += chunk
-    except ConnectionResetError:
-        pass
-    return got
-
-
 def test_a_chunked_upload_without_the_token_is_refused_before_it_is_read(info):
     pid = info.pids["api"]
     Path(f"/proc/{pid}/clear_refs").write_text("5")  # VmHWM := VmRSS: the peak from here on
@@ -89,9 +65,9 @@ def test_a_chunked_upload_without_the_token_is_refused_before_it_is_read(info):
         s.sendall(b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
         s.sendall(b"Transfer-Encoding: chunked\r\n\r\n")
         got: list[bytes] = []
-        reader = threading.Thread(target=lambda: got.append(_read_until_closed(s)))
+        reader = threading.Thread(target=lambda: got.append(read_until_closed(s)))
         reader.start()
-        sent = _send_chunks(s, BODY)
+        sent = send_chunks(s, BODY)
         reader.join(BOUND_S)
     after = _status(pid)
     print(f"sent {sent >> 20} of {BODY >> 20} MiB; API process {before} -> {after} KiB")
@@ -169,7 +145,7 @@ def test_slow_partial_requests_are_closed_and_a_normal_request_still_works(info)
         r = httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30)
         assert r.status_code == 200
         for s in socks:  # each is closed by the server (recv would block until BOUND_S otherwise)
-            assert _read_until_closed(s) == b""
+            assert read_until_closed(s) == b""
     finally:
         stop.set()
         t.join()

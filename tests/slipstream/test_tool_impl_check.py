@@ -167,7 +167,9 @@ def _submit(info, text: str, cwd: Path) -> httpx.Response:
 
 
 @pytest.mark.slow
-def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(info, tmp_path, tiny_model_dir, monkeypatch):
+def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(
+    info, tmp_path, tiny_model_dir, monkeypatch
+):
     marker = tmp_path / "ran"
     head = f"model: {{path: {tiny_model_dir}}}\nalgorithm: {{total_steps: 100000}}\n"
     refused = {
