@@ -2,7 +2,7 @@
 (buffer.max_staleness 0) and asynchronously (max_staleness 1, 2, 4) side by side in one invocation, plus the
 two pipeline bounds (generators alone, trainer alone), plus a learning-equivalence check.
 
-Every job is a real `slipstream.launcher.run_job`: managed Redis, local Ray, engine, rollout worker(s),
+Every job is a real `slipstream.job.local.run_job`: managed Redis, local Ray, engine, rollout worker(s),
 trainer, weight bus. Only buffer.max_staleness differs between the throughput jobs (and the job name /
 output directory). max_staleness 0 is synchronous on-policy RL: the buffer's admission control lets the
 fleet start only the groups of the current step, so the generators idle while the trainer trains and
@@ -175,7 +175,7 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
 
 
 def make_spec(raw: dict, *, name: str, out: Path, max_staleness: int, total_steps: int, **over):
-    from slipstream import jobspec
+    import jobspec
 
     raw = json.loads(json.dumps(raw))
     raw["name"], raw["output_dir"] = name, str(out)
@@ -190,8 +190,8 @@ def make_spec(raw: dict, *, name: str, out: Path, max_staleness: int, total_step
 def build_tiny_arith(args: argparse.Namespace, work: Path) -> Path:
     """The demo's tiny-arith model (SFT warm-up included), built once; every job loads it via model.path.
     With --tiny-model-dir it is built there, or reused from there when that directory already holds one."""
-    from slipstream import jobspec
-    from slipstream.launcher import prepare_model
+    import jobspec
+    from slipstream.job.local import prepare_model
 
     where = getattr(args, "tiny_model_dir", None)  # scale_run's arguments have no such option
     path = Path(where).resolve() if where else work / "tiny-arith"
@@ -212,7 +212,7 @@ def build_cuda_model(args: argparse.Namespace, work: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from benchmarks.shapes import config_kwargs
-    from trainer.tool_model import build_tokenizer
+    from model_zoo.tiny_tools import build_tokenizer
 
     path = work / "model"
     tok = build_tokenizer()
@@ -374,7 +374,7 @@ def slim(progress: list[dict]) -> list[dict]:
 
 def run_config(args, raw: dict, model: Path, work: Path, label: str, max_staleness: int, steps: int, **over):
     """One job through run_job; progress records, their arrival times and the engine samples."""
-    from slipstream.launcher import run_job
+    from slipstream.job.local import run_job
 
     out = work / label
     spec = make_spec(raw, name=label, out=out, max_staleness=max_staleness, total_steps=steps, **over)
@@ -431,8 +431,9 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
     import redis
 
     from replay_buffer import ReplayBuffer
-    from slipstream.actors import RolloutActor, TrainerActor
-    from slipstream.launcher import (
+    from replay_buffer.redis_server import ManagedRedis
+    from slipstream.job.actors import RolloutActor, TrainerActor
+    from slipstream.job.local import (
         ProgressReader,
         init_local_ray,
         reset_run_state,
@@ -440,7 +441,6 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
         start_engines,
         stop_actors,
     )
-    from slipstream.redis_server import ManagedRedis
 
     total = args.warmup + args.steps
     label = "pipeline-bounds"

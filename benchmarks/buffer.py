@@ -50,8 +50,8 @@ import redis.asyncio as aioredis
 
 from replay_buffer import BufferProducer, GroupRecord, JobKeys, ReplayBuffer, Sample, decode, encode
 from replay_buffer.keys import TRAINER_GROUP
+from replay_buffer.redis_server import ManagedRedis
 from replay_buffer.schema import validate
-from slipstream.redis_server import ManagedRedis
 
 MAX_TOKEN_ID = 150_000
 """Token ids are drawn below this: a Qwen-sized vocabulary, so most ids take 5 msgpack bytes."""

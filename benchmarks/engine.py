@@ -86,7 +86,7 @@ def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> di
     Returns the config as saved."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    from trainer.tiny_model import build_tokenizer
+    from model_zoo.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
     cfg = Qwen2Config(

@@ -2,7 +2,7 @@
 measured at each size, plus async vs sync at the final size.
 
 The scenario, in one invocation:
-1. stage "1+1": the job starts with 1 engine + 1 trainer rank (slipstream/faults.py `LocalJob`: the cluster's
+1. stage "1+1": the job starts with 1 engine + 1 trainer rank (slipstream/job/faults.py `LocalJob`: the cluster's
    JobDriver in a thread, over a private Redis and a local Ray). `--warmup` steps, then `--steps` timed steps.
 2. generators 1 -> 2 as `slipstream scale JOB --generators 2` does it: the desired count goes to the JobStore
    (`store.set_desired(job, generators=2)`); the driver starts an engine that waits in the registry's joining
@@ -128,7 +128,7 @@ class Progress:
 
     def __init__(self, job, timeout_s: float) -> None:
         from replay_buffer.client import connect
-        from slipstream.launcher import ProgressReader
+        from slipstream.job.local import ProgressReader
 
         self.job, self.timeout_s = job, timeout_s
         self.r = connect(job.redis.url)
@@ -148,7 +148,7 @@ class Progress:
             self.all.append(rec)
 
     def _check(self, what: str, deadline: float) -> None:
-        from slipstream.faults import JobFailed
+        from slipstream.job.faults import JobFailed
 
         job = self.job
         if job.error is not None:
@@ -341,7 +341,7 @@ def slim_transition(recs: list[dict]) -> list[dict]:
 
 def scaled_job(args, model: Path, work: Path, spp: int) -> dict[str, Any]:
     """One job: 1+1, generators -> 2, trainers -> 2, measured at each size (module docstring)."""
-    from slipstream.faults import LocalJob
+    from slipstream.job.faults import LocalJob
 
     name = "scale"
     out = work / name
@@ -421,7 +421,7 @@ def scaled_job(args, model: Path, work: Path, spp: int) -> dict[str, Any]:
 
 def ab_job(args, model: Path, work: Path, spp: int, max_staleness: int) -> dict[str, Any]:
     """A job that starts at 2 engines + 2 trainer ranks and runs warmup + steps at `max_staleness`."""
-    from slipstream.faults import LocalJob
+    from slipstream.job.faults import LocalJob
 
     name = f"ab-staleness-{max_staleness}"
     out = work / name

@@ -1,6 +1,6 @@
 """Soak run (not in CI): a CPU job for `--minutes` with a random fault every `--fault-every-s` seconds
 (kill -9 a rollout worker, kill -9 an engine, SIGSTOP an engine, kill -9 the trainer, kill -9 and restart
-redis-server; slipstream/faults.py).
+redis-server; slipstream/job/faults.py).
 Reports RSS growth per role (sampled every 30 s: first vs last quarter of the run), stuck periods (no
 trainer progress for `--stuck-s`), and the books at the end: lost and trained-twice groups (both must be 0).
 
@@ -36,7 +36,7 @@ def log(msg: str) -> None:
 
 def build_model(path: Path) -> Path:
     from generator_fleet.tasks.arith import ALPHABET, ArithTask
-    from trainer.tiny_model import build
+    from model_zoo.tiny import build
 
     task = ArithTask()
     build(path, ALPHABET, [p.prompt + str(p.answer) for p in task.problems], seed=0)
@@ -44,7 +44,7 @@ def build_model(path: Path) -> Path:
 
 
 def spec_for(out: Path, model: Path):
-    from slipstream import jobspec
+    import jobspec
 
     return jobspec.loads(
         f"""
@@ -127,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from slipstream import driver as driver_mod
-    from slipstream import faults
+    from slipstream.job import driver as driver_mod
+    from slipstream.job import faults
 
     driver_mod.LAPSED_S = 5.0
     rng = random.Random(args.seed)

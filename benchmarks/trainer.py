@@ -101,7 +101,7 @@ def make_bins(rng: np.random.Generator, bins: int, args) -> list[list]:
 
 
 def bench_model(name: str, args, pool) -> dict:
-    from slipstream import jobspec
+    import jobspec
     from trainer import attention
     from trainer.learner import Learner
     from trainer.packing import pack

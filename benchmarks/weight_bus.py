@@ -89,7 +89,7 @@ def sync(device: torch.device) -> None:
 def qwen2_config(shape: str):
     from transformers import Qwen2Config
 
-    from trainer.tiny_model import build_tokenizer
+    from model_zoo.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(TOKENIZER_ALPHABET, [TOKENIZER_ALPHABET])
     cfg = Qwen2Config(
@@ -205,7 +205,7 @@ class RawPeers:
     rank 0 announces, until told to stop."""
 
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
-        from weight_bus.group import free_port
+        from common.net import free_port
 
         self.device = (
             torch.device(args.device, args.trainer_gpu) if args.device == "cuda" else torch.device("cpu")

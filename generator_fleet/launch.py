@@ -23,7 +23,7 @@ import httpx
 import redis
 
 from generator_fleet.registry import DEFAULT_LEASE_S, EngineRegistration
-from slipstream.jobspec import SGLangSpec
+from jobspec import SGLangSpec
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class SGLangServer:
         return sglang_command(self.model_path, self.port, self.sg, self.api_key)
 
     def start(self) -> SGLangServer:
-        from slipstream.redis_server import free_port
+        from common.net import free_port
 
         if not self.port:
             self.port = free_port(ENGINE_HOST)

@@ -20,9 +20,9 @@ from generator_fleet.registry import live_engines
 from generator_fleet.rewards import format_reward, math_verify_reward
 from generator_fleet.tasks import build_task
 from generator_fleet.tools.base import ToolContext
+from jobspec import JobSpec
 from replay_buffer import BufferProducer, Sample, make_group
 from replay_buffer.client import connect_async
-from slipstream.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class RolloutWorker:
         self._stop.set()
 
     async def run(self) -> dict:
-        from slipstream.tokenizers import load_tokenizer
+        from models.tokenizers import load_tokenizer
 
         spec = self.spec
         self.tokenizer = load_tokenizer(spec.model.path)

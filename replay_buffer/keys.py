@@ -97,7 +97,7 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("run")
 
     def per_run(self) -> list[str]:
-        """Every key a run writes (not the control records of slipstream/jobs.py): a new run of the same
+        """Every key a run writes (not the control records of slipstream/cluster/job_store.py): a new run of the same
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
         names = (
             "groups", "dead", "version", "started", "trained", "reservations", "workers", "recycle",

@@ -18,7 +18,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from slipstream import jobspec  # noqa: E402
+import jobspec  # noqa: E402
 
 EVAL_SAMPLES = 4
 DEFAULT_SPEC = Path(__file__).resolve().parent.parent / "examples" / "demo.yaml"
@@ -29,7 +29,7 @@ def evaluate(model_path: str, spec: jobspec.JobSpec, seed: int = 1234) -> dict:
     import torch
 
     from generator_fleet.tasks import build_task
-    from trainer.tiny_model import load
+    from model_zoo.tiny import load
 
     torch.manual_seed(seed)
     model, tok = load(model_path)
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = jobspec.load(args.spec, args.overrides)
 
-    from slipstream.launcher import format_progress, prepare_model, resolve_paths, run_job
+    from slipstream.job.local import format_progress, prepare_model, resolve_paths, run_job
 
     spec = resolve_paths(spec)
     t0 = time.monotonic()

@@ -14,7 +14,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from slipstream.redis_server import ManagedRedis
+    from replay_buffer.redis_server import ManagedRedis
 
     with ManagedRedis(data_dir=tmp_path_factory.mktemp("redis")) as server:
         yield server
@@ -36,7 +36,7 @@ def job_id() -> str:
 def tiny_model_dir(tmp_path_factory):
     """Untrained tiny arithmetic model + tokenizer (seeded), shared by the tests that need weights."""
     from generator_fleet.tasks.arith import ALPHABET, ArithTask
-    from trainer.tiny_model import build
+    from model_zoo.tiny import build
 
     path = tmp_path_factory.mktemp("tiny_model")
     task = ArithTask()

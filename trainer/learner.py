@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from slipstream.jobspec import JobSpec
+from jobspec import JobSpec
 from trainer import attention, flops
 from trainer.advantages import whiten
 from trainer.critic import Critic, gae_targets

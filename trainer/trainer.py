@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from generator_fleet.registry import EngineRegistry
+from jobspec import JobSpec
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.jobspec import JobSpec
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
 from trainer.distributed import DistInfo, Pool, host_store
@@ -128,7 +128,7 @@ class Trainer:
         """Join the trainer group (rank 0's `master` = (host, port); None with one rank; `store`: rank 0's
         rendezvous store when it hosts it already, `distributed.host_store`), load and shard the models,
         connect the bus, and resume from a checkpoint if the spec says so."""
-        from slipstream.tokenizers import load_tokenizer
+        from models.tokenizers import load_tokenizer
 
         tr = self.spec.trainer
         torch.manual_seed(self.spec.algorithm.seed)

@@ -21,13 +21,6 @@ DEFAULT_TIMEOUT_S = 60.0
 """Bound on each collective and on group setup (and, on the bus, on each engine HTTP call)."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for a group's store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def master_address_for(engine_urls: list[str]) -> str:
     """Where engines can reach rank 0's store: 127.0.0.1 while every engine is on this host's loopback,
     else this host's address on the route to the first remote engine (no packet is sent)."""

@@ -19,7 +19,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from weight_bus.group import broadcast_async, free_port, new_group  # noqa: E402
+from common.net import free_port
+from weight_bus.group import broadcast_async, new_group  # noqa: E402
 
 BUCKET = 512 << 20
 N = 30

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 
-from slipstream.http_guard import ENGINE_LIMITS, add_limit_arguments, limits_from_args
+from common.http_guard import ENGINE_LIMITS, add_limit_arguments, limits_from_args
 
 API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
 """Where the key is read from when --api-key is absent: a command line is visible to every local user."""

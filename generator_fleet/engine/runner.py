@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
 from generator_fleet.engine.sampler import Choice, sample
-from slipstream.tokenizers import load_tokenizer
+from models.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
 

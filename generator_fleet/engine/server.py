@@ -27,10 +27,10 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 
+from common.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard, HttpLimits
 from generator_fleet.engine.metrics import EngineMetrics
 from generator_fleet.engine.runner import Completion, EngineUnhealthy, Runner, SamplingParams
 from generator_fleet.engine.runner import Request as GenRequest
-from slipstream.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard, HttpLimits
 from weight_bus.receiver import WeightReceiver
 from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 
@@ -536,7 +536,7 @@ def build_app(
     state = _EngineState(runner, model_name)
     app.state.engine = state
 
-    # Plain ASGI (slipstream/http_guard.py), so they add nothing to the /generate path but a compare: the
+    # Plain ASGI (common/http_guard.py), so they add nothing to the /generate path but a compare: the
     # key is checked on the request head before any body byte is read; a body over the limit is a 413,
     # by its Content-Length or (chunked) as soon as the bytes read pass it; a stalled body is a 408.
     app.add_middleware(

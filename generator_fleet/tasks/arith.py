@@ -1,7 +1,7 @@
 """Generated arithmetic task `a+b=` -> `c<eos>`, with a correctness + format reward.
 
 Small enough for a tiny model on CPU, and the reward is reachable by sampling once a short SFT warm-up
-on noisy answers (trainer/tiny_model.py) has taught the format: RL then has a real signal to sharpen.
+on noisy answers (model_zoo/tiny.py) has taught the format: RL then has a real signal to sharpen.
 """
 
 from __future__ import annotations

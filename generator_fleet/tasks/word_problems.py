@@ -2,7 +2,7 @@
 calling the calculator tool pays.
 
 Each problem carries the calculator expression that solves it (`Problem.expression`), from which SFT
-warm-up transcripts are built (trainer/tool_model.py). Rewards are math-verify checks of the final
+warm-up transcripts are built (model_zoo/tiny_tools.py). Rewards are math-verify checks of the final
 assistant text, like any QA dataset.
 """
 

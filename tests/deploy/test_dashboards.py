@@ -18,10 +18,11 @@ import redis
 import yaml
 from prom import start_prometheus
 
-from slipstream import gpu_metrics, jobspec
-from slipstream.launcher import run_job
-from slipstream.redis_server import free_port
-from slipstream.targets import write_file_sd
+import jobspec
+from common.net import free_port
+from slipstream.cluster.targets import write_file_sd
+from slipstream.job import gpu_metrics
+from slipstream.job.local import run_job
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -47,7 +48,7 @@ SUBSTITUTIONS = {
 
 
 def gpu_only(expr: str) -> bool:
-    """A query over GPU gauges only (slipstream/gpu_metrics.py): data only where a job process has a GPU."""
+    """A query over GPU gauges only (slipstream/job/gpu_metrics.py): data only where a job process has a GPU."""
     names = set(re.findall(r"\b(slipstream_\w+|process_\w+|sglang\w*)", expr))
     return bool(names) and names <= set(gpu_metrics.METRICS)
 
@@ -146,7 +147,7 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
     """Ask the job to stop (JobStore.request_stop, what `slipstream stop` does) once Prometheus holds
     MIN_SCRAPES successful scrapes of each of its three replicas. A fixed step count made the trainer's
     life a few seconds long, and a loaded box scraped it too rarely for a rate()."""
-    from slipstream.jobs import JobStore
+    from slipstream.cluster.job_store import JobStore
 
     while not stop.wait(0.5):
         try:

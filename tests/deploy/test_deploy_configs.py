@@ -18,8 +18,9 @@ from prom import start_prometheus
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from slipstream.redis_server import find_redis_server, free_port
-from slipstream.targets import FILE_NAME, write_file_sd
+from common.net import free_port
+from replay_buffer.redis_server import find_redis_server
+from slipstream.cluster.targets import FILE_NAME, write_file_sd
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -184,7 +185,7 @@ def test_ray_cluster_example_passes_rays_validation():
 
 def test_docs_external_engines_spec_is_valid():
     """The job spec docs/deploy.md shows for engines on other nodes passes the job spec's validation."""
-    from slipstream.jobspec import from_dict
+    from jobspec import from_dict
 
     blocks = re.findall(r"```yaml\n(.*?)```", (REPO / "docs" / "deploy.md").read_text(), re.S)
     (block,) = [b for b in blocks if "engine: external" in b]

@@ -18,7 +18,7 @@ import shlex
 import pytest
 from sglang_env import REAL_SGLANG_ENV, SGLANG_INSTALLED, install_shim
 
-from slipstream.jobspec import SGLangSpec
+from jobspec import SGLangSpec
 
 _MODE = os.environ.get("SLIPSTREAM_SGLANG", "auto")
 ENGINE_KINDS = ["builtin"] + (["sglang"] if _MODE == "shim" or (_MODE == "auto" and SGLANG_INSTALLED) else [])

@@ -11,7 +11,7 @@ from generator_fleet.agent.render import render_prompt
 from generator_fleet.client import GenerateResult
 from generator_fleet.tools.base import ToolContext
 from generator_fleet.tools.calculator import Calculator
-from trainer.tool_model import build_tokenizer, tool_call_text
+from model_zoo.tiny_tools import build_tokenizer, tool_call_text
 
 
 @pytest.fixture(scope="module")

@@ -24,10 +24,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from common.net import free_port
 from generator_fleet.engine import EngineServer
 from generator_fleet.engine.runner import Request, Runner, SamplingParams
-from trainer.tiny_model import build_tokenizer
-from weight_bus.group import broadcast, free_port, new_group
+from model_zoo.tiny import build_tokenizer
+from weight_bus.group import broadcast, new_group
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from generator_fleet.engine.runner import Request, Runner, SamplingParams
-from trainer.tiny_model import build_tokenizer
+from model_zoo.tiny import build_tokenizer
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"
 COMMON = dict(

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from generator_fleet.engine import EngineServer
 from generator_fleet.engine.runner import FAULT_ENV, is_fatal_cuda_error
-from trainer.tiny_model import build_tokenizer
+from model_zoo.tiny import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 STICKY = "CUDA error: an illegal memory access was encountered"

@@ -6,10 +6,10 @@ import asyncio
 
 import redis.asyncio as aioredis
 
+import jobspec
 from generator_fleet.engine import EngineServer
 from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key, live_engines
 from generator_fleet.rollout import EnginePool, RolloutWorker
-from slipstream import jobspec
 
 KEY = "reg-key"
 

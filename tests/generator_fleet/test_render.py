@@ -8,7 +8,7 @@ import string
 import pytest
 
 from generator_fleet.agent.render import TemplateNotPrefixStable, render_delta, render_prompt
-from trainer.tiny_model import build_tokenizer
+from model_zoo.tiny import build_tokenizer
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request, Response
 from sglang_env import REAL_SGLANG_ENV, SGLANG_INSTALLED, install_shim
 from sglang_shim import parse as shim_parse
 
+from common.net import free_port
 from generator_fleet.client import EngineClient
 from generator_fleet.engine import EngineServer
 from generator_fleet.launch import (
@@ -40,8 +41,7 @@ from generator_fleet.launch import (
     sglang_command,
 )
 from generator_fleet.registry import engines_key, live_engines
-from slipstream.jobspec import SGLangSpec
-from slipstream.redis_server import free_port
+from jobspec import SGLangSpec
 
 KEY = "launch-key"
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -348,8 +348,8 @@ def test_job_with_sglang_engines_behind_a_router(tmp_path, tiny_model_dir):
     """`slipstream run` with engine: sglang and a router: the fleet launches the server (here the shim,
     through `sglang.python`, as for SGLang in its own venv), adds it to the router, sends rollouts through
     the router and weight updates straight to the engine, and stops it at the end."""
-    from slipstream import jobspec
-    from slipstream.launcher import run_job
+    import jobspec
+    from slipstream.job.local import run_job
 
     python = tmp_path / "python-with-sglang"
     env = install_shim(tmp_path / "shim")

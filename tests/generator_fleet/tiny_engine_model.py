@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from generator_fleet.tasks.arith import ALPHABET, ArithTask
-from trainer.tiny_model import build, save
+from model_zoo.tiny import build, save
 
 NOISE_STD = 0.5
 

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from replay_buffer import ReplayBuffer, Sample, make_group
-from slipstream.jobs import JobStore
-from slipstream.launcher import ProgressReader
+from slipstream.cluster.job_store import JobStore
+from slipstream.job.local import ProgressReader
 
 
 def _group(job, versions, prompt="p"):

@@ -14,8 +14,8 @@ import redis.asyncio as aioredis
 
 from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
 from replay_buffer import metrics as bm
+from replay_buffer.redis_server import ManagedRedis, job_user, set_job_user
 from replay_buffer.stream import RedisFullError
-from slipstream.redis_server import ManagedRedis, job_user, set_job_user
 
 MAXMEMORY = 4 << 20
 """Small enough to fill in a moment, above what an empty redis-server uses (~1 MB)."""

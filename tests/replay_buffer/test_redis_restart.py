@@ -21,7 +21,7 @@ import pytest
 import redis
 
 from replay_buffer import ReplayBuffer, decode
-from slipstream.redis_server import ManagedRedis
+from replay_buffer.redis_server import ManagedRedis
 
 # The writer acknowledges a group (prints ACK) only after put() returned: Redis has replied to the MULTI/EXEC.
 # No retries: a retried EXEC whose reply was lost could store a group twice, and the writer must stop at the

@@ -25,10 +25,10 @@ import schemathesis
 import uvicorn
 from api_fuzz import error_message, fuzz
 
-from slipstream.api import MAX_BODY_BYTES, create_app
-from slipstream.cluster import ClusterInfo
-from slipstream.control import JobControl
-from slipstream.redis_server import ManagedRedis
+from replay_buffer.redis_server import ManagedRedis
+from slipstream.cluster.api import MAX_BODY_BYTES, create_app
+from slipstream.cluster.control import JobControl
+from slipstream.cluster.services import ClusterInfo
 
 TOKEN = "fuzz-" + secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -1,4 +1,4 @@
-"""The control API's HTTP limits on a real cluster's API process (`python -m slipstream.api`, started by
+"""The control API's HTTP limits on a real cluster's API process (`python -m slipstream.cluster.api`, started by
 `cluster.up`, default options): the token is checked on the request head, before any body byte is read
 (a chunked upload of tens of MiB without a token is refused at once: the server neither reads it nor grows
 by it; invalid JSON without a token is a 401, not a 422); a chunked body over 1 MiB with the token is a 413
@@ -16,8 +16,8 @@ import httpx
 import pytest
 from raw_http import connect, read_until_closed, send_chunks
 
-from slipstream import cluster
-from slipstream.api import MAX_BODY_BYTES
+from slipstream.cluster import services as cluster
+from slipstream.cluster.api import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.slow
 

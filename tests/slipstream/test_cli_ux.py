@@ -19,8 +19,9 @@ import httpx
 import pytest
 import redis
 
-from slipstream import cli, cluster
-from slipstream.jobs_cli import ControlClient, render_status
+from slipstream import cli
+from slipstream.cli.jobs import ControlClient, render_status
+from slipstream.cluster import services as cluster
 
 JOB_TIMEOUT_S = 300
 
@@ -88,8 +89,8 @@ def test_status_shows_the_phase_of_a_job_that_is_not_running_yet():
 
 
 def test_log_files_hold_no_terminal_escapes_or_progress_redraws(tmp_path):
-    """The formatter of the driver's and every component's file handler (slipstream/driver.py, actors.py)."""
-    from slipstream.logtext import PlainFormatter, plain
+    """The formatter of the driver's and every component's file handler (slipstream/job/driver.py, actors.py)."""
+    from common.logtext import PlainFormatter, plain
 
     fh = logging.FileHandler(tmp_path / "c.log")
     fh.setFormatter(PlainFormatter("%(levelname)s %(message)s"))
@@ -108,10 +109,10 @@ def test_log_files_hold_no_terminal_escapes_or_progress_redraws(tmp_path):
 def test_slipstream_run_prints_each_step_once(redis_server, tmp_path, caplog, capsys):
     """`slipstream run` prints every progress record as its line (format_progress); the driver's own log
     line of that step must not print it a second time (the cluster's driver.log keeps it at INFO)."""
-    from slipstream import jobspec
-    from slipstream.driver import JobDriver
-    from slipstream.jobs import JobStore
-    from slipstream.launcher import format_progress
+    import jobspec
+    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.driver import JobDriver
+    from slipstream.job.local import format_progress
 
     spec = jobspec.loads(f"name: once\noutput_dir: {tmp_path}\nalgorithm: {{total_steps: 10}}\n")
     r = redis_server.client()
@@ -298,7 +299,7 @@ buffer: {{max_staleness: 1}}
 
 @pytest.mark.slow
 def test_rm_purge_deletes_only_the_jobs_own_directory_under_home(info, client, tmp_path, capsys):
-    from slipstream.jobs import JobStore
+    from slipstream.cluster.job_store import JobStore
 
     store = JobStore(redis.Redis.from_url(info.redis_url))
     own = Path(info.home) / "jobs" / "ended"

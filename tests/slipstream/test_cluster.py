@@ -1,4 +1,4 @@
-"""`slipstream cluster up/down/status` (slipstream/cluster.py) with real processes: Redis, a Ray head with
+"""`slipstream cluster up/down/status` (slipstream/cluster/services.py) with real processes: Redis, a Ray head with
 token auth, Prometheus (if installed) and the control API, all in one short-path HOME under /tmp.
 One cluster for the module; the last tests take it down and up again through the CLI."""
 
@@ -21,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from slipstream import cluster
+from slipstream.cluster import services as cluster
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)

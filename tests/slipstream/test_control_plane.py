@@ -11,8 +11,9 @@ import httpx
 import pytest
 import redis
 
-from slipstream import cli, cluster
-from slipstream.jobs_cli import ControlClient
+from slipstream import cli
+from slipstream.cli.jobs import ControlClient
+from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +77,7 @@ def test_api_requires_the_token(info):
 
 
 def test_bad_specs_fail_at_submit_with_the_key_path(info, client, tmp_path, capsys):
-    from slipstream.jobs_cli import ApiError
+    from slipstream.cli.jobs import ApiError
 
     with pytest.raises(ApiError, match=r"unknown key - at `\$\.algorithm\.lrr`.*HTTP 422"):
         client.submit("algorithm: {lrr: 1}", [], str(tmp_path))
@@ -103,7 +104,7 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     print(f"running: version {st['version']}, reward {st['reward_mean']:.3f}")
 
     # A second job shares the cluster: it runs to its end beside the first, on keys and files of its own.
-    from slipstream.jobs_cli import ApiError
+    from slipstream.cli.jobs import ApiError
 
     with pytest.raises(ApiError, match="is running; stop it first.*HTTP 409"):
         client.submit(spec.read_text(), [], str(tmp_path))

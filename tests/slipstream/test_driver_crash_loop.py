@@ -7,7 +7,7 @@ import time
 import pytest
 import ray
 
-from slipstream import driver as driver_mod
+from slipstream.job import driver as driver_mod
 
 CAUSE = "No module named 'math_verify'"
 

@@ -3,8 +3,8 @@
 import msgspec
 import pytest
 
-from slipstream import jobspec
-from slipstream.launcher import run_job
+import jobspec
+from slipstream.job.local import run_job
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A running job whose built-in engine hits a CUDA error that poisons its context (local Ray, real
-redis-server, the engine in its Ray actor, gloo trainer; slipstream/faults.py). The fault is injected
+redis-server, the engine in its Ray actor, gloo trainer; slipstream/job/faults.py). The fault is injected
 through the runner's testing hook (a file the first engine step after it appears takes and raises, as
 a real sticky CUDA error would). The engine turns unhealthy and stops, its actor's watch() fails with
 the cause, the driver logs that cause and replaces it, and training goes on with nothing lost."""
@@ -10,8 +10,9 @@ import logging
 
 import pytest
 
+import jobspec
 from generator_fleet.engine.runner import FAULT_ENV
-from slipstream import faults, jobspec
+from slipstream.job import faults
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ bus: {{backend: gloo, timeout_s: 5.0}}
 def test_a_poisoned_engine_is_replaced_and_training_goes_on(tmp_path, tiny_model_dir, monkeypatch, caplog):
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_ENV, f"@{fault}")  # the job's Ray processes inherit it
-    caplog.set_level(logging.WARNING, logger="slipstream.driver")
+    caplog.set_level(logging.WARNING, logger="slipstream.job.driver")
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
         d = job.driver
         job.wait("the first steps", lambda: job.version() >= 2)

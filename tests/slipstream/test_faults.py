@@ -1,5 +1,5 @@
 """Faults injected into a running job's real processes (local Ray, real redis-server, two built-in
-engines, gloo trainer; slipstream/faults.py): kill -9 a rollout worker mid-episode, kill -9 an engine
+engines, gloo trainer; slipstream/job/faults.py): kill -9 a rollout worker mid-episode, kill -9 an engine
 mid-generation, hang an engine (SIGSTOP) while the trainer keeps publishing, kill -9 the trainer
 mid-step, kill -9 redis-server and restart it on its AOF (appendfsync always). The job driver replaces
 each process and every client rides out the Redis outage; training goes on, and at the end no group is
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream import driver as driver_mod
-from slipstream import faults, jobspec
+import jobspec
+from slipstream.job import driver as driver_mod
+from slipstream.job import faults
 
 pytestmark = pytest.mark.slow
 

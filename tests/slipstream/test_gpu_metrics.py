@@ -1,4 +1,4 @@
-"""GPU gauges (slipstream/gpu_metrics.py): parsing and labelling on any host (nvidia-smi's output given by
+"""GPU gauges (slipstream/job/gpu_metrics.py): parsing and labelling on any host (nvidia-smi's output given by
 a small fake), a CPU-only process exports nothing, and on a GPU host the real readings."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from metrics_text import sample
 from prometheus_client import CollectorRegistry, generate_latest
 
-from slipstream import gpu_metrics
+from slipstream.job import gpu_metrics
 
 SMI = "0, 37, 1024, 81920\n1, 100, 2048, 81920\n"
 

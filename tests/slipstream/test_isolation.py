@@ -18,8 +18,8 @@ import psutil
 import pytest
 import redis
 
-from slipstream import cluster
-from slipstream.jobs_cli import ControlClient
+from slipstream.cli.jobs import ControlClient
+from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 

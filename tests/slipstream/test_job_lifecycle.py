@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slipstream import cli, cluster
-from slipstream.jobs_cli import ApiError, ControlClient
+from slipstream import cli
+from slipstream.cli.jobs import ApiError, ControlClient
+from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 
@@ -157,7 +158,7 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
 
 
 def _latest(out_dir: Path) -> Path | None:
-    from slipstream.jobs import latest_checkpoint
+    from slipstream.cluster.job_store import latest_checkpoint
 
     ck = latest_checkpoint(out_dir / "checkpoints")
     return Path(ck["path"]) if ck else None

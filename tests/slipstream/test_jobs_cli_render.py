@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from slipstream.jobs_cli import render_status
+from slipstream.cli.jobs import render_status
 
 
 def _text(st: dict) -> str:

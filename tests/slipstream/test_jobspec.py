@@ -1,6 +1,6 @@
 import pytest
 
-from slipstream import jobspec
+import jobspec
 
 
 def _write(tmp_path, text):

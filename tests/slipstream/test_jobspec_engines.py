@@ -3,7 +3,7 @@ combinations failing before anything starts, with the path of the key at fault."
 
 import pytest
 
-from slipstream import jobspec
+import jobspec
 
 
 def test_sglang_and_external_specs_resolve():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from slipstream.report import write_report, write_report_logged
+from slipstream.job.report import write_report, write_report_logged
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

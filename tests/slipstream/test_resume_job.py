@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from slipstream import jobspec
-from slipstream.launcher import run_job
+import jobspec
+from slipstream.job.local import run_job
 
 pytestmark = pytest.mark.slow
 

@@ -20,8 +20,8 @@ import redis
 from replay_buffer import ReplayBuffer
 from replay_buffer.keys import TRAINER_GROUP
 from replay_buffer.schema import decode
-from slipstream import cluster
-from slipstream.jobs_cli import ControlClient
+from slipstream.cli.jobs import ControlClient
+from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from slipstream import cluster
+from slipstream.cluster import services as cluster
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -215,7 +215,7 @@ def test_every_engine_route_but_health_and_metrics_refuses_a_missing_or_wrong_ke
 
 @pytest.mark.slow  # the module's cluster: ~30 s to start on a loaded 2-core box
 def test_every_control_api_route_but_health_and_static_pages_refuses_a_missing_or_wrong_token(info):
-    from slipstream.api import create_app
+    from slipstream.cluster.api import create_app
 
     routes = _routes(create_app("enumeration-only"))  # the same routes the cluster's API process serves
     assert ("POST", "/jobs") in routes and ("POST", "/jobs/{name}/stop") in routes
@@ -265,7 +265,7 @@ def test_engine_compares_the_key_in_constant_time(engine, compare_spy):
 def test_control_api_compares_the_token_in_constant_time(compare_spy):
     from fastapi.testclient import TestClient
 
-    from slipstream.api import create_app
+    from slipstream.cluster.api import create_app
 
     token = secrets.token_hex(16)
     with TestClient(create_app(token)) as client:
@@ -292,8 +292,8 @@ def test_services_slipstream_starts_listen_on_loopback_by_default(info, engine):
 
 _METRICS_PROCESS = """
 import sys, time
-from slipstream.actors import _setup_process
-from slipstream.jobspec import JobSpec
+from slipstream.job.actors import _setup_process
+from jobspec import JobSpec
 _setup_process(JobSpec(name="sec-metrics", output_dir=sys.argv[2]), "probe", sys.argv[1], 1)
 print("ready", flush=True)
 time.sleep(600)
@@ -302,7 +302,7 @@ time.sleep(600)
 
 @pytest.mark.slow  # the module's cluster: ~30 s to start on a loaded 2-core box
 def test_component_metrics_servers_listen_on_loopback(info, tmp_path):
-    """What every Ray actor does first (slipstream/actors.py): its prometheus_client server and target."""
+    """What every Ray actor does first (slipstream/job/actors.py): its prometheus_client server and target."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _METRICS_PROCESS, info.redis_url, str(tmp_path)],
         stdout=subprocess.PIPE,

@@ -25,11 +25,13 @@ from pathlib import Path
 
 import pytest
 
-from slipstream import cli, cluster, jobspec
-from slipstream.cluster import ClusterInfo
-from slipstream.control import ControlError, JobControl
-from slipstream.jobs import check_name
-from slipstream.redis_server import ManagedRedis
+import jobspec
+from replay_buffer.redis_server import ManagedRedis
+from slipstream import cli
+from slipstream.cluster import services as cluster
+from slipstream.cluster.control import ControlError, JobControl
+from slipstream.cluster.job_store import check_name
+from slipstream.cluster.services import ClusterInfo
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RAY = "Ray job submission failed"
@@ -240,7 +242,7 @@ def test_values_that_would_fail_later_are_refused_at_submit(control, spec, overr
 
 def test_submit_and_scale_share_one_pool_cap(control):
     assert jobspec.MAX_POOL == 4096
-    from slipstream.api import MAX_POOL
+    from slipstream.cluster.api import MAX_POOL
 
     assert MAX_POOL is jobspec.MAX_POOL
     _accepted(control, "name: pools\ngenerators: {num_engines: 4096, num_workers: 4096}")
@@ -262,7 +264,7 @@ def test_relative_paths_are_the_working_directorys_in_validate_and_submit(
 ):
     import uvicorn
 
-    from slipstream.api import create_app
+    from slipstream.cluster.api import create_app
 
     specs = tmp_path / "specs"
     specs.mkdir()
@@ -319,8 +321,8 @@ def test_the_examples_never_build_a_model_inside_examples(monkeypatch, capsys):
 BUILD = """
 import hashlib, logging, sys
 from pathlib import Path
-from slipstream import jobspec
-from slipstream.launcher import prepare_model
+import jobspec
+from slipstream.job.local import prepare_model
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 spec = jobspec.loads(sys.argv[1])
 prepare_model(spec)
@@ -373,7 +375,7 @@ def info():
 
 def _driver(info, job: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slipstream.driver", "--home", info.home, "--job", job],
+        [sys.executable, "-m", "slipstream.job.driver", "--home", info.home, "--job", job],
         env=ENV, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -416,7 +418,7 @@ def test_a_driver_without_its_jobs_spec_fails_instead_of_running_defaults(info):
 
 @pytest.mark.slow
 def test_a_job_whose_trainer_fails_carries_the_real_cause(info, tmp_path, tiny_model_dir):
-    from slipstream.jobs_cli import ControlClient
+    from slipstream.cli.jobs import ControlClient
 
     client = ControlClient(info.api_url, info.api_token)
     # 192.0.2.1 (TEST-NET-1) is no address of this host: the trainer cannot host the weight group's store

@@ -1,4 +1,4 @@
-"""Prometheus file_sd targets from Redis (slipstream/targets.py), against a real redis-server and as the
+"""Prometheus file_sd targets from Redis (slipstream/cluster/targets.py), against a real redis-server and as the
 app's ACL user, who may SCAN but not KEYS."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from prometheus_client import REGISTRY
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from slipstream.redis_server import ManagedRedis, free_port
-from slipstream.targets import FILE_NAME, TargetWriter, write_file_sd
+from common.net import free_port
+from replay_buffer.redis_server import ManagedRedis
+from slipstream.cluster.targets import FILE_NAME, TargetWriter, write_file_sd
 
 WAIT_S = 30.0
 """Upper bound on waiting for the writer thread; a timeout only, never a performance threshold."""
@@ -127,7 +128,7 @@ def test_removed_target_disappears(r, tmp_path):
 def test_writer_thread_follows_redis_and_stops(r, tmp_path, caplog):
     r.hset("slipstream:eps:metrics_targets", "trainer-0", "127.0.0.1:9401")
     writer = TargetWriter(r, tmp_path, interval_s=0.05)
-    with caplog.at_level(logging.INFO, logger="slipstream.targets"):
+    with caplog.at_level(logging.INFO, logger="slipstream.cluster.targets"):
         writer.start()
         _wait_for(lambda: (tmp_path / FILE_NAME).exists() and len(_read(tmp_path)) == 1, "the first target")
         r.hset("slipstream:eps:metrics_targets", "engine-0", "127.0.0.1:9402")  # a new engine joins
@@ -152,7 +153,7 @@ def test_writer_survives_redis_down(tmp_path, caplog):
     )
     out = tmp_path / "targets"
     writer = TargetWriter(client, out, interval_s=0.05)
-    with caplog.at_level(logging.WARNING, logger="slipstream.targets"):
+    with caplog.at_level(logging.WARNING, logger="slipstream.cluster.targets"):
         writer.start()
         _wait_for(lambda: any("not updated" in rec.getMessage() for rec in caplog.records), "a warning")
         with ManagedRedis(data_dir=tmp_path / "redis", port=port, password=password) as server:

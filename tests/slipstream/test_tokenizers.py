@@ -1,6 +1,6 @@
-from slipstream.tokenizers import load_tokenizer
-from trainer import tiny_model
-from trainer.tool_model import build_tokenizer
+from model_zoo import tiny as tiny_model
+from model_zoo.tiny_tools import build_tokenizer
+from models.tokenizers import load_tokenizer
 
 
 def test_char_level_tokenizer_keeps_whitespace_after_a_round_trip(tmp_path):

@@ -3,8 +3,8 @@ calculator), real engines over HTTP, the real calculator, Redis, Ray, the traine
 
 import pytest
 
-from slipstream import jobspec
-from slipstream.launcher import run_job
+import jobspec
+from slipstream.job.local import run_job
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ WARMUP_STEPS = 200
 @pytest.fixture(scope="session")
 def tools_model_dir(tmp_path_factory):
     from generator_fleet.tasks.word_problems import WordProblemTask
-    from trainer.tool_model import build_tiny_tools
+    from model_zoo.tiny_tools import build_tiny_tools
 
     path = tmp_path_factory.mktemp("tools_model")
     build_tiny_tools(

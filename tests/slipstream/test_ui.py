@@ -1,4 +1,4 @@
-"""The control API's built-in web page (slipstream/ui.py) and its JSON route /jobs/NAME/progress: the
+"""The control API's built-in web page (slipstream/cluster/ui.py) and its JSON route /jobs/NAME/progress: the
 HTML and script are served without a token and hold no data; the progress records need the token.
 JobControl.progress is checked against a real Redis; the page itself in headless Chromium when one is
 installed (the screenshot is kept as docs/ui_status.png)."""
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from slipstream.api import create_app
-from slipstream.control import ControlError, JobControl
-from slipstream.ui import APP_JS
+from slipstream.cluster.api import create_app
+from slipstream.cluster.control import ControlError, JobControl
+from slipstream.cluster.ui import APP_JS
 
 TOKEN = "t0k3n-for-the-ui-test"
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,7 +106,7 @@ def test_progress_route_requires_the_token() -> None:
 
 def test_job_control_progress_reads_the_stream(redis_client, job_id) -> None:
     from replay_buffer.keys import JobKeys
-    from slipstream.jobs import JobStore
+    from slipstream.cluster.job_store import JobStore
 
     ctl = JobControl.__new__(JobControl)  # Redis only: no cluster, no Ray
     ctl.r, ctl.store = redis_client, JobStore(redis_client)

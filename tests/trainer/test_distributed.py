@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import jobspec
+from common.net import free_port
 from replay_buffer import Sample, make_group
-from slipstream import jobspec
-from slipstream.redis_server import free_port
 
 STEPS = 3
 CHECKPOINT_AFTER = 1  # steps done when the checkpoint is written

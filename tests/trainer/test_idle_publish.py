@@ -11,9 +11,9 @@ import time
 import torch
 from prometheus_client import REGISTRY
 
+import jobspec
 from generator_fleet.engine import EngineServer
 from generator_fleet.registry import EngineRegistration, EngineRegistry
-from slipstream import jobspec
 from trainer.trainer import Trainer
 
 KEY = "idle-key"

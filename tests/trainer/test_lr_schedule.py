@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import jobspec
+from common.net import free_port
 from replay_buffer import Sample, make_group
-from slipstream import jobspec
-from slipstream.redis_server import free_port
 from trainer.lr_schedule import lr_at, lr_factor
 
 STEPS = 4

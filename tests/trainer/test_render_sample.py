@@ -1,5 +1,5 @@
+from model_zoo.tiny_tools import build_tokenizer
 from replay_buffer import Sample
-from trainer.tool_model import build_tokenizer
 from trainer.trainer import render_sample
 
 

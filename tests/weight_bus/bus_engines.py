@@ -13,7 +13,7 @@ import httpx
 import torch
 
 from generator_fleet.tasks.arith import ALPHABET, ArithTask
-from trainer.tiny_model import build
+from model_zoo.tiny import build
 
 KEY = "bus-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -4,7 +4,7 @@ import threading
 
 import torch
 
-from slipstream.redis_server import free_port
+from common.net import free_port
 from weight_bus import WeightReceiver, buckets, flatten
 from weight_bus.group import broadcast, dtype_name, new_group
 from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromDistributed

@@ -7,8 +7,8 @@ import pytest
 from bus_engines import AUTH, KEY, noisy_model
 
 import weight_bus.pipeline as pipeline
+from common.net import free_port
 from generator_fleet.engine import EngineServer
-from weight_bus.group import free_port
 from weight_bus.pipeline import Pipeline
 
 

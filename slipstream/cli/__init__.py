@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 
-from slipstream import cluster, jobs_cli, jobspec
+import jobspec
+from slipstream.cli import jobs as jobs_cli
+from slipstream.cluster import services as cluster
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,7 +64,7 @@ def _buffer_stats(args) -> int:
             return 2
         url = url_file.read_text().strip()
     if url is None:  # a job of the cluster
-        from slipstream.jobs import JobStore
+        from slipstream.cluster.job_store import JobStore
 
         try:
             info = cluster.load_info(args.home)
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from slipstream.launcher import format_progress, run_job
+    from slipstream.job.local import format_progress, run_job
 
     try:
         result = run_job(

@@ -18,15 +18,15 @@ from typing import NamedTuple
 import msgspec
 import redis
 
+from jobspec import JobSpec, to_json
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.cluster import project_pythonpath
-from slipstream.jobspec import JobSpec, to_json
-from slipstream.redis_server import ManagedRedis
+from replay_buffer.redis_server import ManagedRedis
+from slipstream.cluster.services import project_pythonpath
 
 log = logging.getLogger(__name__)
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 STOP_TIMEOUT_S = 30.0
@@ -44,7 +44,7 @@ class JobResult(msgspec.Struct):
 def resolve_paths(spec: JobSpec) -> JobSpec:
     """Absolute paths (actors run with another working directory), by jobspec.resolve_paths' rule:
     relative to this process's working directory."""
-    from slipstream import jobspec
+    import jobspec
 
     return jobspec.resolve_paths(spec, Path.cwd())
 
@@ -93,7 +93,7 @@ def prepare_model(spec: JobSpec) -> None:
 
 def _build_model(spec: JobSpec, build: str, path: Path) -> None:
     if build == "tiny-arith":
-        from trainer.warmup import build_tiny_arith
+        from model_zoo.warmup import build_tiny_arith
 
         build_tiny_arith(
             path,
@@ -103,7 +103,7 @@ def _build_model(spec: JobSpec, build: str, path: Path) -> None:
         )
     elif build == "tiny-tools":
         from generator_fleet.tasks import build_task
-        from trainer.tool_model import build_tiny_tools
+        from model_zoo.tiny_tools import build_tiny_tools
 
         build_tiny_tools(
             path,
@@ -112,7 +112,7 @@ def _build_model(spec: JobSpec, build: str, path: Path) -> None:
             seed=spec.dataset.seed,
         )
     elif build == "smollm2-135m":
-        from trainer.pretrained import build_smollm2
+        from model_zoo.smollm2 import build_smollm2
 
         build_smollm2(path)
     else:
@@ -217,7 +217,7 @@ class EngineURLs(NamedTuple):
 
 def engine_actor(spec: JobSpec):
     """(actor class with the Ray resources of one launched engine, its GPUs): `builtin` or `sglang`."""
-    from slipstream.actors import EngineActor, SGLangEngineActor
+    from slipstream.job.actors import EngineActor, SGLangEngineActor
 
     g = spec.generators
     if g.engine == "sglang":
@@ -232,7 +232,7 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
     engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
     import ray
 
-    from slipstream.actors import ExternalEnginesActor
+    from slipstream.job.actors import ExternalEnginesActor
 
     g = spec.generators
     if g.engine == "external":
@@ -302,11 +302,11 @@ def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = Non
 
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
     """Run `spec` to completion on a fresh local Ray instance with the cluster's job driver
-    (slipstream/driver.py: the same pools, supervision and teardown); returns the summary."""
+    (slipstream/job/driver.py: the same pools, supervision and teardown); returns the summary."""
     import ray
 
-    from slipstream.driver import JobDriver
-    from slipstream.jobs import JobStore
+    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.driver import JobDriver
 
     spec = resolve_paths(spec)
     out = Path(spec.output_dir)
@@ -337,7 +337,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         stats = ReplayBuffer(r, spec.name).stats()
         progress = driver.records
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
-        from slipstream.report import write_report_logged
+        from slipstream.job.report import write_report_logged
 
         write_report_logged(progress, out)  # PNG plots; never fails the job
         return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)

@@ -2,7 +2,7 @@
 
 Services, started in this order and stopped in the reverse one: Redis (AOF, password, ACL user), a Ray
 head (token auth, dashboard + job API), Prometheus (optional: skipped if no binary) and the control API
-(slipstream/api.py). Each runs in its own session, so it outlives the command that started it; its pid
+(slipstream/cluster/api.py). Each runs in its own session, so it outlives the command that started it; its pid
 goes to HOME/cluster.json, and `down` signals exactly those processes (never `ray stop`, which kills every
 Ray instance of the user on the machine).
 
@@ -42,7 +42,7 @@ import msgspec
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def project_pythonpath() -> str:
@@ -253,7 +253,7 @@ def _connect_host(host: str) -> str:
 
 
 def _info(home: Path, state: _State, sec: dict[str, str]) -> ClusterInfo:
-    from slipstream.redis_server import APP_USER
+    from replay_buffer.redis_server import APP_USER
 
     h, pw = _connect_host(state.host), sec["redis_password"]
     return ClusterInfo(
@@ -328,7 +328,7 @@ def _markers(home: Path, state: _State, service: str) -> list[str]:
         ],  # Redis sets its title to "redis-server HOST:PORT"
         "ray": [" ray.scripts.scripts start ", f" --temp-dir {state.ray_temp_dir} "],
         "prometheus": [f" --config.file={home / 'prometheus' / 'prometheus.yml'} "],
-        "api": [" slipstream.api ", f" --home {home} "],
+        "api": [" slipstream.cluster.api ", f" --home {home} "],
     }[service]
 
 
@@ -348,7 +348,7 @@ def _port_open(host: str, port: int) -> bool:
 
 
 def _free_port(host: str) -> int:
-    from slipstream.redis_server import free_port
+    from common.net import free_port
 
     return free_port(host)
 
@@ -452,7 +452,7 @@ def _stop_ray(pid: int | None, temp_dir: str) -> None:
 
 
 def _start_redis(home: Path, state: _State, sec: dict[str, str]) -> int:
-    from slipstream.redis_server import DEFAULT_MAXMEMORY, ManagedRedis
+    from replay_buffer.redis_server import DEFAULT_MAXMEMORY, ManagedRedis
 
     server = ManagedRedis(
         data_dir=home / "redis",
@@ -553,7 +553,7 @@ def render_prometheus_config(home: Path, temp_dir: str) -> Path:
             "  - job_name: slipstream\n    file_sd_configs:\n      - files: ['targets/*.json']\n"
             f"  - job_name: ray\n    file_sd_configs:\n      - files: ['{ray_sd}']\n"
         )
-    out.write_text(f"# rendered by slipstream/cluster.py from {template}\n" + text)
+    out.write_text(f"# rendered by slipstream/cluster/services.py from {template}\n" + text)
     return out
 
 
@@ -586,7 +586,7 @@ def _serving(home: Path, service: str, proc: subprocess.Popen, url: str) -> int:
 
 def _start_api(home: Path, state: _State, info: ClusterInfo) -> int:
 
-    cmd = [sys.executable, "-m", "slipstream.api", "--home", str(home), "--host", state.host]
+    cmd = [sys.executable, "-m", "slipstream.cluster.api", "--home", str(home), "--host", state.host]
     cmd += ["--port", str(state.ports["api"])]
     if state.tool_modules is not None:
         cmd += ["--tool-modules", ",".join(state.tool_modules)]
@@ -787,8 +787,8 @@ def stop_jobs(home: Path, state: _State, timeout_s: float = JOB_STOP_TIMEOUT_S) 
     whose driver is gone when it starts again)."""
     if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
         return {}
-    from slipstream.control import JobControl
-    from slipstream.jobs import ACTIVE_STATES
+    from slipstream.cluster.control import JobControl
+    from slipstream.cluster.job_store import ACTIVE_STATES
 
     info = _info(home, state, _load_secrets(home, create=False))
     control = JobControl(info)

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import ray
 
+from common.logtext import PlainFormatter
+from jobspec import JobSpec
 from replay_buffer.client import connect
-from slipstream.jobspec import JobSpec
-from slipstream.logtext import PlainFormatter
 
 
 def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> None:
     import torch
     from prometheus_client import start_http_server
 
-    from slipstream import gpu_metrics
+    from slipstream.job import gpu_metrics
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)

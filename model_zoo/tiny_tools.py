@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from generator_fleet.agent.render import render_prompt
 from generator_fleet.tools.calculator import Calculator
-from trainer import tiny_model
-from trainer.warmup import sft
+from model_zoo import tiny as tiny_model
+from model_zoo.warmup import sft
 
 log = logging.getLogger(__name__)
 

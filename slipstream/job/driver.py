@@ -1,5 +1,5 @@
 """The job driver: runs one submitted job on the cluster's Ray, as a Ray job (`slipstream submit` starts
-`python -m slipstream.driver --home HOME --job NAME` through Ray's job API). It starts the job's pools,
+`python -m slipstream.job.driver --home HOME --job NAME` through Ray's job API). It starts the job's pools,
 then reconciles them with what the user wants, as recorded in Redis by the control API:
 
 - generators N: engines (+ their rollout workers) are added or removed while training goes on. A new
@@ -22,7 +22,7 @@ It also supervises the pools (at most MAX_RESTARTS replacements per kind):
   latest checkpoint (or the initial model if none was written); the groups it had read but not committed
   are redelivered to the new rank 0, and the commit ledger never trains a group twice.
 
-It reports the job's state and progress to Redis (slipstream/jobs.py) for `slipstream status`.
+It reports the job's state and progress to Redis (slipstream/cluster/job_store.py) for `slipstream status`.
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ from pathlib import Path
 import msgspec
 import redis
 
+import jobspec
+from common.logtext import PlainFormatter
 from generator_fleet.registry import EngineRegistry, engines_key, joining_key
+from jobspec import JobSpec
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream import jobspec
-from slipstream.jobs import JobStore, check_name
-from slipstream.jobspec import JobSpec
-from slipstream.launcher import (
+from slipstream.cluster.job_store import JobStore, check_name
+from slipstream.job.local import (
     RUN_FILES,
     STOP_TIMEOUT_S,
     ProgressReader,
@@ -58,9 +59,8 @@ from slipstream.launcher import (
     start_engines,
     stop_actors,
 )
-from slipstream.logtext import PlainFormatter
 
-log = logging.getLogger("slipstream.driver")
+log = logging.getLogger("slipstream.job.driver")
 
 POLL_S = 0.5
 """How often desired state and commands are read."""
@@ -205,7 +205,7 @@ class JobDriver:
         self.add_workers(g.num_workers if n == g.num_engines else workers_per_engine(self.spec) * n)
 
     def add_workers(self, count: int) -> None:
-        from slipstream.actors import RolloutActor
+        from slipstream.job.actors import RolloutActor
 
         for _ in range(count):
             a = RolloutActor.remote(
@@ -281,7 +281,7 @@ class JobDriver:
         self.report("running", scaling=None)
 
     def start_trainers(self, m: int, resume_from: str | None = None) -> None:
-        from slipstream.actors import TrainerActor
+        from slipstream.job.actors import TrainerActor
 
         spec = self._spec_with(num_trainers=m, **({"resume_from": resume_from} if resume_from else {}))
         rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
@@ -664,7 +664,7 @@ def _kill(actor) -> None:
 def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> dict:
     """The job's final status fields on its checkpoint: `checkpoint` (path, "" if none),
     `checkpoint_version`, and `note`, one line on what a resumption starts from."""
-    from slipstream.jobs import latest_checkpoint
+    from slipstream.cluster.job_store import latest_checkpoint
 
     if result is not None and result.get("checkpoint"):
         ck = {"path": result["checkpoint"], "version": result.get("checkpoint_version")}
@@ -719,32 +719,32 @@ def _raise_stop(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slipstream import cluster
+    from slipstream.cluster import services as cluster
 
-    p = argparse.ArgumentParser(prog="python -m slipstream.driver", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m slipstream.job.driver", description=__doc__.splitlines()[0])
     p.add_argument("--home", required=True, help="the cluster's state directory")
     p.add_argument("--job", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The job's own Redis user (its keys only), not the control plane's: cluster.job_redis_url.
     if why := check_name(args.job):
-        print(f"slipstream.driver: job name {args.job!r}: {why}", file=sys.stderr)
+        print(f"slipstream.job.driver: job name {args.job!r}: {why}", file=sys.stderr)
         return 1
     try:
         redis_url = cluster.job_redis_url(args.home, args.job)
     except OSError as e:
-        print(f"slipstream.driver: job {args.job!r} has no Redis credentials: {e}", file=sys.stderr)
+        print(f"slipstream.job.driver: job {args.job!r} has no Redis credentials: {e}", file=sys.stderr)
         return 1
     store = JobStore(connect(redis_url))
     try:
         spec = load_job_spec(store, args.job)
     except jobspec.JobSpecError as e:  # never run a job on defaults: fail it, loudly
-        print(f"slipstream.driver: {e}", file=sys.stderr)
+        print(f"slipstream.job.driver: {e}", file=sys.stderr)
         try:
             if store.status(args.job):
                 store.update_status(args.job, state="failed", error=str(e))
         except redis.RedisError as re_:
-            print(f"slipstream.driver: could not mark the job failed: {re_}", file=sys.stderr)
+            print(f"slipstream.job.driver: could not mark the job failed: {re_}", file=sys.stderr)
         return 1
     out = Path(spec.output_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
@@ -757,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    # The Ray job's runtime env (PYTHONPATH, HF_HUB_OFFLINE: slipstream/control.py) reaches every actor.
+    # The Ray job's runtime env (PYTHONPATH, HF_HUB_OFFLINE: slipstream/cluster/control.py) reaches every actor.
     ray.init(
         address="auto", namespace=f"slipstream-{args.job}", log_to_driver=True, logging_level=logging.WARNING
     )
@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         driver.close()  # the final state is reported once every actor is gone
-        from slipstream.report import write_report_logged
+        from slipstream.job.report import write_report_logged
 
         write_report_logged(driver.records, out)  # PNG plots; logs and swallows any failure
         driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))

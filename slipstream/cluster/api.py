@@ -1,6 +1,6 @@
 """The control API: Slipstream's job operations over HTTP (FastAPI), every route but /healthz behind a
-bearer token (constant-time comparison). `make cluster-up` starts it as `python -m slipstream.api --home
-HOME`; it reads the cluster's addresses and secrets from HOME (slipstream/cluster.py writes them).
+bearer token (constant-time comparison). `make cluster-up` starts it as `python -m slipstream.cluster.api --home
+HOME`; it reads the cluster's addresses and secrets from HOME (slipstream/cluster/services.py writes them).
 OpenAPI docs at /docs.
 """
 
@@ -16,8 +16,8 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, Field
 
-from slipstream.http_guard import API_LIMITS, BearerGuard, BodyGuard, add_limit_arguments, limits_from_args
-from slipstream.jobspec import MAX_POOL  # a scale request's cap is the spec's pool-size cap
+from common.http_guard import API_LIMITS, BearerGuard, BodyGuard, add_limit_arguments, limits_from_args
+from jobspec import MAX_POOL  # a scale request's cap is the spec's pool-size cap
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class StopRequest(BaseModel):
 
 
 def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.body_timeout_s) -> FastAPI:
-    """`control`: a slipstream.control.JobControl (None: only /healthz answers, for tests of auth).
+    """`control`: a slipstream.cluster.control.JobControl (None: only /healthz answers, for tests of auth).
     The token is checked on the request's head, before any of its body is read (BearerGuard); the
     route dependency below checks it again and puts the scheme in the OpenAPI schema."""
     if not token:
@@ -96,7 +96,7 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
         return control
 
     def call(fn, *args, **kw):
-        from slipstream.control import ControlError
+        from slipstream.cluster.control import ControlError
 
         try:
             return fn(*args, **kw)
@@ -121,9 +121,9 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
     def progress(name: str, since: int = 0) -> dict:
         return call(ctl().progress, name, since)
 
-    # The built-in web page (slipstream/ui.py): HTML and script without auth (they hold no data); the
+    # The built-in web page (slipstream/cluster/ui.py): HTML and script without auth (they hold no data); the
     # script calls the JSON routes above with the token the user pastes (kept in sessionStorage).
-    from slipstream import ui
+    from slipstream.cluster import ui
 
     @app.get("/ui", include_in_schema=False)
     def ui_jobs() -> HTMLResponse:
@@ -166,11 +166,11 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from slipstream import cluster
-    from slipstream.control import JobControl
-    from slipstream.targets import TargetWriter
+    from slipstream.cluster import services as cluster
+    from slipstream.cluster.control import JobControl
+    from slipstream.cluster.targets import TargetWriter
 
-    p = argparse.ArgumentParser(prog="python -m slipstream.api", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m slipstream.cluster.api", description=__doc__.splitlines()[0])
     p.add_argument("--home", type=Path, required=True, help="the cluster's state directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)

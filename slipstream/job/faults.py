@@ -1,5 +1,5 @@
 """Fault injection into a running job's real processes, for the fault tests and the soak run
-(benchmarks/soak.py): a job driver (slipstream/driver.py) in a thread of this process, over a local Ray
+(benchmarks/soak.py): a job driver (slipstream/job/driver.py) in a thread of this process, over a local Ray
 and a private Redis, and functions that kill -9 or hang (SIGSTOP) its rollout workers, engines and
 trainer, each waiting until the driver replaced what it broke.
 
@@ -18,15 +18,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jobspec
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
-from slipstream import driver as driver_mod
-from slipstream import jobspec
-from slipstream.jobs import JobStore
-from slipstream.launcher import init_local_ray
-from slipstream.redis_server import ManagedRedis
+from replay_buffer.redis_server import ManagedRedis
+from slipstream.cluster.job_store import JobStore
+from slipstream.job import driver as driver_mod
+from slipstream.job.local import init_local_ray
 
-log = logging.getLogger("slipstream.faults")
+log = logging.getLogger("slipstream.job.faults")
 
 WAIT_S = 120.0
 """Bound on each wait for the driver to repair a fault or the trainer to make progress."""

@@ -1,7 +1,7 @@
 """Prometheus file_sd targets from the metrics addresses Slipstream's processes register in Redis.
 
 Every actor serves its metrics on 127.0.0.1 and registers `replica -> host:port` in the hash
-`slipstream:{job}:metrics_targets` (slipstream/actors.py). `write_file_sd` turns all jobs' hashes into one
+`slipstream:{job}:metrics_targets` (slipstream/job/actors.py). `write_file_sd` turns all jobs' hashes into one
 file_sd file, `<out_dir>/slipstream.json`, which deploy/prometheus.yml watches; `TargetWriter` keeps it
 current as pools scale. The file is replaced atomically and only when its content changes, so Prometheus
 never reads half a file and is not woken for nothing.

@@ -1,6 +1,6 @@
 """GPU utilisation and memory of the GPUs a process was given, read at scrape time: NVML (`pynvml`, from
 nvidia-ml-py) when importable, else `nvidia-smi`. Registered by every job process that sees a GPU
-(slipstream/actors.py); a CPU-only process exports none of these series.
+(slipstream/job/actors.py); a CPU-only process exports none of these series.
 
     slipstream_gpu_utilization_ratio{gpu}      fraction of the last sample period a kernel ran (0..1)
     slipstream_gpu_memory_used_bytes{gpu}      device memory in use (all processes)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from generator_fleet.tasks.arith import ALPHABET, ArithTask
-from trainer import tiny_model
+from model_zoo import tiny as tiny_model
 from trainer.logprobs import pad_batch
 
 log = logging.getLogger(__name__)

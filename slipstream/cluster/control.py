@@ -1,6 +1,6 @@
 """Job operations of the control plane (what the control API serves): submit a job as a Ray job running
-slipstream/driver.py, list and inspect jobs, read their logs, scale their pools, stop them, ask for a
-checkpoint. State lives in the cluster's Redis (slipstream/jobs.py); the driver acts on it.
+slipstream/job/driver.py, list and inspect jobs, read their logs, scale their pools, stop them, ask for a
+checkpoint. State lives in the cluster's Redis (slipstream/cluster/job_store.py); the driver acts on it.
 """
 
 from __future__ import annotations
@@ -20,14 +20,20 @@ import msgspec
 import redis
 import yaml
 
+import jobspec
+from common.logtext import plain
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from replay_buffer import ReplayBuffer
-from slipstream import jobspec
-from slipstream.cluster import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
-from slipstream.jobs import ACTIVE_STATES, JobStore, check_name, checkpoint_dir, latest_checkpoint
-from slipstream.launcher import ProgressReader
-from slipstream.logtext import plain
-from slipstream.redis_server import delete_job_user, job_user, set_job_user
+from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
+from slipstream.cluster.job_store import (
+    ACTIVE_STATES,
+    JobStore,
+    check_name,
+    checkpoint_dir,
+    latest_checkpoint,
+)
+from slipstream.cluster.services import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
+from slipstream.job.local import ProgressReader
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +250,7 @@ class JobControl:
         )
         # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
         entry = shlex.join(
-            [sys.executable, "-m", "slipstream.driver", "--home", str(self.home), "--job", spec.name]
+            [sys.executable, "-m", "slipstream.job.driver", "--home", str(self.home), "--job", spec.name]
         )
         try:
             ray_id = self.ray.submit_job(
