@@ -32,7 +32,7 @@ from slipstream.cluster.job_store import (
     checkpoint_dir,
     latest_checkpoint,
 )
-from slipstream.cluster.services import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
+from slipstream.cluster.state import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
 from slipstream.job.local import ProgressReader
 
 log = logging.getLogger(__name__)

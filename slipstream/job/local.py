@@ -22,7 +22,7 @@ from jobspec import JobSpec, to_json
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
-from slipstream.cluster.services import project_pythonpath
+from slipstream.cluster.state import project_pythonpath
 
 log = logging.getLogger(__name__)
 

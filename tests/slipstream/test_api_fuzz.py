@@ -28,7 +28,7 @@ from api_fuzz import error_message, fuzz
 from replay_buffer.redis_server import ManagedRedis
 from slipstream.cluster.api import MAX_BODY_BYTES, create_app
 from slipstream.cluster.control import JobControl
-from slipstream.cluster.services import ClusterInfo
+from slipstream.cluster.state import ClusterInfo
 
 TOKEN = "fuzz-" + secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

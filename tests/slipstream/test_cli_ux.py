@@ -20,8 +20,10 @@ import pytest
 import redis
 
 from slipstream import cli
+from slipstream.cli import cluster as cluster_cli
 from slipstream.cli.jobs import ControlClient, render_status
 from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 JOB_TIMEOUT_S = 300
 
@@ -55,8 +57,8 @@ def test_every_option_of_submit_scale_logs_status_rm_has_a_help_text():
         assert not bare, f"`slipstream {cmd}`: options without help: {bare}"
 
 
-def _info(host: str) -> cluster.ClusterInfo:
-    return cluster.ClusterInfo(
+def _info(host: str) -> cluster_state.ClusterInfo:
+    return cluster_state.ClusterInfo(
         home="/h", host=host, redis_url="redis://slipstream:pw@127.0.0.1:1/0",
         redis_admin_url="redis://:pw@127.0.0.1:1/0", ray_address="127.0.0.1:6380",
         dashboard_url="http://127.0.0.1:2", prometheus_url=None, api_url="http://127.0.0.1:3",
@@ -69,11 +71,11 @@ def test_cluster_up_prints_a_ray_start_line_only_when_other_nodes_can_use_it(cap
     import argparse
 
     args = argparse.Namespace(no_prometheus=True)
-    cluster._print_up(_info("127.0.0.1"), {}, args)
+    cluster_cli._print_up(_info("127.0.0.1"), {}, args)
     loopback = capsys.readouterr().out
     assert "ray start" not in loopback  # a loopback head cannot take other nodes
     assert "cluster up --host 0.0.0.0" in loopback
-    cluster._print_up(_info("10.1.2.3"), {}, args)
+    cluster_cli._print_up(_info("10.1.2.3"), {}, args)
     reachable = capsys.readouterr().out
     assert "ray start --address 10.1.2.3:6380" in reachable and "loopback" not in reachable
 

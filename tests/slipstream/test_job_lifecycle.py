@@ -15,6 +15,7 @@ import pytest
 from slipstream import cli
 from slipstream.cli.jobs import ApiError, ControlClient
 from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def home():
 
 @pytest.fixture(scope="module")
 def client(home):
-    info = cluster.load_info(home)  # down/up on the same HOME keeps the ports and the token
+    info = cluster_state.load_info(home)  # down/up on the same HOME keeps the ports and the token
     return ControlClient(info.api_url, info.api_token)
 
 

@@ -31,7 +31,7 @@ from slipstream import cli
 from slipstream.cluster import services as cluster
 from slipstream.cluster.control import ControlError, JobControl
 from slipstream.cluster.job_store import check_name
-from slipstream.cluster.services import ClusterInfo
+from slipstream.cluster.state import ClusterInfo
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RAY = "Ray job submission failed"
