@@ -11,22 +11,19 @@ import json
 import logging
 import re
 import resource
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+from cluster_helpers import JOB_TIMEOUT_S, wait_for
 
 from slipstream import cli
 from slipstream.cli import cluster as cluster_cli
-from slipstream.cli.jobs import ControlClient, render_status
+from slipstream.cli.jobs import render_status
 from slipstream.cluster import services as cluster
 from slipstream.cluster import state as cluster_state
-
-JOB_TIMEOUT_S = 300
-
 
 # ---------------------------------------------------------------- unit level
 
@@ -170,21 +167,6 @@ def test_sandbox_thread_limit_is_what_its_notes_say(record_property):
 # ---------------------------------------------------------------- one real cluster
 
 
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssux-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
-
-
-@pytest.fixture(scope="module")
-def client(info):
-    return ControlClient(info.api_url, info.api_token)
-
-
 @pytest.mark.slow
 def test_scale_errors_are_one_readable_line(info, capsys):
     assert cli.main(["scale", "nojob", "--generators", "0", "--home", info.home]) == 1
@@ -193,17 +175,6 @@ def test_scale_errors_are_one_readable_line(info, capsys):
     assert len(err.splitlines()) == 1
     assert "generators: Input should be greater than or equal to 1 (got 0)" in err and "HTTP 422" in err
     assert "[{" not in err and "'loc'" not in err
-
-
-def _wait(client, name, what, cond, timeout_s=JOB_TIMEOUT_S, poll_s=1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(name)
-        if cond(st):
-            return st
-        assert st.get("state") not in ("failed", "stopped", "succeeded"), (what, st)
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(poll_s)
 
 
 @pytest.mark.slow
@@ -223,11 +194,11 @@ buffer: {{max_staleness: 1}}
     capsys.readouterr()
 
     # while it builds its model, status says so (it showed "starting" and zeros)
-    st = _wait(client, name, "the model build phase", lambda s: "building model" in (s.get("phase") or ""),
+    st = wait_for(client, name, "the model build phase", lambda s: "building model" in (s.get("phase") or ""),
                poll_s=0.2)  # fmt: skip
     print(f"phase while starting: {st['phase']}")
     assert st["state"] == "starting" and "tiny-arith" in st["phase"] and str(model) in st["phase"]
-    st = _wait(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
     assert st["state"] == "running" and not st.get("phase")
 
     # `buffer stats JOB` finds the job through the cluster: no SLIPSTREAM_REDIS_URL, no runs/JOB/redis.url
