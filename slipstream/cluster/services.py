@@ -409,7 +409,6 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
 
     info = cluster_info(home, state, load_secrets(home, create=False))
     control = JobControl(info)
-    saved = {k: os.environ.get(k) for k in ray_env(info)}  # JobControl exports Ray's auth variables
     try:
         active = [j["name"] for j in control.list() if j["state"] in ACTIVE_STATES]
         for name in active:
@@ -446,11 +445,6 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
             time.sleep(1.0)
     finally:
         control.r.close()
-        for k, v in saved.items():  # a process that goes on (a test, an embedding program) keeps its own
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def down(

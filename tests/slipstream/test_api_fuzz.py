@@ -45,7 +45,10 @@ def api(tmp_path_factory):
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(create_app(TOKEN, control), log_level="warning"))
+        # A kept-alive connection stays open between cases: on a loaded box hypothesis can take longer than
+        # uvicorn's 5 s default to make the next case, and a close racing the next request is a reset.
+        config = uvicorn.Config(create_app(TOKEN, control), log_level="warning", timeout_keep_alive=600)
+        server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
