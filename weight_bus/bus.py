@@ -44,7 +44,7 @@ import msgspec
 import torch
 
 from weight_bus import metrics
-from weight_bus.config import PAUSE_MODES
+from weight_bus.config import BUCKET_BYTES, PAUSE_MODES
 from weight_bus.group import (
     DEFAULT_TIMEOUT_S,
     broadcast_async,
@@ -65,7 +65,6 @@ from weight_bus.schema import (
 
 log = logging.getLogger(__name__)
 
-BUCKET_BYTES = 512 * 1024 * 1024
 MAX_INFLIGHT = 2
 """Default for buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile,
 so the trainer holds at most max_inflight + 1 bucket buffers. More hides more per-bucket HTTP latency

@@ -15,11 +15,13 @@ PAUSE_MODES = ("in_place", "retract", "abort")
 """How engines pause for a weight swap (`bus.pause_mode`)."""
 DTYPES = ("bfloat16", "float16", "float32")
 """What weights may travel and load as (`bus.dtype`)."""
+BUCKET_BYTES = 512 * 1024 * 1024
+"""Default largest bucket of flattened parameters (bytes), one broadcast each."""
 
 
 class BusSpec(Spec):
     backend: Literal[BACKENDS] = "gloo"
-    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = 512 * 1024 * 1024
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = BUCKET_BYTES
     """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
     pause_mode: Literal[PAUSE_MODES] = "in_place"
     """How engines pause for the swap: keep in-flight requests with their KV cache (in_place: partial
