@@ -470,7 +470,7 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
         urls, rollout_urls, api_key = start_engines(spec, managed.url, secrets.token_hex(16), engine_actors)
         # generator-only: the workers fill the buffer; no trainer exists yet
         workers = [
-            RolloutActor.remote(spec, managed.url, rollout_urls, api_key, i)
+            RolloutActor.remote(spec.rollout_config(), managed.url, rollout_urls, api_key, i)
             for i in range(spec.generators.num_workers)
         ]
         actors += workers
@@ -512,7 +512,7 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
         ray.wait(runs, num_returns=len(runs), timeout=30)
         # trainer-only: the buffer holds every batch it needs
         trainer = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0).remote(
-            spec, managed.url, urls, api_key, 0, 1
+            spec.trainer_config(), managed.url, urls, api_key, 0, 1
         )
         actors.append(trainer)
         ray.get(trainer.setup.remote(None))

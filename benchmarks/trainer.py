@@ -130,7 +130,7 @@ def bench_model(name: str, args, pool) -> dict:
             },
         }
     )
-    learner = Learner(spec, pool)
+    learner = Learner(spec.model, spec.algorithm, spec.trainer, pool)
     t = time.perf_counter()
     learner.setup()
     n_params = sum(p.numel() for p in learner.model.parameters())  # DTensor numel is the global one

@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from generator_fleet.config import SGLangSpec
 from generator_fleet.registry import DEFAULT_LEASE_S, EngineRegistration
-from jobspec import SGLangSpec
 
 log = logging.getLogger(__name__)
 

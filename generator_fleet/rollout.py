@@ -16,11 +16,11 @@ import time
 from generator_fleet import metrics
 from generator_fleet.agent import build_agent
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
+from generator_fleet.config import RolloutConfig
 from generator_fleet.registry import live_engines
 from generator_fleet.rewards import format_reward, math_verify_reward
 from generator_fleet.tasks import build_task
 from generator_fleet.tools.base import ToolContext
-from jobspec import JobSpec
 from replay_buffer import BufferProducer, Sample, make_group
 from replay_buffer.client import connect_async
 
@@ -66,14 +66,19 @@ class EnginePool:
 
 class RolloutWorker:
     def __init__(
-        self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str | None, worker_id: int = 0
+        self,
+        config: RolloutConfig,
+        redis_url: str,
+        engine_urls: list[str],
+        api_key: str | None,
+        worker_id: int = 0,
     ) -> None:
-        self.spec = spec
+        self.config = config
         self.redis_url = redis_url
         self.engine_urls = engine_urls
         self.api_key = api_key
         self.worker_id = worker_id
-        self.rng = random.Random(spec.dataset.seed * 1000 + worker_id)
+        self.rng = random.Random(config.dataset.seed * 1000 + worker_id)
         self._stop = asyncio.Event()
 
     def stop(self) -> None:
@@ -82,16 +87,18 @@ class RolloutWorker:
     async def run(self) -> dict:
         from models.tokenizers import load_tokenizer
 
-        spec = self.spec
-        self.tokenizer = load_tokenizer(spec.model.path)
-        self.task = build_task(spec.dataset)
-        self.agent = build_agent(spec, self.tokenizer) if spec.agent else None
+        cfg = self.config
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.task = build_task(cfg.dataset)
+        self.agent = (
+            build_agent(cfg.agent, cfg.tools, cfg.rollout.sampling, self.tokenizer) if cfg.agent else None
+        )
         self.engines = EnginePool(self.engine_urls, self.api_key)
         r = connect_async(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
         name = f"{socket.gethostname()}-{os.getpid()}-{self.worker_id}"
         self.producer = BufferProducer(
-            r, spec.name, worker_id=name, lease_ms=int(spec.buffer.worker_lease_s * 1000)
+            r, cfg.name, worker_id=name, lease_ms=int(cfg.buffer.worker_lease_s * 1000)
         )
         self.produced = 0
         self.redis = r
@@ -101,10 +108,10 @@ class RolloutWorker:
             "rollout worker %d: %d engines, concurrency %d",
             self.worker_id,
             len(self.engine_urls),
-            spec.rollout.concurrency,
+            cfg.rollout.concurrency,
         )
         try:
-            await asyncio.gather(*(self._loop() for _ in range(spec.rollout.concurrency)))
+            await asyncio.gather(*(self._loop() for _ in range(cfg.rollout.concurrency)))
         finally:
             heartbeat.cancel()
             registry.cancel()
@@ -118,7 +125,7 @@ class RolloutWorker:
 
     async def _heartbeat(self) -> None:
         """Keep this worker's lease alive while groups take long (admission calls renew it too)."""
-        period = self.spec.buffer.worker_lease_s / 3
+        period = self.config.buffer.worker_lease_s / 3
         while True:
             await asyncio.sleep(period)
             await self.producer.heartbeat()
@@ -130,15 +137,17 @@ class RolloutWorker:
             metrics.REISSUED.inc()
             log.info("generating prompt %s again: a dead worker left it unfinished", prompt_id)
             return self.task.get(prompt_id)
-        if self.spec.buffer.stale_policy == "recycle" and (prompt_id := await self.producer.next_recycled()):
+        if self.config.buffer.stale_policy == "recycle" and (
+            prompt_id := await self.producer.next_recycled()
+        ):
             metrics.RECYCLED.inc()
             return self.task.get(prompt_id)
         return self.task.sample(self.rng)
 
     async def _loop(self) -> None:
-        alg, buf = self.spec.algorithm, self.spec.buffer
+        buf = self.config.buffer
         while not self._stop.is_set():
-            if not await self.producer.try_admit(alg.groups_per_step, buf.max_staleness):
+            if not await self.producer.try_admit(self.config.groups_per_step, buf.max_staleness):
                 metrics.ADMISSION_WAITS.inc()
                 try:
                     await asyncio.wait_for(self._stop.wait(), ADMISSION_POLL_S)
@@ -153,7 +162,7 @@ class RolloutWorker:
                 await self.producer.release(problem.prompt_id)
                 log.error("group for %s given up: %s", problem.prompt_id, e)
                 continue
-            await self.producer.put(make_group(self.spec.name, problem.prompt_id, samples))
+            await self.producer.put(make_group(self.config.name, problem.prompt_id, samples))
             self.produced += 1
 
     async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
@@ -179,7 +188,7 @@ class RolloutWorker:
         """Route to the engines whose registry lease is live; without registrations, keep the static list."""
         while True:
             try:
-                if live := await live_engines(self.redis, self.spec.name):
+                if live := await live_engines(self.redis, self.config.name):
                     self.engines.update(live)
             except Exception as e:  # a Redis hiccup must not stop generation; try again next round
                 log.warning("engine registry refresh failed: %s", e)
@@ -194,8 +203,8 @@ class RolloutWorker:
     async def _single_turn_group(self, problem) -> list[Sample]:
         """All G samples of one prompt through one batched /generate per round. Samples aborted by a
         pause are resumed from their token prefix in the next round."""
-        sp = self.spec.rollout.sampling
-        g = self.spec.rollout.group_size
+        sp = self.config.rollout.sampling
+        g = self.config.rollout.group_size
         prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
         ids: list[list[int]] = [[] for _ in range(g)]
         logprobs: list[list[float]] = [[] for _ in range(g)]
@@ -229,10 +238,18 @@ class RolloutWorker:
         for i in range(g):
             finished_by_eos = bool(ids[i]) and ids[i][-1] == eos and finish[i] == "stop"
             text = self.tokenizer.decode(ids[i][:-1] if finished_by_eos else ids[i])
-            reward = self.task.score(problem, text, finished_by_eos, self.spec.reward.format_weight)
+            reward = self.task.score(problem, text, finished_by_eos, self.config.reward.format_weight)
             out.append(
                 self._sample(
-                    prompt_ids, ids[i], [1] * len(ids[i]), logprobs[i], versions[i], reward, finish[i]
+                    prompt_ids,
+                    ids[i],
+                    [1] * len(ids[i]),
+                    logprobs[i],
+                    versions[i],
+                    reward,
+                    finish[i],
+                    temperature=sp.temperature,
+                    prompt_len=len(prompt_ids),
                 )
             )
         return out
@@ -245,7 +262,7 @@ class RolloutWorker:
                 self._generate,
                 problem.prompt,
                 ctx,
-                self.spec.rollout.group_size,
+                self.config.rollout.group_size,
                 should_stop=self._stop.is_set,
             )
         out = []
@@ -264,12 +281,14 @@ class RolloutWorker:
                     num_turns=ep.turns,
                     tool_calls=ep.tool_calls,
                     tool_errors=ep.tool_errors,
+                    temperature=ep.temperature,
+                    prompt_len=ep.prompt_len,
                 )
             )
         return out
 
     def _agent_reward(self, problem, ep) -> float:
-        rs = self.spec.reward
+        rs = self.config.reward
         if rs.name == "tool":
             return ep.tool_reward or 0.0
         if rs.name == "arith":

@@ -19,6 +19,7 @@ copy. Build samples with `Sample.build(...)` from lists; read them with `Sample.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 
@@ -29,6 +30,10 @@ SCHEMA_VERSION = 1
 """Bumped on any incompatible change; consumers dead-letter records with an unknown version."""
 
 FINISH_REASONS = ("stop", "length", "tool_budget", "abort")
+
+DEFAULT_TEMPERATURE = 1.0
+"""`Sample.temperature` of records written before samples carried their sampling temperature (and the
+job spec's default `rollout.sampling.temperature`)."""
 
 
 DTYPES = {
@@ -61,6 +66,13 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
     num_turns: int = 1
     tool_calls: int = 0
     tool_errors: int = 0
+    temperature: float = DEFAULT_TEMPERATURE
+    """Sampling temperature the engine generated the response with; the trainer computes its logprobs
+    at the same temperature (0, greedy: plain logits). Records written without it read as
+    DEFAULT_TEMPERATURE."""
+    prompt_len: int = -1
+    """Number of prompt tokens (len(prompt_ids)) the response was generated from; -1 in records
+    written without it (read `len(sample.view("prompt_ids"))` then: `num_prompt_tokens`)."""
 
     @classmethod
     def build(
@@ -76,8 +88,10 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
         num_turns: int = 1,
         tool_calls: int = 0,
         tool_errors: int = 0,
+        temperature: float = DEFAULT_TEMPERATURE,
+        prompt_len: int | None = None,
     ) -> Sample:
-        """From lists (or arrays) of per-token values."""
+        """From lists (or arrays) of per-token values; `prompt_len` None = len(prompt_ids)."""
         packed = {
             name: np.asarray(value, dtype=DTYPES[name]).tobytes()
             for name, value in (
@@ -95,6 +109,17 @@ class Sample(msgspec.Struct, forbid_unknown_fields=True):
             num_turns=num_turns,
             tool_calls=tool_calls,
             tool_errors=tool_errors,
+            temperature=float(temperature),
+            prompt_len=len(packed["prompt_ids"]) // DTYPES["prompt_ids"].itemsize
+            if prompt_len is None
+            else prompt_len,
+        )
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens of the sample (`prompt_len`, or counted from prompt_ids in older records)."""
+        return (
+            len(self.prompt_ids) // DTYPES["prompt_ids"].itemsize if self.prompt_len < 0 else self.prompt_len
         )
 
     def view(self, name: str) -> np.ndarray:
@@ -166,6 +191,10 @@ def validate(group: GroupRecord) -> GroupRecord:
                 raise RecordError(f"samples[{i}].{name}: length {m} != response_ids {n}")
         if not s.prompt_ids:
             raise RecordError(f"samples[{i}].prompt_ids: empty")
+        if s.prompt_len >= 0 and s.prompt_len != (m := len(s.prompt_ids) // DTYPES["prompt_ids"].itemsize):
+            raise RecordError(f"samples[{i}].prompt_len: {s.prompt_len} != prompt_ids {m}")
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise RecordError(f"samples[{i}].temperature: {s.temperature} is not a finite number >= 0")
         if s.finish_reason not in FINISH_REASONS:
             raise RecordError(f"samples[{i}].finish_reason: {s.finish_reason!r} not in {FINISH_REASONS}")
         if s.loss_mask.translate(None, b"\x00\x01"):  # anything left is not 0/1 (C speed)

@@ -33,6 +33,7 @@ import redis
 import redis.asyncio as aioredis
 
 from replay_buffer import metrics, scripts
+from replay_buffer.config import STALE_POLICIES
 from replay_buffer.keys import TRAINER_GROUP, JobKeys
 from replay_buffer.schema import GroupRecord, RecordError, decode, encode
 from replay_buffer.staleness import is_usable, staleness
@@ -42,7 +43,6 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_MS = 30_000
 DEAD_LETTER_MAXLEN = 100_000
 """Dead letters are kept for inspection, capped (approximately) so a flood of garbage cannot fill Redis."""
-STALE_POLICIES = ("drop", "recycle")
 
 
 class Entry(msgspec.Struct):

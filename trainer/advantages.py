@@ -17,9 +17,6 @@ GRPO_EPS = 1e-6
 WHITEN_EPS = 1e-8
 """Added to the variance before the rsqrt in batch whitening (verl's masked_whiten)."""
 
-GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-ADVANTAGES = (*GROUP_ESTIMATORS, "reinforce_pp", "gae")
-
 
 def grpo_advantages(rewards: torch.Tensor, eps: float = GRPO_EPS) -> torch.Tensor:
     """Group-normalised advantages: rewards [G] of one prompt -> (r - mean) / (std + eps), [G].

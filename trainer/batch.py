@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from replay_buffer.schema import GroupRecord
-from trainer.advantages import GROUP_ESTIMATORS, group_advantages, reinforce_pp_advantages
+from trainer.advantages import group_advantages, reinforce_pp_advantages
+from trainer.config import GROUP_ESTIMATORS, AlgorithmSpec
 from trainer.losses import agg_weights, effective_agg, grpo_advantages
 from trainer.packing import TrainSample
 
@@ -65,12 +66,11 @@ def build_batch(groups: list[GroupRecord], pad_id: int) -> TrainBatch:
     return TrainBatch(ids, attn, loss_mask, behav_lp * loss_mask, adv_t, torch.cat(rewards), n_tokens)
 
 
-def loss_aggregation(spec) -> tuple[str, float]:
-    """(aggregation mode, seq-mean-token-sum-norm's constant) of a JobSpec: the policy loss's own mode
-    (GSPO forces seq-mean-token-mean) and `loss_scale_factor`, null = the response budget."""
-    alg = spec.algorithm
-    budget = spec.agent.max_total_tokens if spec.agent is not None else spec.rollout.sampling.max_new_tokens
-    return effective_agg(alg.loss, alg.loss_agg), alg.loss_scale_factor or budget
+def loss_aggregation(alg: AlgorithmSpec, response_budget: int) -> tuple[str, float]:
+    """(aggregation mode, seq-mean-token-sum-norm's constant): the policy loss's own mode (GSPO forces
+    seq-mean-token-mean) and `loss_scale_factor`, null = `response_budget` (the most response tokens of
+    one sample, TrainerConfig.response_budget)."""
+    return effective_agg(alg.loss, alg.loss_agg), alg.loss_scale_factor or response_budget
 
 
 def build_samples(
@@ -110,5 +110,9 @@ def build_samples(
         sl = slice(len(p) - 1, len(p) - 1 + len(r))
         mask[sl] = s.view("loss_mask")
         behav[sl] = s.view("behavior_logprobs")
-        out.append(TrainSample(np.concatenate([p, r]), mask, behav * mask, float(adv), w, float(s.reward)))
+        out.append(
+            TrainSample(
+                np.concatenate([p, r]), mask, behav * mask, float(adv), w, float(s.reward), s.temperature
+            )
+        )
     return out

@@ -19,9 +19,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from jobspec import JobSpec
+from models.config import ModelSpec
 from trainer import attention, flops
 from trainer.advantages import whiten
+from trainer.config import AlgorithmSpec, TrainerSpec
 from trainer.critic import Critic, gae_targets
 from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
 from trainer.logprobs import packed_logprobs
@@ -50,11 +51,14 @@ MAX_STATS = ("is_weight_max",)
 
 
 class Learner:
-    def __init__(self, spec: JobSpec, pool: Pool) -> None:
-        self.spec = spec
+    """The policy (and reference, critic) of one rank and their optimizers, configured by the job's
+    `model`, `algorithm` and `trainer` sections."""
+
+    def __init__(self, model: ModelSpec, algorithm: AlgorithmSpec, trainer: TrainerSpec, pool: Pool) -> None:
+        self.model_spec, self.algorithm, self.trainer = model, algorithm, trainer
         self.pool = pool
         self.device = pool.device
-        tr = spec.trainer
+        tr = trainer
         self.fsdp = tr.fsdp and pool.enabled
         self.bf16 = self.device.type == "cuda" and tr.mixed_precision == "bf16"
         self.model: nn.Module | None = None
@@ -66,7 +70,7 @@ class Learner:
 
     # --- building -----------------------------------------------------------------------------------
     def _prepare(self, model: nn.Module, layers: nn.ModuleList, *, trainable: bool) -> nn.Module:
-        tr = self.spec.trainer
+        tr = self.trainer
         if trainable and tr.activation_checkpointing:
             target = model.backbone if isinstance(model, Critic) else model
             target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -95,22 +99,22 @@ class Learner:
     def setup(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        alg, tr = self.spec.algorithm, self.spec.trainer
+        alg, tr = self.algorithm, self.trainer
         attn = attention.register()
         torch.manual_seed(alg.seed)
 
         def load(path: str) -> nn.Module:
             return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
 
-        model = load(self.spec.model.path)
+        model = load(self.model_spec.path)
         self.config = model.config
         self.model = self._prepare(model, model.model.layers, trainable=True)
         self.opt = self._optimizer(self.model, alg.lr)
         if alg.kl_coef > 0:
-            ref = load(alg.ref_model_path or self.spec.model.path)
+            ref = load(alg.ref_model_path or self.model_spec.path)
             self.ref = self._prepare(ref, ref.model.layers, trainable=False)
         if alg.advantage == "gae":
-            critic = Critic.from_pretrained(alg.critic_model_path or self.spec.model.path, attn)
+            critic = Critic.from_pretrained(alg.critic_model_path or self.model_spec.path, attn)
             self.critic = self._prepare(critic, critic.backbone.layers, trainable=True)
             self.critic_opt = self._optimizer(self.critic, alg.critic_lr)
         log.info(
@@ -149,7 +153,7 @@ class Learner:
             )
 
     def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
-        wd = self.spec.algorithm.weight_decay
+        wd = self.algorithm.weight_decay
         params = list(model.parameters())
         # Fused AdamW: one kernel per parameter group instead of foreach's ~10 passes over every state,
         # when the parameters live on the GPU (with CPU offload the step runs on the host).
@@ -165,26 +169,31 @@ class Learner:
     def distribute(self, samples: list[TrainSample] | None) -> list[MicroBatch]:
         """Rank 0 passes the step's samples, the others None; every rank gets its packed micro-batches:
         samples split across ranks balanced by tokens, each share packed into the same number of
-        micro-batches of at most trainer.micro_batch_tokens tokens (plan_step)."""
+        micro-batches of at most trainer.micro_batch_tokens tokens (plan_step). A micro-batch holds
+        samples of one sampling temperature: samples generated at different temperatures are planned
+        apart (each temperature's micro-batches after the previous one's, on every rank)."""
         per_rank = None
         if self.pool.is_main:
-            plan = plan_step(
-                [len(s) for s in samples], self.pool.world_size, self.spec.trainer.micro_batch_tokens
-            )
-            per_rank = [[pack([samples[i] for i in mb]) for mb in rank] for rank in plan]
+            per_rank = [[] for _ in range(self.pool.world_size)]
+            for temperature in dict.fromkeys(s.temperature for s in samples):  # first-seen order
+                idx = [i for i, s in enumerate(samples) if s.temperature == temperature]
+                plan = plan_step(
+                    [len(samples[i]) for i in idx], self.pool.world_size, self.trainer.micro_batch_tokens
+                )
+                for rank, mbs in zip(per_rank, plan, strict=True):
+                    rank += [pack([samples[idx[j]] for j in mb]) for mb in mbs]
         return self.pool.scatter(per_rank)
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict[str, float]:
         """Forward/backward over this rank's micro-batches, then one optimizer step (a collective: every
         rank calls it with the same number of micro-batches). Returns step-wide stats (all ranks)."""
-        alg = self.spec.algorithm
-        temperature = self.spec.rollout.sampling.temperature or 1.0  # greedy rollouts: plain logits
+        alg = self.algorithm
         world = self.pool.world_size if self.fsdp else 1
         mbs = [mb.to(self.device) for mb in micro_batches]
         returns = self._gae(mbs) if self.critic is not None else None
         acc = {k: torch.zeros((), device=self.device, dtype=torch.float64) for k in SUM_STATS + MAX_STATS}
         entropy_mode = "grad" if alg.entropy_coef > 0 else "no_grad"
-        head = (self.spec.trainer.logprob_chunk_tokens, self.spec.trainer.compile)  # fused LM head
+        head = (self.trainer.logprob_chunk_tokens, self.trainer.compile)  # fused LM head
         # One FSDP rank: accumulate the micro-batches' gradients unsharded (in fp32, FSDP's reduce dtype)
         # and "reduce" once after the last, instead of a copy-in + fp32 add per micro-batch. With more
         # ranks that would hold a whole fp32 gradient per rank, so they reduce-scatter every micro-batch.
@@ -197,6 +206,8 @@ class Learner:
                 for m in (self.model, self.critic):
                     if m is not None:
                         m.set_requires_gradient_sync(i == len(mbs) - 1)
+            # the sampling temperature the micro-batch's samples were generated with (0, greedy: plain logits)
+            temperature = mb.temperature or 1.0
             with self._autocast():
                 logp, ent = packed_logprobs(self.model, mb, temperature, entropy_mode, *head)
             mask, w = mb.loss_mask, mb.token_weights
@@ -285,7 +296,7 @@ class Learner:
     def _gae(self, mbs: list[MicroBatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Old values (critic at batch time), GAE advantages whitened over the whole step (all ranks),
         written into each micro-batch's `advantages`; returns [(old_values, returns)] per micro-batch."""
-        alg = self.spec.algorithm
+        alg = self.algorithm
         out, advs = [], []
         with torch.no_grad(), self._autocast():
             old = [self.critic.values(mb).float() for mb in mbs]

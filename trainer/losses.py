@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from trainer.advantages import GRPO_EPS, grpo_advantages
+from trainer.config import AGG_MODES, KL_ESTIMATORS
 
 __all__ = [
     "GRPO_EPS",
@@ -43,10 +44,6 @@ __all__ = [
     "value_loss",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-POLICY_LOSSES = ("decoupled_ppo", "ppo", "tis", "gspo", "cispo")
-KL_ESTIMATORS = ("k1", "kl", "k2", "mse", "abs", "k3", "low_var_kl", "k3_unclamped")
-IS_MASK_MODES = ("token", "sequence", "geometric")
 LOG_RATIO_CLAMP = 20.0
 """Every log-ratio that is exponentiated (PPO/CISPO ratio, sequence IS weight, masking statistic,
 behav_kl) is clamped to +-20 first, as verl's compute_policy_loss_vanilla and rollout_corr_helper's

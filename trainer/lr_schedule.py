@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "cosine", "linear")
+from trainer.config import SCHEDULES
 
 
 def lr_factor(

@@ -36,6 +36,9 @@ class TrainSample(msgspec.Struct):
     weight: float
     """Aggregation weight of each of its masked tokens (losses.agg_weights over the whole step)."""
     reward: float
+    temperature: float = 1.0
+    """Sampling temperature the response was generated with; the trainer's logprobs use the same
+    (0, greedy: plain logits)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -61,6 +64,8 @@ class MicroBatch(msgspec.Struct):
     logit_index: torch.Tensor
     """Positions whose logits are needed (loss_mask > 0; position 0 if none, so every parameter stays in
     the graph). Computed here on the CPU: finding them on the GPU would stall the host every micro-batch."""
+    temperature: float = 1.0
+    """Sampling temperature of every sample in it (TrainSample.temperature)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,8 +80,9 @@ class MicroBatch(msgspec.Struct):
 
 
 def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
-    """Concatenate samples into one packed row. No samples: a one-token row with zero weight (ranks with
-    less data still run a forward/backward, so every rank joins the same collectives)."""
+    """Concatenate samples into one packed row; they must share one sampling temperature. No samples: a
+    one-token row with zero weight (ranks with less data still run a forward/backward, so every rank
+    joins the same collectives)."""
     if not samples:
         z = torch.zeros(1)
         return MicroBatch(
@@ -93,6 +99,9 @@ def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
             seq_lens=[],
             logit_index=torch.zeros(1, dtype=torch.long),
         )
+    temperatures = {s.temperature for s in samples}
+    if len(temperatures) > 1:
+        raise ValueError(f"one micro-batch, one sampling temperature: got {sorted(temperatures)}")
     lens = [len(s) for s in samples]
     ids = np.concatenate([s.input_ids for s in samples]).astype(np.int64)
     targets = np.zeros_like(ids)
@@ -120,6 +129,7 @@ def pack(samples: list[TrainSample], pad_id: int = 0) -> MicroBatch:
         rewards=torch.tensor([s.reward for s in samples], dtype=torch.float32),
         seq_lens=lens,
         logit_index=torch.from_numpy(keep if keep.size else np.zeros(1, np.int64)),
+        temperature=samples[0].temperature,
     )
 
 

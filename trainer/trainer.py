@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from generator_fleet.registry import EngineRegistry
-from jobspec import JobSpec
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
+from trainer.config import TrainerConfig
 from trainer.distributed import DistInfo, Pool, host_store
 from trainer.flops import peak_flops
 from trainer.learner import Learner
@@ -74,34 +74,34 @@ class Trainer:
 
     def __init__(
         self,
-        spec: JobSpec,
+        config: TrainerConfig,
         redis_url: str,
         engine_urls: list[str],
         api_key: str | None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
-        self.spec = spec
+        self.config = cfg = config
         self.rank, self.world_size = rank, world_size
         self.buffer = self.bus = None
         if rank == 0:
             self.buffer = ReplayBuffer(
                 connect(redis_url),
-                spec.name,
-                reclaim_idle_ms=spec.buffer.reclaim_idle_ms,
-                stale_policy=spec.buffer.stale_policy,
-                ledger=spec.buffer.ledger,
+                cfg.name,
+                reclaim_idle_ms=cfg.buffer.reclaim_idle_ms,
+                stale_policy=cfg.buffer.stale_policy,
+                ledger=cfg.buffer.ledger,
             )
             self.bus = WeightBus(
                 engine_urls,
                 api_key=api_key,
-                backend=spec.bus.backend,
-                bucket_bytes=spec.bus.bucket_bytes,
-                pause_mode=spec.bus.pause_mode,
-                dtype=spec.bus.dtype,
-                timeout_s=spec.bus.timeout_s,
-                registry=EngineRegistry(connect(redis_url), spec.name),
-                master_address=spec.bus.master_address or master_address_for(engine_urls),
+                backend=cfg.bus.backend,
+                bucket_bytes=cfg.bus.bucket_bytes,
+                pause_mode=cfg.bus.pause_mode,
+                dtype=cfg.bus.dtype,
+                timeout_s=cfg.bus.timeout_s,
+                registry=EngineRegistry(connect(redis_url), cfg.name),
+                master_address=cfg.bus.master_address or master_address_for(engine_urls),
             )
         self.learner: Learner | None = None
         self.tokenizer = None
@@ -118,7 +118,7 @@ class Trainer:
         self._next_sync_check = 0.0
         self.run_info: dict = {}
         """Rank 0: the job's run (run_id, attempt: ReplayBuffer.begin_run), stamped on records and checkpoints."""
-        self.checkpoint_dir = Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
+        self.checkpoint_dir = Path(cfg.trainer.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
 
     @property
     def is_main(self) -> bool:
@@ -127,11 +127,11 @@ class Trainer:
     def setup(self, master: tuple[str, int] | None = None, store=None) -> None:
         """Join the trainer group (rank 0's `master` = (host, port); None with one rank; `store`: rank 0's
         rendezvous store when it hosts it already, `distributed.host_store`), load and shard the models,
-        connect the bus, and resume from a checkpoint if the spec says so."""
+        connect the bus, and resume from a checkpoint if trainer.resume_from says so."""
         from models.tokenizers import load_tokenizer
 
-        tr = self.spec.trainer
-        torch.manual_seed(self.spec.algorithm.seed)
+        tr = self.config.trainer
+        torch.manual_seed(self.config.algorithm.seed)
         torch.set_num_threads(tr.torch_threads)
         if tr.device == "cuda":
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
@@ -143,13 +143,13 @@ class Trainer:
             master = ("127.0.0.1", store.port)
         addr, port = master or ("127.0.0.1", 0)
         self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device, store)
-        self.learner = Learner(self.spec, self.pool)
+        self.learner = Learner(self.config.model, self.config.algorithm, tr, self.pool)
         self.learner.setup()
         self.peak_flops = (
             peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
         if self.is_main:
-            self.tokenizer = load_tokenizer(self.spec.model.path)
+            self.tokenizer = load_tokenizer(self.config.model.path)
             self.buffer.ensure_group()
             self.run_info = self.buffer.run_info()
             self.bus.connect()
@@ -158,7 +158,7 @@ class Trainer:
         if self.is_main:
             log.info(
                 "trainer ready: %s, %d ranks, %d params, version %d",
-                self.spec.model.path,
+                self.config.model.path,
                 self.world_size,
                 sum(p.numel() for p in self.learner.model.parameters()),  # DTensor numel: global
                 self.buffer.version(),
@@ -176,7 +176,7 @@ class Trainer:
         self.publish(version)
         if self.is_main:
             # after a crash Redis may be ahead (steps after the checkpoint were lost): give their slots back
-            self.buffer.rewind(version, self.spec.algorithm.groups_per_step)
+            self.buffer.rewind(version, self.config.algorithm.groups_per_step)
             # the lost steps' progress records go too: readers never see a version twice
             self.buffer.truncate_progress(version)
 
@@ -197,7 +197,7 @@ class Trainer:
         """Rank 0: the next batch's entries; None when the job is done or stopping; IDLE_SYNC when it
         has waited bus.idle_sync_s while engines wait to join (the entries taken so far are kept for
         the next call)."""
-        alg, buf = self.spec.algorithm, self.spec.buffer
+        alg, buf = self.config.algorithm, self.config.buffer
         if version >= alg.total_steps or self._stop:
             return None
         since = time.monotonic()
@@ -217,7 +217,7 @@ class Trainer:
     def _sync_due(self, since: float) -> bool:
         """Rank 0, while waiting for a batch: waited bus.idle_sync_s and engines wait to join."""
         now = time.monotonic()
-        if now - since < self.spec.bus.idle_sync_s or now < self._next_sync_check:
+        if now - since < self.config.bus.idle_sync_s or now < self._next_sync_check:
             return False
         self._next_sync_check = now + SYNC_CHECK_S
         return bool(self.bus.joiners_waiting())
@@ -235,7 +235,7 @@ class Trainer:
             log.info(
                 "no batch for %.0f s and engines waiting to join: published version %d again; joined %s, "
                 "%d engines in the update group",
-                self.spec.bus.idle_sync_s,
+                self.config.bus.idle_sync_s,
                 version,
                 pub.joined,
                 len(pub.engines),
@@ -253,11 +253,11 @@ class Trainer:
         return None
 
     def run(self) -> dict:
-        """Train until version reaches spec.algorithm.total_steps (or stop()); every rank calls it.
+        """Train until version reaches algorithm.total_steps (or stop()); every rank calls it.
         Ends with a checkpoint (if checkpoint_every, or stopped by `stop(checkpoint=True)`) and the HF
         export (if export_hf). `checkpoint`/`checkpoint_version` name the newest checkpoint of this pool
         (written or resumed from), "" / None if there is none."""
-        spec, alg, tr = self.spec, self.spec.algorithm, self.spec.trainer
+        cfg, alg, tr = self.config, self.config.algorithm, self.config.trainer
         version = self.buffer.version() if self.is_main else 0
         # elapsed_s is the run's clock: a pool after a rescale or restart continues it
         t_start = time.monotonic() - (self.buffer.start_clock() if self.is_main else 0.0)
@@ -284,15 +284,19 @@ class Trainer:
             version = header["version"]
             t_data = time.monotonic()
             groups = [e.group for e in entries] if self.is_main else None
-            samples = build_samples(groups, alg.advantage, *loss_aggregation(spec)) if self.is_main else None
+            samples = (
+                build_samples(groups, alg.advantage, *loss_aggregation(alg, cfg.response_budget))
+                if self.is_main
+                else None
+            )
             stats = self.learner.train_step(self.learner.distribute(samples))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t_step = time.monotonic()
             if self.is_main:
-                self.buffer.commit(entries, version, spec.buffer.max_staleness)
+                self.buffer.commit(entries, version, cfg.buffer.max_staleness)
             # every bus.update_every versions, and the last one, so engines end on the final policy
-            due = update_due(version + 1, spec.bus.update_every, alg.total_steps)
+            due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
             pub = self.publish(version + 1) if due else None
             t_pub = time.monotonic()
             version += 1
@@ -311,7 +315,7 @@ class Trainer:
         if self.is_main:
             self.buffer.trim()
         export = tr.export_hf and not restart
-        final_model = self.save(Path(spec.output_dir) / "final_model") if export else None
+        final_model = self.save(Path(cfg.output_dir) / "final_model") if export else None
         return {
             "version": version,
             "elapsed_s": time.monotonic() - t_start,
@@ -325,7 +329,7 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         stale = [version - 1 - g.min_version for g in groups]
         step_s = t_step - t_data
-        seq_tokens = sum(len(s) + len(s.prompt_ids) // 4 for s in samples)
+        seq_tokens = sum(len(s) + s.num_prompt_tokens for s in samples)
         record = {
             "step": version,
             "version": version,
@@ -366,13 +370,13 @@ class Trainer:
             self.learner,
             checkpoint.step_dir(self.checkpoint_dir, version),
             state,
-            keep=self.spec.trainer.keep_checkpoints,
+            keep=self.config.trainer.keep_checkpoints,
         )
 
     def _log_sample(self, version: int, sample) -> None:
         """Append one rendered trajectory per step to <output_dir>/samples.txt: what the model wrote and
         what it was shown, told apart, so users can see what training is looking at."""
-        path = Path(self.spec.output_dir) / "samples.txt"
+        path = Path(self.config.output_dir) / "samples.txt"
         with path.open("a") as f:
             f.write(
                 f"=== version {version} reward {sample.reward:.3f} finish {sample.finish_reason} "

@@ -10,8 +10,6 @@ import torch
 
 from weight_bus.group import dtype_name
 
-BUCKET_BYTES = 512 * 1024 * 1024
-
 
 def buckets(
     named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int

@@ -24,7 +24,6 @@ from weight_bus.schema import UpdateWeightsFromDistributed
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("in_place", "retract", "abort")
 MAX_INFLIGHT = 2
 """Default for buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile,
 so the trainer holds at most max_inflight + 1 bucket buffers. More hides more per-bucket HTTP latency

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 
-def build_agent(spec, tokenizer):
-    """The AgentLoop a job spec asks for (spec.agent, spec.tools, spec.rollout.sampling)."""
+if TYPE_CHECKING:
+    from generator_fleet.config import AgentSpec, SamplingSpec, ToolSpecEntry
+
+
+def build_agent(agent: AgentSpec, tools: list[ToolSpecEntry], sampling: SamplingSpec, tokenizer):
+    """The AgentLoop of a job's `agent`, `tools` and `rollout.sampling` sections."""
     from generator_fleet.agent.loop import AgentLoop, Limits
     from generator_fleet.agent.parser import get_parser
     from generator_fleet.tools import build_tools
     from generator_fleet.tools.spec import ToolSpec
 
-    a = spec.agent
-    tools = build_tools([ToolSpec(name=t.name, impl=t.impl, args=dict(t.args)) for t in spec.tools])
-    sp = spec.rollout.sampling
+    a, sp = agent, sampling
     return AgentLoop(
         tokenizer,
-        tools,
+        build_tools([ToolSpec(name=t.name, impl=t.impl, args=dict(t.args)) for t in tools]),
         get_parser(a.parser),
         Limits(
             max_turns=a.max_turns,

@@ -57,10 +57,16 @@ class Limits(msgspec.Struct, kw_only=True, frozen=True):
 class Episode:
     """One sample: its messages (for rendering) and its token-level record (for training)."""
 
-    def __init__(self, prompt_ids: list[int], messages: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, prompt_ids: list[int], messages: list[dict[str, Any]], temperature: float = 1.0
+    ) -> None:
         self.state = State.PENDING
         self.messages = list(messages)
         self.prompt_ids = prompt_ids
+        self.prompt_len = len(prompt_ids)
+        """Tokens of the rendered first prompt; every turn's request is prompt_ids + response_ids."""
+        self.temperature = temperature
+        """Sampling temperature of every model turn (the trainer's logprobs use the same)."""
         self.response_ids: list[int] = []
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
@@ -131,7 +137,8 @@ class AgentLoop:
     ) -> list[Episode]:
         messages = self.initial_messages(question)
         prompt_ids = render_prompt(self.tokenizer, messages, tools=self.schemas)
-        episodes = [Episode(prompt_ids, messages) for _ in range(n)]
+        temperature = self.sampling.get("temperature", 1.0)
+        episodes = [Episode(prompt_ids, messages, temperature) for _ in range(n)]
         for ep in episodes:
             ep.state = State.RUNNING
         while running := [ep for ep in episodes if ep.state is State.RUNNING]:

@@ -14,11 +14,17 @@ from pathlib import Path
 import ray
 
 from common.logtext import PlainFormatter
+from generator_fleet.config import RolloutConfig
 from jobspec import JobSpec
 from replay_buffer.client import connect
+from trainer.config import TrainerConfig
 
 
-def _setup_process(spec: JobSpec, name: str, redis_url: str, threads: int) -> None:
+def _setup_process(
+    spec: JobSpec | TrainerConfig | RolloutConfig, name: str, redis_url: str, threads: int
+) -> None:
+    """Logging, threads and metrics of this actor's process; `spec`: the job spec or the component's
+    config (its job `name` and `output_dir`)."""
     import torch
     from prometheus_client import start_http_server
 
@@ -200,12 +206,12 @@ class ExternalEnginesActor:
 @ray.remote(num_cpus=0)
 class RolloutActor:
     def __init__(
-        self, spec: JobSpec, redis_url: str, engine_urls: list[str], api_key: str, index: int
+        self, config: RolloutConfig, redis_url: str, engine_urls: list[str], api_key: str, index: int
     ) -> None:
         from generator_fleet.rollout import RolloutWorker
 
-        _setup_process(spec, f"rollout-{index}", redis_url, 1)
-        self.worker = RolloutWorker(spec, redis_url, engine_urls, api_key, worker_id=index)
+        _setup_process(config, f"rollout-{index}", redis_url, 1)
+        self.worker = RolloutWorker(config, redis_url, engine_urls, api_key, worker_id=index)
 
     async def run(self) -> dict:
         return await self.worker.run()
@@ -224,7 +230,7 @@ class TrainerActor:
 
     def __init__(
         self,
-        spec: JobSpec,
+        config: TrainerConfig,
         redis_url: str,
         engine_urls: list[str],
         api_key: str,
@@ -233,8 +239,8 @@ class TrainerActor:
     ) -> None:
         from trainer.trainer import Trainer
 
-        _setup_process(spec, f"trainer-{rank}", redis_url, spec.trainer.torch_threads)
-        self.trainer = Trainer(spec, redis_url, engine_urls, api_key, rank, world_size)
+        _setup_process(config, f"trainer-{rank}", redis_url, config.trainer.torch_threads)
+        self.trainer = Trainer(config, redis_url, engine_urls, api_key, rank, world_size)
         self._store = None
         """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""
 

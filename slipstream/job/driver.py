@@ -209,7 +209,7 @@ class JobDriver:
 
         for _ in range(count):
             a = RolloutActor.remote(
-                self.spec, self.redis_url, self.rollout_urls, self.api_key, self._next_worker
+                self.spec.rollout_config(), self.redis_url, self.rollout_urls, self.api_key, self._next_worker
             )
             self._next_worker += 1
             ref = a.run.remote()
@@ -285,8 +285,9 @@ class JobDriver:
 
         spec = self._spec_with(num_trainers=m, **({"resume_from": resume_from} if resume_from else {}))
         rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
+        config = spec.trainer_config()
         self.trainers = [
-            rank_cls.remote(spec, self.redis_url, self.engine_urls, self.api_key, r, m) for r in range(m)
+            rank_cls.remote(config, self.redis_url, self.engine_urls, self.api_key, r, m) for r in range(m)
         ]
         master = self._get([self.trainers[0].rendezvous.remote()])[0] if m > 1 else None
         self._get([t.setup.remote(master) for t in self.trainers])

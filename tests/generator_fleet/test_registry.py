@@ -70,7 +70,7 @@ def test_worker_routes_to_joined_engine_and_retries_a_dead_one(redis_server, tin
     first = EngineServer(str(tiny_model_dir), api_key=KEY, torch_threads=1).start()
     second = EngineServer(str(tiny_model_dir), api_key=KEY, torch_threads=1).start()
     try:
-        worker = RolloutWorker(spec, redis_server.url, [first.url], KEY)
+        worker = RolloutWorker(spec.rollout_config(), redis_server.url, [first.url], KEY)
 
         async def scenario():
             worker.engines = EnginePool([first.url], KEY)

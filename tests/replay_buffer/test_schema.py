@@ -1,6 +1,15 @@
+import msgspec
 import pytest
 
-from replay_buffer.schema import RecordError, Sample, decode, encode, make_group
+from replay_buffer.schema import (
+    DEFAULT_TEMPERATURE,
+    SCHEMA_VERSION,
+    RecordError,
+    Sample,
+    decode,
+    encode,
+    make_group,
+)
 
 
 def _sample(versions=(3, 4), mask=(1, 1)) -> Sample:
@@ -55,3 +64,71 @@ def test_packed_fields_round_trip_values():
     assert s.view("response_ids").tolist() == [7, 7] and len(s) == 2
     assert s.view("behavior_logprobs").tolist() == [-0.5, -0.5]
     assert s.view("token_versions").tolist() == [3, 4] and s.view("loss_mask").tolist() == [1, 1]
+
+
+class _OldSample(msgspec.Struct):
+    """A sample as records carried it before they recorded temperature and prompt length."""
+
+    prompt_ids: bytes
+    response_ids: bytes
+    loss_mask: bytes
+    behavior_logprobs: bytes
+    token_versions: bytes
+    reward: float
+    finish_reason: str
+    num_turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class _OldGroup(msgspec.Struct):
+    group_id: str
+    job_id: str
+    prompt_id: str
+    samples: list[_OldSample]
+    min_version: int
+    max_version: int
+    created_at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+def test_samples_record_temperature_and_prompt_length():
+    s = Sample.build(
+        prompt_ids=[1, 5, 6],
+        response_ids=[7, 8],
+        loss_mask=[1, 1],
+        behavior_logprobs=[-0.5, -0.5],
+        token_versions=[0, 0],
+        reward=1.0,
+        finish_reason="stop",
+        temperature=0.7,
+    )
+    assert (s.temperature, s.prompt_len, s.num_prompt_tokens) == (0.7, 3, 3)
+    back = decode(encode(make_group("job", "p1", [s]))).samples[0]
+    assert (back.temperature, back.prompt_len) == (0.7, 3)
+
+
+def test_old_record_without_the_fields_decodes_with_the_documented_defaults():
+    new = _sample()
+    old = _OldSample(**{f: getattr(new, f) for f in _OldSample.__struct_fields__})
+    data = msgspec.msgpack.encode(_OldGroup("g", "job", "p1", [old], 3, 4, 0.0))
+    assert b"temperature" not in data and b"prompt_len" not in data
+    (s,) = decode(data).samples
+    assert s.temperature == DEFAULT_TEMPERATURE == 1.0
+    assert s.prompt_len == -1
+    assert s.num_prompt_tokens == 2  # counted from prompt_ids
+
+
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("prompt_len", 5, r"samples\[0\]\.prompt_len: 5 != prompt_ids 2"),
+        ("temperature", -0.5, r"samples\[0\]\.temperature"),
+        ("temperature", float("nan"), r"samples\[0\]\.temperature"),
+    ],
+)
+def test_bad_temperature_or_prompt_length_is_rejected(field, value, reason):
+    g = make_group("job", "p1", [_sample()])
+    setattr(g.samples[0], field, value)
+    with pytest.raises(RecordError, match=reason):
+        decode(encode(g))

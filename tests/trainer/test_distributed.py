@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
 
     def run(first_step: int, resume_path: str | None, tag: str) -> None:
         nonlocal vocab
-        learner = Learner(spec, pool)
+        learner = Learner(spec.model, spec.algorithm, spec.trainer, pool)
         learner.setup()
         vocab = learner.config.vocab_size
         if resume_path:

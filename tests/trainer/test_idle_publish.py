@@ -45,7 +45,9 @@ def test_trainer_without_a_batch_admits_a_joining_engine(
     engine = EngineServer(str(tiny_model_dir), api_key=KEY, torch_threads=1).start()
     joining = EngineRegistration(redis_client, job_id, engine.url, joining=True)
     registry = EngineRegistry(redis_client, job_id)
-    trainer = Trainer(_spec(job_id, tiny_model_dir, tmp_path / "out"), redis_server.url, [], KEY)
+    trainer = Trainer(
+        _spec(job_id, tiny_model_dir, tmp_path / "out").trainer_config(), redis_server.url, [], KEY
+    )
     out: dict = {}
     try:
         trainer.setup()  # no engine in the update group: the only one is joining

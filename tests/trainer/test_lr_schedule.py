@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
 
     def run(variant: str, first_step: int, resume_path: str | None, tag: str) -> None:
         spec = _spec(model_dir, world, variant)
-        learner = Learner(spec, pool)
+        learner = Learner(spec.model, spec.algorithm, spec.trainer, pool)
         learner.setup()
         if resume_path:
             state = checkpoint.load(learner, resume_path)
@@ -200,7 +200,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
         for step in range(first_step, STEPS):
             samples = None
             if pool.is_main:
-                samples = build_samples(data[step], spec.algorithm.advantage, *loss_aggregation(spec))
+                samples = build_samples(
+                    data[step],
+                    spec.algorithm.advantage,
+                    *loss_aggregation(spec.algorithm, spec.trainer_config().response_budget),
+                )
             stats = learner.train_step(learner.distribute(samples))
             for k in KEYS:
                 record[k].append(stats[k])
@@ -315,7 +319,7 @@ def test_trainer_reports_lr_and_masked_fraction_in_progress_and_prometheus(
         }
     )
     (tmp_path / "out").mkdir()
-    trainer = Trainer(spec, redis_server.url, [], None)
+    trainer = Trainer(spec.trainer_config(), redis_server.url, [], None)
     try:
         trainer.setup()
         for step in range(2):

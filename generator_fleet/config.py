@@ -1,0 +1,184 @@
+"""The generator fleet's config: prompts (`DatasetSpec`), rewards (`RewardSpec`), tools and agent
+episodes (`ToolSpecEntry`, `AgentSpec`), sampling and rollout workers (`SamplingSpec`, `RolloutSpec`),
+and the engines (`GeneratorsSpec`, with `SGLangSpec` for launched SGLang servers)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from common.config import MAX_COUNT, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
+from models.config import ModelSpec
+from replay_buffer.config import BufferSpec
+
+ENGINES = ("builtin", "sglang", "external")
+"""Engine kinds of a fleet (`generators.engine`)."""
+
+
+class DatasetSpec(Spec):
+    name: Literal["arith", "word_problems", "jsonl"] = "arith"
+    """Prompt source. `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
+    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`."""
+    max_operand: Pos = 19
+    """Largest operand of the `arith` problems."""
+    num_problems: Pos = 1000
+    """Problems generated for `word_problems`."""
+    difficulty: Literal["easy", "medium", "hard"] = "medium"
+    """`word_problems`: operand sizes and steps (easy: 2-digit, one operation)."""
+    path: str | None = None
+    """File for `jsonl` (.jsonl or .parquet)."""
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_parser: Literal["gsm8k", "raw"] = "gsm8k"
+    """`gsm8k`: the gold answer is the text after '####'."""
+    seed: int = 0
+
+
+class RewardSpec(Spec):
+    name: Literal["arith", "math_verify", "tool"] = "arith"
+    """`arith`: exact sum (single-turn arith task); `math_verify`: final answer checked with the
+    math-verify package; `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
+    format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
+    """Share of the reward paid for a well-formed answer; the rest for correctness."""
+
+
+class ToolSpecEntry(Spec):
+    name: str
+    """Tool name the model calls; a builtin (`calculator`, `python`, `check_answer`) unless `impl` is set."""
+    impl: str | None = None
+    """`package.module:Class` of a custom tool (see generator_fleet/tools/examples.py)."""
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Keyword arguments for the tool's constructor (e.g. python: {timeout_s: 5, memory_mb: 256})."""
+
+
+class AgentSpec(Spec):
+    max_turns: Pos = 4
+    """Model turns per episode; still calling tools in the last turn ends it as `tool_budget`."""
+    max_total_tokens: Pos = 512
+    """Response tokens per episode, model and tool tokens together."""
+    tool_timeout_s: Seconds = 10.0
+    """Seconds one tool call may take (at most MAX_TIMEOUT_S, a day)."""
+    parser: Literal["hermes"] = "hermes"
+    """Tool-call format: Hermes/Qwen `<tool_call>{"name":..., "arguments":...}</tool_call>`."""
+    system_prompt: str | None = None
+    """System turn; `{tools}` in it becomes the tools' JSON schemas (for templates without tool support)."""
+
+
+class SamplingSpec(Spec):
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    top_p: Prob = 1.0
+    max_new_tokens: Pos = 8
+
+
+class RolloutSpec(Spec):
+    group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 8
+    """Samples per prompt (G); GRPO needs at least 2."""
+    concurrency: Pos = 16
+    """Groups each rollout worker keeps in flight."""
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+
+
+class SGLangSpec(Spec):
+    """How the fleet launches real SGLang servers (`generators.engine: sglang`). Each option is the
+    `python -m sglang.launch_server` flag of the same name (SGLang's python/sglang/srt/server_args.py);
+    the fleet itself sets --model-path, --host, --port, --api-key and --weight-version."""
+
+    python: str | None = None
+    """Interpreter that has `sglang` installed (SGLang often lives in its own venv or image); null = the
+    one running Slipstream."""
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    """--dtype. `auto` is SGLang's rule: FP16 for FP32/FP16 checkpoints, BF16 for BF16 ones."""
+    tp_size: Pos = 1
+    """--tp-size: tensor-parallel GPUs per engine; each one is a rank of the weight-update group."""
+    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
+    """--mem-fraction-static: share of GPU memory for weights + KV cache; null = SGLang picks."""
+    context_length: Pos | None = None
+    """--context-length (tokens); null = the model config's."""
+    served_model_name: str | None = None
+    """--served-model-name (the `model_name` label of its metrics); null = the model path."""
+    skip_server_warmup: bool = False
+    """--skip-server-warmup: report healthy without the warm-up request."""
+    enable_metrics: bool = True
+    """--enable-metrics: serve the sglang:* Prometheus metrics on GET /metrics (SGLang's default is off)."""
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    """Further launch_server arguments, passed as given (e.g. ["--attention-backend", "triton"])."""
+    gpus_per_engine: NonNeg | None = None
+    """GPUs Ray reserves per engine (they become its CUDA_VISIBLE_DEVICES); null = tp_size, 0 = none
+    (a CPU build of SGLang)."""
+    startup_timeout_s: Seconds = 900.0
+    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs); at most
+    a day."""
+
+
+class GeneratorsSpec(Spec):
+    engine: Literal[ENGINES] = "builtin"
+    """`builtin`: `num_engines` of Slipstream's SGLang-compatible engines; `sglang`: the fleet launches
+    `num_engines` real SGLang servers (section `sglang`); `external`: attach to engines someone else
+    runs (`urls`, or the workers of `router_url`)."""
+    num_engines: Pool = 1
+    """Engines the fleet starts (`builtin`, `sglang`; at most MAX_POOL = 4096, as in a scale request);
+    `external` engines are the `urls`."""
+    num_workers: Pool = 1
+    """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
+    max_batch_size: Pos = 256
+    """Most requests an engine decodes together."""
+    gpus_per_engine: NonNeg = 0
+    """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
+    `sglang` engines take `sglang.gpus_per_engine`."""
+    cpus_per_engine: NonNeg = 0
+    """CPUs Ray reserves for each engine (and each rollout worker takes none: they wait on I/O)."""
+    torch_threads: Pos = 1
+    sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
+    urls: list[str] = msgspec.field(default_factory=list)
+    """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or
+    Slipstream's engine; empty with `router_url` = the router's workers (GET /list_workers)."""
+    router_url: str | None = None
+    """An sglang-router in front of `sglang` or `external` engines: rollout requests go to the router;
+    pause and weight updates go to each worker, which the router does not forward. Launched `sglang`
+    engines are added to it (POST /add_worker) and removed when the job ends."""
+    api_key_env: str | None = None
+    """`external`: name of the environment variable (where `slipstream run` runs) that holds the
+    engines' API key, so the key stays out of the spec and its saved copy; null = no key."""
+
+    def __post_init__(self) -> None:
+        if self.engine == "external" and not self.urls and self.router_url is None:
+            raise bad("urls", "engine `external` needs `urls` (or `router_url` to take its workers from)")
+        if self.engine != "external":
+            for key in ("urls", "api_key_env"):
+                if getattr(self, key):
+                    raise bad(key, f"only for engine `external` (engine is `{self.engine}`)")
+        elif self.num_engines != 1:
+            raise bad("num_engines", "engine `external`: the engines are the `urls`")
+        if self.engine != "sglang" and self.sglang != SGLangSpec():
+            raise bad("sglang", f"only for engine `sglang` (engine is `{self.engine}`)")
+        if self.router_url is not None and self.engine == "builtin":
+            raise bad("router_url", "a router fronts `sglang` or `external` engines")
+        for i, url in enumerate(self.urls):
+            if not url.startswith(("http://", "https://")):
+                raise bad(f"urls[{i}]", f"expected an http(s):// base URL, got {url!r}")
+            if url.rstrip("/") in (u.rstrip("/") for u in self.urls[:i]):
+                raise bad(f"urls[{i}]", f"{url!r} is listed twice")
+        if self.router_url is not None and not self.router_url.startswith(("http://", "https://")):
+            raise bad("router_url", f"expected an http(s):// base URL, got {self.router_url!r}")
+
+
+class RolloutConfig(msgspec.Struct, kw_only=True):
+    """What one rollout worker is configured by: its sections of the job spec and the job facts it
+    needs (`JobSpec.rollout_config()` builds it)."""
+
+    name: str
+    """Job id; namespaces every Redis key."""
+    output_dir: str
+    """Where the worker's log goes."""
+    model: ModelSpec
+    dataset: DatasetSpec
+    reward: RewardSpec
+    agent: AgentSpec | None = None
+    tools: list[ToolSpecEntry] = msgspec.field(default_factory=list)
+    rollout: RolloutSpec
+    buffer: BufferSpec
+    """Admission (`max_staleness`), recycling (`stale_policy`) and the worker lease."""
+    groups_per_step: int
+    """Groups the trainer consumes per optimizer step (algorithm.groups_per_step): admission control
+    lets workers run at most max_staleness steps' worth of groups ahead."""

@@ -1,0 +1,44 @@
+"""The weight bus's config (`BusSpec`): the update group's backend, buckets, pause mode, timeouts and
+how often the trainer publishes."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from common.config import Pos, Seconds, Spec
+
+BACKENDS = ("gloo", "nccl")
+"""torch.distributed backends of the update group."""
+PAUSE_MODES = ("in_place", "retract", "abort")
+"""How engines pause for a weight swap (`bus.pause_mode`)."""
+DTYPES = ("bfloat16", "float16", "float32")
+"""What weights may travel and load as (`bus.dtype`)."""
+BUCKET_BYTES = 512 * 1024 * 1024
+"""Default largest bucket of flattened parameters (bytes), one broadcast each."""
+
+
+class BusSpec(Spec):
+    backend: Literal[BACKENDS] = "gloo"
+    bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = BUCKET_BYTES
+    """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
+    pause_mode: Literal[PAUSE_MODES] = "in_place"
+    """How engines pause for the swap: keep in-flight requests with their KV cache (in_place: partial
+    rollouts, later tokens carry the new version), free their KV and re-prefill them after the swap
+    (retract), or abort them (abort: workers resume them from their prefix)."""
+    dtype: Literal[DTYPES] | None = None
+    """What the weights travel and load as; null = the engines' dtype (/get_server_info) when they all
+    report one, else the trainer's."""
+    timeout_s: Seconds = 60.0
+    """Bound on every engine call and collective of an update: an engine that dies or stalls longer is
+    dropped from the update group and the update goes on with the others (seconds, at most a day)."""
+    master_address: str | None = None
+    """Address engines reach the trainer's update group at (rank 0 hosts its store there); null =
+    127.0.0.1 while every engine is local, else this node's address on its default route."""
+    update_every: Pos = 1
+    """Publish weights every this many optimizer steps (and after the last one)."""
+    idle_sync_s: Seconds = 5.0
+    """When the trainer has waited this long for a batch while engines wait to join (new ones, or ones
+    dropped and due for a retry), it publishes its current weights to admit them now instead of at its
+    next step: with every engine gone or joining, no rollout comes and that step never would."""
