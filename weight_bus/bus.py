@@ -40,13 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from weight_bus.config import BUCKET_BYTES, PAUSE_MODES
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
 from weight_bus.membership import Membership, Registry
-from weight_bus.packing import BUCKET_BYTES
 from weight_bus.schema import DEFAULT_GROUP
-from weight_bus.transfer import MAX_INFLIGHT, PAUSE_MODES, PublishStats, Transfer
+from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
 
 __all__ = ["BusError", "PublishStats", "Registry", "WeightBus", "update_due"]
 
