@@ -33,7 +33,7 @@ from slipstream.cluster.job_store import (
     latest_checkpoint,
 )
 from slipstream.cluster.services import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
-from slipstream.job.local import ProgressReader
+from slipstream.job.progress import ProgressReader
 
 log = logging.getLogger(__name__)
 
@@ -309,10 +309,7 @@ class JobControl:
         self._job(name)
         if since < 0:
             raise ControlError(422, f"since must be >= 0, got {since}")
-        reader = ProgressReader(self.r, name)
-        while reader.read(block_ms=0):
-            pass
-        records = reader.records
+        records = ProgressReader(self.r, name).read_all()
         run = ReplayBuffer(self.r, name).run_info()
         run_tag = f"{run['run_id']}.{run['attempt']}.{run['trims']}" if run else None
         return {
