@@ -390,7 +390,7 @@ class JobControl:
         m = trainers if trainers is not None else want.get("trainers", spec.trainer.num_trainers)
         g = dict(raw.get("generators") or {})
         if n != spec.generators.num_engines:  # the driver runs workers_per_engine per engine then
-            per = -(-spec.generators.num_workers // spec.generators.num_engines)  # driver.workers_per_engine
+            per = -(-spec.generators.num_workers // spec.generators.num_engines)  # generators.workers_per_engine
             g.update(num_engines=n, num_workers=per * n)
         scaled = {**raw, "generators": g, "trainer": {**(raw.get("trainer") or {}), "num_trainers": m}}
         try:
