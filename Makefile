@@ -25,11 +25,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m slipstream.demo
 
+# Every test's time goes to test-durations.txt (slowest first); `make test` prints the 25 slowest.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=10
+	$(PY) -m pytest -q; rc=$$?; head -n 26 test-durations.txt 2>/dev/null; exit $$rc
 
+# The development tier: unit and light integration tests (no cluster or multi-process job runs).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow"; rc=$$?; head -n 16 test-durations.txt 2>/dev/null; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -50,7 +50,7 @@ from benchmarks.shapes import SHAPES, config_kwargs
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_INFLIGHT = 2
-"""weight_bus.bus.MAX_INFLIGHT (not imported here: --help stays instant and the raw peer stays light)."""
+"""weight_bus.transfer.MAX_INFLIGHT (not imported here: --help stays instant and the raw peer stays light)."""
 TOKENIZER_ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789 "
 """A throwaway tokenizer for the engine to load (nothing is generated)."""
 API_KEY = "weight-bus-bench"

@@ -113,7 +113,7 @@ async def live_engines(client, job: str) -> list[str]:
 
 
 class EngineRegistry:
-    """The weight bus's side of the registry (weight_bus.bus.Registry), over a sync client: engines
+    """The weight bus's side of the registry (weight_bus.membership.Registry), over a sync client: engines
     waiting to join, promoting them once they hold the current weights, demoting dropped ones."""
 
     def __init__(self, client: redis.Redis, job: str) -> None:

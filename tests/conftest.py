@@ -42,3 +42,24 @@ def tiny_model_dir(tmp_path_factory):
     task = ArithTask()
     build(path, ALPHABET, [p.prompt + str(p.answer) for p in task.problems], seed=0)
     return path
+
+
+# ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE
+# at the end of a run (`make test` prints its head, so CI's log shows where the suite's time goes).
+DURATIONS_FILE = "test-durations.txt"
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _durations or hasattr(session.config, "workerinput"):
+        return
+    total = sum(_durations.values())
+    rows = sorted(_durations.items(), key=lambda kv: kv[1], reverse=True)
+    lines = [f"{len(rows)} tests, {total:.0f} s in tests (setup + call + teardown), slowest first"]
+    lines += [f"{seconds:8.1f} s  {nodeid}" for nodeid, seconds in rows]
+    with open(session.config.rootpath / DURATIONS_FILE, "w") as f:
+        f.write("\n".join(lines) + "\n")

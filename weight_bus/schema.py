@@ -38,8 +38,3 @@ class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):
 
 class DestroyWeightsUpdateGroup(msgspec.Struct, kw_only=True):
     group_name: str = DEFAULT_GROUP
-
-
-class UpdateResult(msgspec.Struct):
-    success: bool
-    message: str

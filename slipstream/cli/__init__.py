@@ -9,8 +9,9 @@ import os
 import sys
 
 import jobspec
+from slipstream.cli import cluster as cluster_cli
 from slipstream.cli import jobs as jobs_cli
-from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--output-dir", help="the job's output_dir (default runs/JOB)")
     st.add_argument("--home", help="cluster state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)")
     st.add_argument("--json", action="store_true", help="print JSON")
-    cluster.add_parser(sub)
+    cluster_cli.add_parser(sub)
     jobs_cli.add_parsers(sub)
     return p
 
@@ -67,7 +68,7 @@ def _buffer_stats(args) -> int:
         from slipstream.cluster.job_store import JobStore
 
         try:
-            info = cluster.load_info(args.home)
+            info = cluster_state.load_info(args.home)
         except FileNotFoundError as e:
             print(f"slipstream: no --redis-url, no {url_file} of a local run, and {e}", file=sys.stderr)
             return 2
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "buffer":
         return _buffer_stats(args)
     if args.cmd == "cluster":
-        return cluster.main(args)
+        return cluster_cli.main(args)
     if args.cmd in jobs_cli.COMMANDS:
         return jobs_cli.main(args)
     try:

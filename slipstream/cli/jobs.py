@@ -57,7 +57,7 @@ class ControlClient:
                     "SLIPSTREAM_API_TOKEN is not set (the token of the control API at " + url + ")"
                 )
             return cls(url, token)
-        from slipstream.cluster.services import load_info
+        from slipstream.cluster.state import load_info
 
         try:
             info = load_info(home)

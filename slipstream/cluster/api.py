@@ -166,7 +166,7 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from slipstream.cluster import services as cluster
+    from slipstream.cluster import state as cluster_state
     from slipstream.cluster.control import JobControl
     from slipstream.cluster.targets import TargetWriter
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     limits = limits_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    info = cluster.load_info(args.home)
+    info = cluster_state.load_info(args.home)
     tool_modules = None if args.tool_modules is None else [m for m in args.tool_modules.split(",") if m]
     control = JobControl(info, tool_modules=tool_modules)
     try:  # after a cluster restart, jobs that were running have no driver any more: mark them

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import shlex
 import shutil
@@ -32,7 +31,7 @@ from slipstream.cluster.job_store import (
     checkpoint_dir,
     latest_checkpoint,
 )
-from slipstream.cluster.services import ClusterInfo, project_pythonpath, ray_env, write_job_redis_url
+from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
 from slipstream.job.progress import ProgressReader
 
 log = logging.getLogger(__name__)
@@ -118,8 +117,7 @@ class JobControl:
     @property
     def ray(self):
         """Ray's job-submission client (token auth), made on first use."""
-        if self._ray is None:
-            os.environ.update(ray_env(self.info))
+        if self._ray is None:  # the token goes in the header: this process's environment stays its own
             from ray.job_submission import JobSubmissionClient
 
             self._ray = JobSubmissionClient(

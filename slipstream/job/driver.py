@@ -334,19 +334,19 @@ def _raise_stop(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slipstream.cluster import services as cluster
+    from slipstream.cluster import state as cluster_state
 
     p = argparse.ArgumentParser(prog="python -m slipstream.job.driver", description=__doc__.splitlines()[0])
     p.add_argument("--home", required=True, help="the cluster's state directory")
     p.add_argument("--job", required=True)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # The job's own Redis user (its keys only), not the control plane's: cluster.job_redis_url.
+    # The job's own Redis user (its keys only), not the control plane's: cluster_state.job_redis_url.
     if why := check_name(args.job):
         print(f"slipstream.job.driver: job name {args.job!r}: {why}", file=sys.stderr)
         return 1
     try:
-        redis_url = cluster.job_redis_url(args.home, args.job)
+        redis_url = cluster_state.job_redis_url(args.home, args.job)
     except OSError as e:
         print(f"slipstream.job.driver: job {args.job!r} has no Redis credentials: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from jobspec import JobSpec
-from slipstream.cluster.services import project_pythonpath
+from slipstream.cluster.state import project_pythonpath
 
 log = logging.getLogger("slipstream.job.prepare")
 

@@ -24,11 +24,10 @@ import pytest
 import schemathesis
 import uvicorn
 from api_fuzz import error_message, fuzz
+from cluster_helpers import control_without_ray
 
-from replay_buffer.redis_server import ManagedRedis
 from slipstream.cluster.api import MAX_BODY_BYTES, create_app
 from slipstream.cluster.control import JobControl
-from slipstream.cluster.services import ClusterInfo
 
 TOKEN = "fuzz-" + secrets.token_hex(8)
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -39,29 +38,17 @@ PUBLIC = {("GET", "/healthz"), ("GET", "/openapi.json"), ("GET", "/docs"), ("GET
 NO_RAY = "Ray job submission failed"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     """(url, control) of a control API over a real Redis and an address where Ray would be."""
-    home = tmp_path_factory.mktemp("home")
-    env = dict(os.environ)  # JobControl exports the cluster's Ray variables into this process
-    with ManagedRedis(data_dir=home / "redis") as redis:
-        no_ray = f"127.0.0.1:{_free_port()}"
-        info = ClusterInfo(
-            home=str(home), host="127.0.0.1", redis_url=redis.url, redis_admin_url=redis.admin_url,
-            ray_address=no_ray, dashboard_url=f"http://{no_ray}", prometheus_url=None,
-            api_url="", api_token=TOKEN, ray_auth_token="unused", pids={}, running=True,
-        )  # fmt: skip
-        control = JobControl(info)
+    with control_without_ray(tmp_path_factory.mktemp("home"), api_token=TOKEN) as control:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        server = uvicorn.Server(uvicorn.Config(create_app(TOKEN, control), log_level="warning"))
+        # A kept-alive connection stays open between cases: on a loaded box hypothesis can take longer than
+        # uvicorn's 5 s default to make the next case, and a close racing the next request is a reset.
+        config = uvicorn.Config(create_app(TOKEN, control), log_level="warning", timeout_keep_alive=600)
+        server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 30
@@ -73,8 +60,6 @@ def api(tmp_path_factory):
         finally:
             server.should_exit = True
             thread.join(10)
-            os.environ.clear()
-            os.environ.update(env)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ while a normal request still works."""
 from __future__ import annotations
 
 import socket
-import tempfile
 import threading
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import httpx
 import pytest
 from raw_http import connect, read_until_closed, send_chunks
 
-from slipstream.cluster import services as cluster
 from slipstream.cluster.api import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.slow
@@ -26,16 +24,6 @@ BODY = 96 << 20
 SLOW = 200
 BOUND_S = 180.0
 """How long a test waits for the server to act (generous: a loaded 2-core CI box); never a measured value."""
-
-
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssapi-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
 
 
 def _auth(info) -> dict[str, str]:

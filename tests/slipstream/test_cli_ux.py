@@ -11,20 +11,19 @@ import json
 import logging
 import re
 import resource
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+from cluster_helpers import JOB_TIMEOUT_S, wait_for
 
 from slipstream import cli
-from slipstream.cli.jobs import ControlClient, render_status
+from slipstream.cli import cluster as cluster_cli
+from slipstream.cli.jobs import render_status
 from slipstream.cluster import services as cluster
-
-JOB_TIMEOUT_S = 300
-
+from slipstream.cluster import state as cluster_state
 
 # ---------------------------------------------------------------- unit level
 
@@ -55,8 +54,8 @@ def test_every_option_of_submit_scale_logs_status_rm_has_a_help_text():
         assert not bare, f"`slipstream {cmd}`: options without help: {bare}"
 
 
-def _info(host: str) -> cluster.ClusterInfo:
-    return cluster.ClusterInfo(
+def _info(host: str) -> cluster_state.ClusterInfo:
+    return cluster_state.ClusterInfo(
         home="/h", host=host, redis_url="redis://slipstream:pw@127.0.0.1:1/0",
         redis_admin_url="redis://:pw@127.0.0.1:1/0", ray_address="127.0.0.1:6380",
         dashboard_url="http://127.0.0.1:2", prometheus_url=None, api_url="http://127.0.0.1:3",
@@ -69,11 +68,11 @@ def test_cluster_up_prints_a_ray_start_line_only_when_other_nodes_can_use_it(cap
     import argparse
 
     args = argparse.Namespace(no_prometheus=True)
-    cluster._print_up(_info("127.0.0.1"), {}, args)
+    cluster_cli._print_up(_info("127.0.0.1"), {}, args)
     loopback = capsys.readouterr().out
     assert "ray start" not in loopback  # a loopback head cannot take other nodes
     assert "cluster up --host 0.0.0.0" in loopback
-    cluster._print_up(_info("10.1.2.3"), {}, args)
+    cluster_cli._print_up(_info("10.1.2.3"), {}, args)
     reachable = capsys.readouterr().out
     assert "ray start --address 10.1.2.3:6380" in reachable and "loopback" not in reachable
 
@@ -168,21 +167,6 @@ def test_sandbox_thread_limit_is_what_its_notes_say(record_property):
 # ---------------------------------------------------------------- one real cluster
 
 
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssux-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
-
-
-@pytest.fixture(scope="module")
-def client(info):
-    return ControlClient(info.api_url, info.api_token)
-
-
 @pytest.mark.slow
 def test_scale_errors_are_one_readable_line(info, capsys):
     assert cli.main(["scale", "nojob", "--generators", "0", "--home", info.home]) == 1
@@ -191,17 +175,6 @@ def test_scale_errors_are_one_readable_line(info, capsys):
     assert len(err.splitlines()) == 1
     assert "generators: Input should be greater than or equal to 1 (got 0)" in err and "HTTP 422" in err
     assert "[{" not in err and "'loc'" not in err
-
-
-def _wait(client, name, what, cond, timeout_s=JOB_TIMEOUT_S, poll_s=1.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(name)
-        if cond(st):
-            return st
-        assert st.get("state") not in ("failed", "stopped", "succeeded"), (what, st)
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(poll_s)
 
 
 @pytest.mark.slow
@@ -221,11 +194,11 @@ buffer: {{max_staleness: 1}}
     capsys.readouterr()
 
     # while it builds its model, status says so (it showed "starting" and zeros)
-    st = _wait(client, name, "the model build phase", lambda s: "building model" in (s.get("phase") or ""),
+    st = wait_for(client, name, "the model build phase", lambda s: "building model" in (s.get("phase") or ""),
                poll_s=0.2)  # fmt: skip
     print(f"phase while starting: {st['phase']}")
     assert st["state"] == "starting" and "tiny-arith" in st["phase"] and str(model) in st["phase"]
-    st = _wait(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
     assert st["state"] == "running" and not st.get("phase")
 
     # `buffer stats JOB` finds the job through the cluster: no SLIPSTREAM_REDIS_URL, no runs/JOB/redis.url

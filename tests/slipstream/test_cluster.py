@@ -22,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -80,7 +81,7 @@ def test_secrets_are_private_and_stay_out_of_cluster_json(info, home):
     assert info.api_token == sec["api_token"] and info.ray_auth_token == sec["ray_auth_token"]
     public = (home / "cluster.json").read_text()
     assert not any(v in public for v in sec.values())
-    assert cluster.load_info(home) == info
+    assert cluster_state.load_info(home) == info
 
 
 def test_redis_takes_the_app_user_and_refuses_anonymous(info):
@@ -114,7 +115,7 @@ def test_a_ray_job_connects_to_the_cluster_with_ray_env(info):
         [*submit, "--", *entry],
         capture_output=True,
         text=True,
-        env={**os.environ, **cluster.ray_env(info)},
+        env={**os.environ, **cluster_state.ray_env(info)},
         timeout=300,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -155,7 +156,7 @@ def test_cli_down_stops_everything_and_up_restores_it(info, home):
 
     up = _cli("up", "--home", str(home), "--num-cpus", "1")
     assert up.returncode == 0, up.stderr
-    again = cluster.load_info(home)
+    again = cluster_state.load_info(home)
     for address in (again.ray_address, again.dashboard_url, again.api_url, again.redis_url.split("@")[1]):
         assert address in up.stdout
     # a loopback head cannot take other nodes: no `ray start --address` line, the way to allow them instead
@@ -196,13 +197,13 @@ def test_a_failed_start_stops_what_it_started():
 
 def test_long_home_gets_a_short_ray_temp_dir(tmp_path):
     long_home = tmp_path / ("x" * 80)
-    short = cluster.ray_temp_dir(long_home)
-    assert len(str(short)) <= cluster.RAY_TEMP_DIR_MAX_CHARS and short != long_home / "ray"
-    assert cluster.ray_temp_dir(long_home) == short  # the same HOME always maps to the same directory
-    assert cluster.ray_temp_dir(Path("/tmp/h")) == Path("/tmp/h/ray")
+    short = cluster_state.ray_temp_dir(long_home)
+    assert len(str(short)) <= cluster_state.RAY_TEMP_DIR_MAX_CHARS and short != long_home / "ray"
+    assert cluster_state.ray_temp_dir(long_home) == short  # the same HOME always maps to the same directory
+    assert cluster_state.ray_temp_dir(Path("/tmp/h")) == Path("/tmp/h/ray")
 
 
 def test_no_cluster_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no cluster at .*make cluster-up"):
-        cluster.load_info(tmp_path)
+        cluster_state.load_info(tmp_path)
     assert _cli("status", "--home", str(tmp_path)).returncode == 2

@@ -3,62 +3,23 @@ control API): submit through the CLI, watch progress, scale generators 1 -> 2 ->
 (gloo, resumed from a checkpoint) while the job runs, checkpoint on request, stop; no group lost or
 trained twice. Bad specs and missing tokens are refused with precise errors."""
 
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
+from cluster_helpers import JOB_TIMEOUT_S, spec_text, wait_for
 
 from slipstream import cli
-from slipstream.cli.jobs import ControlClient
-from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 
-JOB_TIMEOUT_S = 240
 
-
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssctl-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
-
-
-@pytest.fixture(scope="module")
-def client(info):
-    return ControlClient(info.api_url, info.api_token)
-
-
-def _spec_file(tmp_path, model_dir, name: str, **extra) -> Path:
-    text = f"""
-name: {name}
-output_dir: out
-model: {{path: {model_dir}}}
-rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
-generators: {{num_engines: 1, num_workers: 1}}
-algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
-buffer: {{max_staleness: 1}}
-"""
+def _spec_file(tmp_path, model_dir, name: str) -> Path:
     path = tmp_path / f"{name}.yaml"
-    path.write_text(text + "".join(f"{k}: {v}\n" for k, v in extra.items()))
+    path.write_text(spec_text(model_dir, name))
     return path
-
-
-def _wait(client, name, what, cond, timeout_s=JOB_TIMEOUT_S):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(name)
-        if cond(st):
-            return st
-        assert st.get("state") not in ("failed", "stopped", "succeeded"), (what, st)
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(1)
 
 
 def test_api_requires_the_token(info):
@@ -98,7 +59,7 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     spec = _spec_file(tmp_path, tiny_model_dir, name)
     assert cli.main(["submit", str(spec), "--home", info.home]) == 0
     assert f"submitted job {name}" in capsys.readouterr().out
-    st = _wait(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
     assert st["state"] == "running" and st["pools"] == {"generators": 1, "rollout_workers": 1, "trainers": 1}
     assert Path(st["output_dir"]) == Path(info.home) / "jobs" / name  # relative output_dir: under HOME
     print(f"running: version {st['version']}, reward {st['reward_mean']:.3f}")
@@ -125,7 +86,7 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     client.scale(name, generators=2, trainers=None)
     trainer_log = Path(st["output_dir"]) / "logs" / "trainer-0.log"
     # joined: the bus admitted the new engine at an update (it was in the registry's joining set till then)
-    st = _wait(
+    st = wait_for(
         client,
         name,
         "2 generators, the new one given the weights",
@@ -134,24 +95,26 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     engine1 = (Path(st["output_dir"]) / "logs" / "engine-1.log").read_text()
     assert "weights updated" in engine1
     v0 = st["version"]
-    st = _wait(client, name, "steps with 2 generators", lambda s: s["version"] > v0 + 2)
+    st = wait_for(client, name, "steps with 2 generators", lambda s: s["version"] > v0 + 2)
 
     # ... and back to 1
     client.scale(name, generators=1, trainers=None)
     v0 = st["version"]
-    st = _wait(client, name, "1 generator", lambda s: s["pools"]["generators"] == 1 and s["version"] > v0 + 2)
+    st = wait_for(
+        client, name, "1 generator", lambda s: s["pools"]["generators"] == 1 and s["version"] > v0 + 2
+    )
 
     # trainers 1 -> 2: checkpoint, restart with 2 gloo ranks resharded from it, carry on
     client.scale(name, generators=None, trainers=2)
     v0 = st["version"]
-    st = _wait(client, name, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
+    st = wait_for(client, name, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
     driver_log = Path(st["output_dir"]) / "logs" / "driver.log"
     assert "trainer pool: 2 ranks, resumed from" in driver_log.read_text()
 
     client.checkpoint(name)
     ckpts = Path(st["output_dir"]) / "checkpoints"
     before = set(ckpts.iterdir())
-    _wait(client, name, "a requested checkpoint", lambda s: set(ckpts.iterdir()) - before)
+    wait_for(client, name, "a requested checkpoint", lambda s: set(ckpts.iterdir()) - before)
 
     assert cli.main(["logs", name, "--home", info.home, "--tail", "5"]) == 0
     assert "components: driver" in capsys.readouterr().out

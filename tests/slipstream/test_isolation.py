@@ -20,6 +20,7 @@ import redis
 
 from slipstream.cli.jobs import ControlClient
 from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +75,7 @@ def home():
         cluster.down(path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-        shutil.rmtree(cluster.ray_temp_dir(path), ignore_errors=True)
+        shutil.rmtree(cluster_state.ray_temp_dir(path), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def _driver_log(info, name: str) -> str:
 
 
 def _job_client(info, name: str) -> redis.Redis:
-    url = cluster.job_redis_url(info.home, name)
+    url = cluster_state.job_redis_url(info.home, name)
     return redis.Redis.from_url(url, socket_connect_timeout=5)
 
 
@@ -146,13 +147,13 @@ def test_home_and_ray_temp_dir_are_owner_only(info, home, jobs):
 
 
 def test_the_ray_temp_dir_for_a_long_home_sits_in_an_owner_only_directory(tmp_path):
-    temp = cluster.ray_temp_dir(tmp_path / ("x" * 80))
+    temp = cluster_state.ray_temp_dir(tmp_path / ("x" * 80))
     assert temp.parent.parent == Path("/tmp") and temp.parent.name.startswith("slipstream-ray-")
-    cluster.private_dir(tmp_path, temp.parent)
+    cluster_state.private_dir(tmp_path, temp.parent)
     try:
         assert _mode(temp.parent) == 0o700 and temp.parent.stat().st_uid == os.getuid()
         temp.parent.chmod(0o777)  # left open by something else: tightened
-        cluster.private_dir(tmp_path, temp.parent)
+        cluster_state.private_dir(tmp_path, temp.parent)
         assert _mode(temp.parent) == 0o700
     finally:
         shutil.rmtree(temp.parent)
@@ -164,7 +165,7 @@ def test_a_ray_temp_dir_of_another_user_or_a_symlink_is_refused(tmp_path):
     link = tmp_path / "ray"
     link.symlink_to(target)
     with pytest.raises(RuntimeError, match="not a directory"):
-        cluster.private_dir(tmp_path, link)
+        cluster_state.private_dir(tmp_path, link)
     if os.getuid() == 0:  # as root, hand a directory to another user (nobody)
         not_ours, owner = tmp_path / "not-ours", 65534
         not_ours.mkdir(mode=0o700)
@@ -172,14 +173,14 @@ def test_a_ray_temp_dir_of_another_user_or_a_symlink_is_refused(tmp_path):
     else:
         not_ours, owner = Path("/"), 0
     with pytest.raises(RuntimeError, match=f"belongs to uid {owner}, not to this user"):
-        cluster.private_dir(tmp_path, not_ours)
+        cluster_state.private_dir(tmp_path, not_ours)
 
 
 def test_each_job_has_its_own_redis_user_limited_to_its_keys(info, jobs):
     a_name, b_name = jobs
-    url_file = cluster.job_redis_url_path(info.home, a_name)
+    url_file = cluster_state.job_redis_url_path(info.home, a_name)
     assert _mode(url_file) == 0o600
-    assert cluster.job_redis_url(info.home, a_name).startswith(f"redis://job-{a_name}:")
+    assert cluster_state.job_redis_url(info.home, a_name).startswith(f"redis://job-{a_name}:")
     a = _job_client(info, a_name)
     assert int(a.get(f"slipstream:{a_name}:version")) == 2  # its own keys, written by its own processes
     for op in (
@@ -203,7 +204,9 @@ def test_each_job_has_its_own_redis_user_limited_to_its_keys(info, jobs):
 def test_job_passwords_stay_out_of_command_lines_ray_and_job_files(info, home, jobs):
     from ray.job_submission import JobSubmissionClient
 
-    passwords = {n: cluster.job_redis_url(info.home, n).rsplit("@", 1)[0].rsplit(":", 1)[1] for n in jobs}
+    passwords = {
+        n: cluster_state.job_redis_url(info.home, n).rsplit("@", 1)[0].rsplit(":", 1)[1] for n in jobs
+    }
     assert len(set(passwords.values())) == 2
     ray_jobs = JobSubmissionClient(
         info.dashboard_url, headers={"Authorization": f"Bearer {info.ray_auth_token}"}
@@ -224,4 +227,6 @@ def test_redis_has_the_configured_memory_limit_and_never_evicts(info):
     admin = redis.Redis.from_url(info.redis_admin_url)
     assert admin.config_get("maxmemory") == {"maxmemory": str(MAXMEMORY)}
     assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
-    assert cluster._read_state(Path(info.home)).redis_maxmemory == str(MAXMEMORY)  # the next `up` keeps it
+    assert cluster_state.read_state(Path(info.home)).redis_maxmemory == str(
+        MAXMEMORY
+    )  # the next `up` keeps it

@@ -6,68 +6,29 @@ saved) and says "nothing to do" on an ended job; `cluster down` stops running jo
 restart killed is marked `interrupted` with its latest checkpoint, after which stop answers and the same
 name resumes from that checkpoint."""
 
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import ENDED, spec_text, wait_for
 
 from slipstream import cli
-from slipstream.cli.jobs import ApiError, ControlClient
+from slipstream.cli.jobs import ApiError
 from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 
-JOB_TIMEOUT_S = 300
-ENDED = ("succeeded", "failed", "stopped", "interrupted")
-
 
 @pytest.fixture(scope="module")
-def home():
-    home = Path(tempfile.mkdtemp(prefix="sslife-", dir="/tmp"))
-    cluster.up(home, start_prometheus=False)
-    try:
-        yield home
-    finally:
-        cluster.down(home, force=True)
-
-
-@pytest.fixture(scope="module")
-def client(home):
-    info = cluster.load_info(home)  # down/up on the same HOME keeps the ports and the token
-    return ControlClient(info.api_url, info.api_token)
-
-
-def _spec(tmp_path, model_dir, name: str, **extra) -> str:
-    text = f"""
-name: {name}
-output_dir: out
-model: {{path: {model_dir}}}
-rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
-generators: {{num_engines: 1, num_workers: 1}}
-algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
-buffer: {{max_staleness: 1}}
-"""
-    return text + "".join(f"{k}: {v}\n" for k, v in extra.items())
-
-
-def _wait(client, name, what, cond, timeout_s=JOB_TIMEOUT_S, ended_ok=False):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(name)
-        if cond(st):
-            return st
-        assert ended_ok or st.get("state") not in ENDED, (what, st)
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(1)
+def home(info):  # down/up on the same HOME keeps the ports and the token: `client` stays valid
+    return Path(info.home)
 
 
 def test_scale_is_checked_against_the_spec_and_stop_says_what_it_does(
     home, client, tmp_path, tiny_model_dir, capsys
 ):
     name = "plain"
-    client.submit(_spec(tmp_path, tiny_model_dir, name, trainer="{fsdp: false}"), [], str(tmp_path))
-    st = _wait(client, name, "a first step", lambda s: s.get("version", 0) >= 1)
+    client.submit(spec_text(tiny_model_dir, name, trainer="{fsdp: false}"), [], str(tmp_path))
+    st = wait_for(client, name, "a first step", lambda s: s.get("version", 0) >= 1)
     out_dir = Path(st["output_dir"])
 
     # two trainer ranks need fsdp: refused with the spec's own reason, nothing recorded for the driver
@@ -83,7 +44,7 @@ def test_scale_is_checked_against_the_spec_and_stop_says_what_it_does(
     # stop --no-checkpoint: says nothing is saved, and the job's final status says so too
     assert cli.main(["stop", name, "--no-checkpoint", "--home", str(home)]) == 0
     assert "no checkpoint is written" in capsys.readouterr().out
-    st = _wait(client, name, "the stop", lambda s: s["state"] in ENDED, ended_ok=True)
+    st = wait_for(client, name, "the stop", lambda s: s["state"] in ENDED, ended_ok=True)
     assert st["state"] == "stopped", st
     assert st["checkpoint"] == "" and "no checkpoint written at the stop" in st["note"], st
     assert not (out_dir / "checkpoints").exists()
@@ -99,9 +60,9 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
     home, client, tmp_path, tiny_model_dir
 ):
     name = "longrun"  # checkpoint_every is 0 (the default): only the stops write checkpoints
-    spec = _spec(tmp_path, tiny_model_dir, name)
+    spec = spec_text(tiny_model_dir, name)
     client.submit(spec, [], str(tmp_path))
-    st = _wait(client, name, "first steps", lambda s: s.get("version", 0) >= 2)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 2)
     out_dir = Path(st["output_dir"])
     trainer_log = out_dir / "logs" / "trainer-0.log"
 
@@ -123,12 +84,12 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
 
     # the same name resumes from it
     client.submit(spec, ["trainer.resume_from=latest"], str(tmp_path))
-    _wait(client, name, "resumed steps", lambda s: s.get("version", 0) >= v1 + 2)
+    wait_for(client, name, "resumed steps", lambda s: s.get("version", 0) >= v1 + 2)
     assert f"resumed from {ckpt1} " in trainer_log.read_text()
     client.checkpoint(name)
-    _wait(client, name, "a requested checkpoint", lambda s: _latest(out_dir) not in (None, ckpt1))
+    wait_for(client, name, "a requested checkpoint", lambda s: _latest(out_dir) not in (None, ckpt1))
     ckpt2 = _latest(out_dir)
-    _wait(client, name, "a step after it", lambda s: s["version"] > int(ckpt2.name.split("-")[1]))
+    wait_for(client, name, "a step after it", lambda s: s["version"] > int(ckpt2.name.split("-")[1]))
 
     # a forced cluster restart kills the driver without a checkpoint: the job is marked interrupted at
     # the control API's start, with the reason and its latest checkpoint, instead of `running` forever
@@ -150,10 +111,10 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
     # and the name is free again: resubmitted, it resumes from that checkpoint
     client.submit(spec, ["trainer.resume_from=latest"], str(tmp_path))
     v2 = int(ckpt2.name.split("-")[1])
-    _wait(client, name, "steps after the second resume", lambda s: s.get("version", 0) > v2)
+    wait_for(client, name, "steps after the second resume", lambda s: s.get("version", 0) > v2)
     assert f"resumed from {ckpt2} " in trainer_log.read_text()
     client.stop(name)
-    st = _wait(client, name, "the last stop", lambda s: s["state"] in ENDED, ended_ok=True)
+    st = wait_for(client, name, "the last stop", lambda s: s["state"] in ENDED, ended_ok=True)
     assert st["state"] == "stopped" and st["checkpoint_version"] == st["version"], st
 
 

@@ -10,70 +10,26 @@ submitted three times:
    progress, buffer counters and samples file hold only the new run.
 """
 
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 import redis
+from cluster_helpers import spec_text, wait_for
 
 from replay_buffer import ReplayBuffer
 from replay_buffer.keys import TRAINER_GROUP
 from replay_buffer.schema import decode
-from slipstream.cli.jobs import ControlClient
-from slipstream.cluster import services as cluster
 
 pytestmark = pytest.mark.slow
 
-JOB_TIMEOUT_S = 300
 NAME = "again"
 GROUPS_PER_STEP, GROUP_SIZE = 2, 4
 
 
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssruns-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
-
-
-@pytest.fixture(scope="module")
-def client(info):
-    return ControlClient(info.api_url, info.api_token)
-
-
-def _spec(model_dir) -> str:
-    return f"""
-name: {NAME}
-output_dir: out
-model: {{path: {model_dir}}}
-rollout: {{group_size: {GROUP_SIZE}, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
-generators: {{num_engines: 1, num_workers: 1}}
-algorithm: {{groups_per_step: {GROUPS_PER_STEP}, total_steps: 100000, lr: 1.0e-3}}
-buffer: {{max_staleness: 4}}
-trainer: {{checkpoint_every: 2, keep_checkpoints: 100}}
-"""
-
-
-def _wait(client, what, cond, timeout_s=JOB_TIMEOUT_S, ended_ok=False):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        st = client.get(NAME)
-        if cond(st):
-            return st
-        if not ended_ok:
-            assert st.get("state") not in ("failed", "stopped", "succeeded"), (what, st)
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
-        time.sleep(1)
-
-
 def _stop(client) -> dict:
     client.stop(NAME)
-    return _wait(
-        client, "the stop", lambda s: s["state"] in ("stopped", "failed", "succeeded"), ended_ok=True
+    return wait_for(
+        client, NAME, "the stop", lambda s: s["state"] in ("stopped", "failed", "succeeded"), ended_ok=True
     )
 
 
@@ -103,18 +59,25 @@ def _one_clock(records: list[dict]) -> None:
 
 def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_model_dir):
     r = redis.Redis.from_url(info.redis_url)
-    spec = _spec(tiny_model_dir)
+    spec = spec_text(
+        tiny_model_dir,
+        NAME,
+        max_staleness=4,
+        group_size=GROUP_SIZE,
+        groups_per_step=GROUPS_PER_STEP,
+        trainer="{checkpoint_every: 2, keep_checkpoints: 100}",
+    )
 
     # 1. a run, rescaled and stopped
     client.submit(spec, [], str(tmp_path))
     # the first pool trains longer than the second will: a second pool whose elapsed_s restarted at 0
     # would show it going back
-    st = _wait(client, "first steps", lambda s: s.get("version", 0) >= 8)
+    st = wait_for(client, NAME, "first steps", lambda s: s.get("version", 0) >= 8)
     first_run = st["run_id"]
     assert st["attempt"] == 1
     client.scale(NAME, generators=None, trainers=2)
     v0 = st["version"]
-    _wait(client, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
+    wait_for(client, NAME, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
     st = _stop(client)
     assert st["state"] == "stopped", st
     records = _progress(client)["records"]
@@ -134,8 +97,11 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
     assert ckpt.is_dir() and stopped_at >= resume_at + 4
     future = [g for g in _left_for_the_trainer(r, NAME) if g.max_version > resume_at]
     client.submit(spec, [f"trainer.resume_from={ckpt}"], str(tmp_path))
-    st = _wait(
-        client, "steps after the resume", lambda s: s.get("attempt") == 2 and s["version"] >= resume_at + 6
+    st = wait_for(
+        client,
+        NAME,
+        "steps after the resume",
+        lambda s: s.get("attempt") == 2 and s["version"] >= resume_at + 6,
     )
     assert st["run_id"] == first_run  # a resume continues the run
     st = _stop(client)
@@ -152,8 +118,12 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
 
     # 3. the same name submitted again without resume: a new run, from version 0
     client.submit(spec, ["algorithm.total_steps=3", "trainer.checkpoint_every=0"], str(tmp_path))
-    st = _wait(
-        client, "the new run's end", lambda s: s["state"] in ("succeeded", "failed", "stopped"), ended_ok=True
+    st = wait_for(
+        client,
+        NAME,
+        "the new run's end",
+        lambda s: s["state"] in ("succeeded", "failed", "stopped"),
+        ended_ok=True,
     )
     assert st["state"] == "succeeded" and st["version"] == 3, st
     assert st["run_id"] != first_run and st["attempt"] == 1

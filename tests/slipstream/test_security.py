@@ -27,6 +27,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from slipstream.cluster import services as cluster
+from slipstream.cluster import state as cluster_state
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)
@@ -134,7 +135,7 @@ def home():
         cluster.down(path)
     finally:
         shutil.rmtree(path, ignore_errors=True)
-        shutil.rmtree(cluster.ray_temp_dir(path), ignore_errors=True)
+        shutil.rmtree(cluster_state.ray_temp_dir(path), ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def cluster_up(home):
         timeout=300,
     )
     assert up.returncode == 0, up.stdout + up.stderr
-    return cluster.load_info(home), up.stdout + up.stderr
+    return cluster_state.load_info(home), up.stdout + up.stderr
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +279,7 @@ def test_control_api_compares_the_token_in_constant_time(compare_spy):
 
 @pytest.mark.slow  # the module's cluster: ~30 s to start on a loaded 2-core box
 def test_services_slipstream_starts_listen_on_loopback_by_default(info, engine):
-    ports = cluster._read_state(Path(info.home)).ports
+    ports = cluster_state.read_state(Path(info.home)).ports
     redis_api = _listening(_with_children([info.pids["redis"], info.pids["api"]]))
     assert {port for *_, port in redis_api} >= {ports["redis"], ports["api"]}
     dashboard = [s for s in _listening(_ray_pids(info.ray_temp_dir)) if s[3] == ports["dashboard"]]

@@ -18,20 +18,17 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import control_without_ray
 
 import jobspec
-from replay_buffer.redis_server import ManagedRedis
 from slipstream import cli
-from slipstream.cluster import services as cluster
 from slipstream.cluster.control import ControlError, JobControl
 from slipstream.cluster.job_store import check_name
-from slipstream.cluster.services import ClusterInfo
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RAY = "Ray job submission failed"
@@ -50,29 +47,11 @@ BOMB = "name: bomb\ntools:\n- name: calculator\n  args:\n    a0: &a0 [x, x, x, x
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def control(tmp_path_factory):
     """The real JobControl over a real Redis, with nothing listening where Ray would be."""
-    home = tmp_path_factory.mktemp("home")
-    env = dict(os.environ)  # JobControl exports the cluster's Ray variables into this process
-    with ManagedRedis(data_dir=home / "redis") as redis:
-        no_ray = f"127.0.0.1:{_free_port()}"
-        info = ClusterInfo(
-            home=str(home), host="127.0.0.1", redis_url=redis.url, redis_admin_url=redis.admin_url,
-            ray_address=no_ray, dashboard_url=f"http://{no_ray}", prometheus_url=None,
-            api_url="", api_token="unused", ray_auth_token="unused", pids={}, running=True,
-        )  # fmt: skip
-        try:
-            yield JobControl(info)
-        finally:
-            os.environ.clear()
-            os.environ.update(env)
+    with control_without_ray(tmp_path_factory.mktemp("home")) as control:
+        yield control
 
 
 def _refused(
@@ -361,16 +340,6 @@ def test_two_processes_building_one_model_build_it_once_and_read_it_whole(tmp_pa
 
 
 # ---- on a real cluster: the driver and a failing job ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="ssspec-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
 
 
 def _driver(info, job: str) -> subprocess.CompletedProcess:

@@ -19,7 +19,7 @@ from generator_fleet.tools import ToolSpec, build_tools
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_impl, check_tools
 from slipstream import cli
 from slipstream.cluster import services as cluster
-from slipstream.cluster.services import ray_env
+from slipstream.cluster.state import ray_env
 
 ALLOWED = ["generator_fleet.tools.examples"]
 TOOL_CLASS = """

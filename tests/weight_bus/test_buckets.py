@@ -66,7 +66,7 @@ def test_per_tensor_round_trip():
 
 
 def test_rank_offsets_give_every_tp_rank_its_own_rank():
-    from weight_bus.bus import rank_offsets
+    from weight_bus.packing import rank_offsets
 
     # trainer = rank 0; engines with TP 1, 2, 1 take ranks 1 | 2 3 | 4 (SGLang: rank_offset + tp_rank)
     assert rank_offsets([1, 2, 1]) == ([1, 2, 4], 5)

@@ -164,7 +164,7 @@ def test_engine_that_left_the_registry_is_dropped_without_a_warning(
         publish_bounded(bus, models.b.named_parameters(), version=1)
         registrations[1].close()
         victim.kill(signal.SIGKILL)
-        with caplog.at_level(logging.INFO, logger="weight_bus.bus"):
+        with caplog.at_level(logging.INFO, logger="weight_bus"):
             stats = publish_bounded(bus, models.c.named_parameters(), version=2)
         assert stats.dropped == [victim.url] and stats.engines == [survivor.url]
         assert_holds(survivor, models.c)
@@ -260,7 +260,12 @@ def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_pa
         bus.connect()
         publish_bounded(bus, models.b.named_parameters(), 1)
         name, p = next(iter(models.b.named_parameters()))
-        body = {"names": [name], "dtypes": ["float32"], "shapes": [list(p.shape)], "group_name": bus._name}
+        body = {
+            "names": [name],
+            "dtypes": ["float32"],
+            "shapes": [list(p.shape)],
+            "group_name": bus.members.name,
+        }
         answer: dict = {}
 
         def announce() -> None:  # the bucket whose bytes never come

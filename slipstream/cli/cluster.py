@@ -1,0 +1,183 @@
+"""`slipstream cluster up | down | status`: the command line of the persistent local cluster."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import sys
+from pathlib import Path
+
+from slipstream.cluster.services import down, status, up
+from slipstream.cluster.state import (
+    JOB_STOP_TIMEOUT_S,
+    PROMETHEUS_SKIPPED,
+    SERVICES,
+    ClusterInfo,
+    load_info,
+    resolve_home,
+)
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- CLI (`slipstream cluster ...`)
+
+
+def add_parser(sub) -> None:
+    """Register `cluster up|down|status` on slipstream's subcommand parser."""
+    p = sub.add_parser(
+        "cluster", help="the persistent local cluster (Redis, Ray head, Prometheus, control API)"
+    )
+    csub = p.add_subparsers(dest="cluster_cmd", required=True)
+    home_help = "state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)"
+    u = csub.add_parser("up", help="start the cluster's services (those already running are left alone)")
+    u.add_argument("--home", help=home_help)
+    u.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: accept other nodes)")
+    for name in ("redis", "ray", "dashboard", "api", "prometheus"):
+        u.add_argument(f"--{name}-port", type=int, default=0, help="0: remembered, else a free port")
+    u.add_argument(
+        "--redis-maxmemory",
+        help="Redis memory limit, e.g. 4gb (default: the last one, else 2gb); at the limit writes fail "
+        "with a clear error, nothing is evicted",
+    )
+    u.add_argument("--num-cpus", type=int)
+    u.add_argument("--num-gpus", type=int)
+    u.add_argument("--no-prometheus", action="store_true")
+    u.add_argument("--no-api", action="store_true")
+    tools = u.add_mutually_exclusive_group()
+    tools.add_argument(
+        "--tool-modules",
+        metavar="MOD[,MOD...]",
+        help="jobs' custom tools (tools[].impl) may come only from these modules and their submodules "
+        "(default: any importable module; the API token is admin-equivalent either way)",
+    )
+    tools.add_argument("--builtin-tools-only", action="store_true", help="jobs may use builtin tools only")
+    for name, help_ in (
+        ("down", "stop running jobs (each with a checkpoint), then every service; data is kept"),
+        ("status", "each service alive or dead"),
+    ):
+        csub.add_parser(name, help=help_).add_argument("--home", help=home_help)
+    d = csub.choices["down"]
+    d.add_argument(
+        "--force",
+        action="store_true",
+        help="do not wait for running jobs to stop with a checkpoint: they are killed (marked interrupted)",
+    )
+    d.add_argument(
+        "--job-timeout",
+        type=float,
+        default=JOB_STOP_TIMEOUT_S,
+        help="seconds to wait for running jobs to stop (then refuse, naming them)",
+    )
+
+
+def _this_host_ip() -> str:
+    """This machine's address on its default route (no packet is sent), for `ray start --address`."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "<this host's IP>"
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
+    home = Path(info.home)
+    secrets_file = home / "secrets.json"
+
+    def state(service: str) -> str:
+        pid = info.pids.get(service)
+        return f"already running, pid {pid}" if before.get(service) else f"started, pid {pid}"
+
+    redis_public = info.redis_url.split("@", 1)[1]
+    print(f"Slipstream cluster at {home}")
+    print(f"  redis       redis://slipstream@{redis_public}  ({state('redis')})")
+    print(
+        f"              password: {secrets_file} [redis_password] (user `slipstream`; the default user is admin)"
+    )
+    print(f"  ray         {info.ray_address}  ({state('ray')})")
+    print(f"              dashboard + job API {info.dashboard_url}, token: {secrets_file} [ray_auth_token]")
+    if info.prometheus_url:
+        print(f"  prometheus  {info.prometheus_url}  ({state('prometheus')})")
+        print(f"              targets: {home / 'prometheus' / 'targets'}/*.json")
+    elif args.no_prometheus:
+        print("  prometheus  not started (--no-prometheus)")
+    else:
+        print(f"  prometheus  {PROMETHEUS_SKIPPED}")
+    if "api" in info.pids:
+        print(f"  api         {info.api_url}  ({state('api')}), docs {info.api_url}/docs")
+        print(f"              token: {secrets_file} [api_token]")
+    print(f"  logs        {home / 'logs'}")
+    port = info.ray_address.rsplit(":", 1)[1]
+    if _is_loopback(info.host):  # other machines cannot reach a head that listens on loopback only
+        print("More nodes: this head listens on loopback only; to add nodes, `slipstream cluster down`,")
+        print("  then `slipstream cluster up --host 0.0.0.0` (or this host's IP)")
+    else:
+        ip = info.host if info.host != "0.0.0.0" else _this_host_ip()
+        print("Connect more nodes (same Ray and Python versions):")
+        print(
+            f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<ray_auth_token from {secrets_file}> ray start --address {ip}:{port}"
+        )
+    print("Submit a job:  slipstream submit JOB.yaml")
+    print("Stop:          make cluster-down  (data is kept)")
+
+
+def main(args: argparse.Namespace) -> int:
+    """`slipstream cluster up|down|status`."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(logging.INFO)  # one line per state change; not httpx's requests
+    home = resolve_home(args.home)
+    try:
+        if args.cluster_cmd == "up":
+            before = status(home) if (home / "cluster.json").exists() else {}
+            info = up(
+                home,
+                args.host,
+                redis_port=args.redis_port,
+                ray_port=args.ray_port,
+                dashboard_port=args.dashboard_port,
+                api_port=args.api_port,
+                prometheus_port=args.prometheus_port,
+                num_cpus=args.num_cpus,
+                num_gpus=args.num_gpus,
+                start_api=not args.no_api,
+                start_prometheus=not args.no_prometheus,
+                tool_modules=[]
+                if args.builtin_tools_only
+                else None
+                if args.tool_modules is None
+                else [m.strip() for m in args.tool_modules.split(",") if m.strip()],
+                redis_maxmemory=args.redis_maxmemory,
+            )
+            _print_up(info, before, args)
+            return 0
+        if args.cluster_cmd == "down":
+            alive = status(home)
+            info = load_info(home)
+            down(home, force=args.force, job_timeout_s=args.job_timeout)
+            stopped = [f"{s} (pid {info.pids.get(s)})" for s in reversed(SERVICES) if alive.get(s)]
+            print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
+            print(f"data kept in {home} (`slipstream cluster up` starts it again, same ports and secrets)")
+            return 0
+        alive = status(home)
+        info = load_info(home)
+        for service, ok in alive.items():
+            print(
+                f"{service:<11} {'alive' if ok else 'dead'}" + (f"  pid {info.pids[service]}" if ok else "")
+            )
+        return 0 if all(alive.values()) else 1
+    except FileNotFoundError as e:
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, TimeoutError) as e:
+        print(f"slipstream: cluster {args.cluster_cmd} failed: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,89 @@
+"""What the cluster test modules share: a real cluster per module, the small job spec they submit, and the
+wait for a job's status to reach a condition (failing early, with the status, when the job ends instead)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from slipstream.cluster import services as cluster
+from slipstream.cluster.state import ClusterInfo
+
+JOB_TIMEOUT_S = 300.0
+"""How long a test waits for a job to reach a state (generous: a loaded 2-core CI box); never a measured value."""
+ENDED = ("succeeded", "failed", "stopped", "interrupted")
+
+
+@contextmanager
+def running_cluster(prefix: str = "ss-") -> Iterator[ClusterInfo]:
+    """A real cluster (Redis, Ray head, control API; no Prometheus) in a fresh HOME under /tmp (short: Ray's
+    socket paths must fit), brought down at the end without waiting for jobs still running."""
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    info = cluster.up(home, start_prometheus=False)
+    try:
+        yield info
+    finally:
+        cluster.down(home, force=True)
+
+
+def spec_text(
+    model_dir, name: str, max_staleness: int = 1, group_size: int = 4, groups_per_step: int = 2, **extra
+) -> str:
+    """A job that trains the tiny model for as long as the test lets it (total_steps is far away); `extra`
+    adds top-level sections, e.g. `trainer="{checkpoint_every: 2}"`."""
+    text = f"""
+name: {name}
+output_dir: out
+model: {{path: {model_dir}}}
+rollout: {{group_size: {group_size}, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
+generators: {{num_engines: 1, num_workers: 1}}
+algorithm: {{groups_per_step: {groups_per_step}, total_steps: 100000, lr: 1.0e-3}}
+buffer: {{max_staleness: {max_staleness}}}
+"""
+    return text + "".join(f"{k}: {v}\n" for k, v in extra.items())
+
+
+def wait_for(
+    client,
+    name: str,
+    what: str,
+    cond: Callable[[dict], bool],
+    timeout_s: float = JOB_TIMEOUT_S,
+    ended_ok: bool = False,
+    poll_s: float = 1.0,
+) -> dict:
+    """Poll `client.get(name)` until `cond(status)`; fail with the status if the job ends first (unless
+    `ended_ok`) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.get(name)
+        if cond(st):
+            return st
+        assert ended_ok or st.get("state") not in ENDED, (what, st)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
+        time.sleep(poll_s)
+
+
+@contextmanager
+def control_without_ray(home: Path, api_token: str = "unused") -> Iterator:
+    """The real JobControl over a real Redis, with nothing listening where Ray would be (what the control
+    plane does before it reaches Ray: spec checks, job records, errors)."""
+    from common.net import free_port
+    from replay_buffer.redis_server import ManagedRedis
+    from slipstream.cluster.control import JobControl
+
+    with ManagedRedis(data_dir=home / "redis") as redis:
+        no_ray = f"127.0.0.1:{free_port()}"
+        info = ClusterInfo(
+            home=str(home), host="127.0.0.1", redis_url=redis.url, redis_admin_url=redis.admin_url,
+            ray_address=no_ray, dashboard_url=f"http://{no_ray}", prometheus_url=None,
+            api_url="", api_token=api_token, ray_auth_token="unused", pids={}, running=True,
+        )  # fmt: skip
+        control = JobControl(info)
+        try:
+            yield control
+        finally:
+            control.r.close()

@@ -1,0 +1,146 @@
+"""The engines' control routes over HTTP (SGLang's native API, shared/SGLANG_API.md §3): pause and
+continue generation, join and leave weight-update groups, announce buckets, read server info. The one
+synchronous client for them, used by the weight bus and the job driver; generation has its own async
+client (generator_fleet.client).
+
+Two ways to call: `EngineClient` sends one request and waits for its answer (pooled connections, safe to
+share between threads); `EngineChannel` writes requests in order on one pipelined connection to one
+engine and returns Futures (weight_bus/pipeline.py says why the bus's group calls and announcements
+need that). Both check an answer alike: HTTP 200 and no `success: false`, else `Refused`.
+"""
+
+from __future__ import annotations
+
+import socket
+from concurrent.futures import Future
+from typing import Any
+
+import httpx
+import msgspec
+
+from weight_bus.errors import Refused
+from weight_bus.pipeline import Pipeline
+from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+
+PROBE_TIMEOUT_S = 5.0
+"""GET /get_server_info bound (it never waits on a collective), and a channel's connect timeout."""
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def checked(url: str, path: str, status: int, body: bytes) -> dict:
+    """An engine's answer to a control call, or Refused (HTTP status other than 200, success: false)."""
+    if status != 200:
+        raise Refused(f"{url}{path}: HTTP {status}: {body[:500].decode(errors='replace')}")
+    data = msgspec.json.decode(body) if body else {}
+    if isinstance(data, dict) and data.get("success") is False:
+        raise Refused(f"{url}{path}: {data.get('message')}")
+    return data
+
+
+class EngineClient:
+    """Blocking control calls to any engine, with the job's API key; every call is bounded by
+    `timeout_s` unless it says otherwise. Transport errors (connection refused, timeout) are httpx's."""
+
+    def __init__(self, api_key: str | None, timeout_s: float) -> None:
+        self.headers = auth_headers(api_key)
+        self.timeout_s = timeout_s
+        # TCP_NODELAY: a POST goes out as two writes (headers, body); with Nagle on, the body waits for
+        # the server's delayed ACK of the headers, 40 ms per call on Linux.
+        nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+        self._http = httpx.Client(
+            headers=self.headers, timeout=timeout_s, transport=httpx.HTTPTransport(socket_options=nodelay)
+        )
+
+    @property
+    def is_closed(self) -> bool:
+        return self._http.is_closed
+
+    def post(self, url: str, path: str, body: Any = None, timeout: float | None = None) -> dict:
+        """POST `body` (a msgspec Struct or plain JSON value; None: {}) to `url + path`; the answer's JSON."""
+        resp = self._http.post(
+            url + path,
+            content=msgspec.json.encode(body) if body is not None else b"{}",
+            headers={"Content-Type": "application/json"},
+            timeout=timeout or self.timeout_s,
+        )
+        return checked(url, path, resp.status_code, resp.content)
+
+    def server_info(self, url: str) -> dict:
+        """GET /get_server_info (at most PROBE_TIMEOUT_S): tp_size, pp_size, dtype, version, and the
+        built-in engine's weight_update_groups."""
+        resp = self._http.get(url + "/get_server_info", timeout=min(PROBE_TIMEOUT_S, self.timeout_s))
+        if resp.status_code != 200:
+            raise Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
+        return resp.json()
+
+    def pause_generation(self, url: str, mode: str) -> dict:
+        """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
+        return self.post(url, "/pause_generation", {"mode": mode})
+
+    def continue_generation(self, url: str) -> dict:
+        return self.post(url, "/continue_generation", {})
+
+    def channel(self, url: str) -> EngineChannel:
+        """A pipelined connection to one engine, with this client's API key."""
+        return EngineChannel(url, self.headers)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class EngineChannel:
+    """Control calls to one engine, written in order on one pipelined connection: each returns a Future
+    of the answer's JSON (or Refused, or the connection's error), without waiting for earlier answers."""
+
+    def __init__(self, url: str, headers: dict[str, str]) -> None:
+        self.url = url
+        self._pipeline = Pipeline(url, headers, PROBE_TIMEOUT_S)
+
+    def call(self, path: str, body: Any) -> Future:
+        out: Future = Future()
+        out.set_running_or_notify_cancel()
+
+        def done(raw: Future) -> None:
+            try:
+                resp = raw.result()
+                out.set_result(checked(self.url, path, resp.status, resp.body))
+            except Exception as e:
+                out.set_exception(e)
+
+        self._pipeline.post(path, msgspec.json.encode(body)).add_done_callback(done)
+        return out
+
+    def init_weights_update_group(self, req: InitWeightsUpdateGroup) -> Future:
+        return self.call("/init_weights_update_group", req)
+
+    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributed) -> Future:
+        return self.call("/update_weights_from_distributed", req)
+
+    def destroy_weights_update_group(self, group_name: str) -> Future:
+        return self.call("/destroy_weights_update_group", DestroyWeightsUpdateGroup(group_name=group_name))
+
+    def close(self) -> None:
+        """Drop the connection; unanswered calls fail (ConnectionError)."""
+        self._pipeline.close()
+
+
+def continue_engines(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> dict[str, Exception]:
+    """POST /continue_generation to each engine in turn (engines a weight update left paused, e.g. when
+    the trainer died between pause and continue); returns the failures by URL."""
+    failed: dict[str, Exception] = {}
+    with EngineClient(api_key, timeout_s) as client:
+        for url in urls:
+            try:
+                client.continue_generation(url)
+            except (Refused, httpx.HTTPError) as e:
+                failed[url] = e
+    return failed

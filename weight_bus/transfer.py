@@ -1,0 +1,343 @@
+"""One weight update over the group that `Membership` keeps: pause the engines, announce and broadcast
+every bucket (the next one packed while earlier ones are on the wire), recover from an engine lost
+mid-update, continue the engines. The update's order and failure semantics are in weight_bus/bus.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import msgspec
+import torch
+
+from weight_bus import metrics
+from weight_bus.engine_client import EngineClient
+from weight_bus.errors import BusError, Refused
+from weight_bus.group import broadcast_async
+from weight_bus.membership import MAX_REBUILDS, Member, Membership
+from weight_bus.packing import Bucket, pack
+from weight_bus.receiver import FLATTENED_BUCKET
+from weight_bus.schema import UpdateWeightsFromDistributed
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = ("in_place", "retract", "abort")
+MAX_INFLIGHT = 2
+"""Default for buckets announced and broadcast but not yet confirmed; the next one is packed meanwhile,
+so the trainer holds at most max_inflight + 1 bucket buffers. More hides more per-bucket HTTP latency
+(an engine hears of bucket k + max_inflight once bucket k is confirmed)."""
+POLL_S = 1e-4
+"""How often an unconfirmed bucket is checked (its broadcast and every engine's HTTP answer)."""
+
+
+class PublishStats(msgspec.Struct, kw_only=True):
+    version: int
+    bytes: int
+    """Bytes broadcast once (the flattened buckets, in the engine dtype)."""
+    buckets: int
+    pause_ms: float
+    """Engine pause: from /pause_generation sent to /continue_generation answered (generation lost)."""
+    transfer_ms: float
+    """First announcement to the last bucket confirmed by every engine (broadcast done and HTTP 200)."""
+    gather_ms: float
+    """Time spent pulling and packing tensors from the trainer's iterator (bucket 0 before the pause);
+    what of it is not hidden behind the wire shows up in transfer_ms."""
+    engines: list[str]
+    """Engines that hold `version` now."""
+    joined: list[str] = []
+    """Engines admitted by this update (they got the whole model; promoted in the registry)."""
+    dropped: list[str] = []
+    """Engines removed from the group by this update (dead or timed out)."""
+    rebuilds: int = 0
+    """Update groups built during this update (membership change or failure)."""
+    timeline: list[list[float]] = []
+    """Per confirmed bucket: [index, launched, broadcast seen done, every engine seen answered], ms from
+    the start of the transfer (seen: when Transfer.confirm polled it, so within POLL_S of the event once
+    the bucket is at the head of the queue). Where the wire idles between buckets shows here."""
+
+    @property
+    def pause_s(self) -> float:
+        return self.pause_ms / 1e3
+
+    @property
+    def transfer_s(self) -> float:
+        return self.transfer_ms / 1e3
+
+
+class UpdateFailed(Exception):
+    """A bucket was not confirmed: engine calls that failed, and the collective's error if any."""
+
+    def __init__(self, bucket: Bucket, errors: dict[str, BaseException], collective: BaseException | None):
+        self.bucket, self.errors, self.collective = bucket, errors, collective
+        parts = [f"{url}: {e}" for url, e in errors.items()]
+        if collective is not None:
+            parts.append(f"collective: {collective}")
+        super().__init__(f"bucket {bucket.index}: " + "; ".join(parts))
+
+
+def _error(f: Future) -> BaseException | None:
+    """The exception of a finished call (a cancelled one counts as failed); None while running or on success."""
+    if not f.done():
+        return None
+    if f.cancelled():
+        return RuntimeError("cancelled")
+    return f.exception()
+
+
+class Transfer:
+    """Publishes one version at a time to the engines of `members` (the caller serializes updates)."""
+
+    def __init__(
+        self,
+        members: Membership,
+        client: EngineClient,
+        pool: ThreadPoolExecutor,
+        bucket_bytes: int,
+        pause_mode: str,
+        device: torch.device,
+        max_inflight: int,
+        repair_in_stream: bool,
+    ) -> None:
+        self.members, self.client, self.pool = members, client, pool
+        self.bucket_bytes = bucket_bytes
+        self.pause_mode = pause_mode
+        self.device = device
+        self.max_inflight = max(1, max_inflight)
+        self.repair_in_stream = repair_in_stream
+        self.timeout_s = members.timeout_s
+        self.grace = members.grace
+
+    def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
+        """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
+        futures = {e.url: self.pool.submit(fn, e.url, *args) for e in engines}
+        return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
+
+    def publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+        """Membership first (nothing paused yet), bucket 0 packed, then pause, transfer, continue. The
+        caller drains `it` afterwards, whatever happened."""
+        m = self.members
+        if self.client.is_closed:
+            raise BusError("publish after close()")
+        generation0 = m.generation
+        joined, dropped = m.sync()
+        dtype = m.wire_dtype()
+        t_gather = time.perf_counter()
+        stream = pack(it, self.bucket_bytes, dtype, self.device)
+        first = next(stream, None)
+        gather_s = time.perf_counter() - t_gather
+        if first is None:
+            raise BusError("publish: no tensors")
+        if not m.engines:
+            log.warning("version %d: no engine to update (none registered or all dropped)", version)
+            return PublishStats(
+                version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
+                gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
+            )  # fmt: skip
+        paused = list(m.engines)
+        t_pause = time.perf_counter()
+        total = n_buckets = 0
+        timeline: list[list[float]] = []
+        try:
+            failed = self._on_all(paused, self.client.pause_generation, self.pause_mode)
+            refused = {u: e for u, e in failed.items() if isinstance(e, Refused)}
+            if refused and all(not isinstance(r, BaseException) for r in m.probe(list(refused)).values()):
+                raise BusError(f"pause refused: {refused}")
+            if failed:
+                dropped += m.drop(list(failed))
+                m.rebuild()
+            t_transfer = time.perf_counter()
+            total, n_buckets, pack_s, more_dropped, timeline = self._transfer(first, stream, version)
+            gather_s += pack_s
+            dropped += more_dropped
+            transfer_s = time.perf_counter() - t_transfer
+        finally:
+            # Engines dropped meanwhile are continued too (one that timed out may still be alive), but not
+            # waited for: they may not answer at all.
+            for url in {e.url for e in paused} - set(m.urls) - m.parked:
+                self.pool.submit(self.client.continue_generation, url)
+            failed = self._on_all(m.engines, self.client.continue_generation)
+            for url, err in failed.items():
+                log.warning("engine %s: continue failed: %s", url, err)
+            dropped += m.drop(list(failed))
+        pause_s = time.perf_counter() - t_pause
+        m.promote(joined)
+        stats = PublishStats(
+            version=version,
+            bytes=total,
+            buckets=n_buckets,
+            pause_ms=pause_s * 1e3,
+            transfer_ms=transfer_s * 1e3,
+            gather_ms=gather_s * 1e3,
+            engines=m.urls,
+            joined=[u for u in joined if u in m.urls],
+            dropped=dropped,
+            rebuilds=m.generation - generation0,
+            timeline=timeline,
+        )
+        metrics.BYTES.inc(total)
+        metrics.TRANSFER_SECONDS.observe(transfer_s)
+        metrics.PAUSE_SECONDS.observe(pause_s)
+        metrics.VERSION.set(version)
+        metrics.UPDATES.inc()
+        metrics.ENGINES.set(len(m.engines))
+        log.info(
+            "published version %d to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
+            "engines paused %.1f ms, gather %.1f ms%s%s",
+            version,
+            len(m.engines),
+            total / 1e6,
+            n_buckets,
+            stats.transfer_ms,
+            total / max(transfer_s, 1e-9) / 1e9,
+            stats.pause_ms,
+            stats.gather_ms,
+            f", joined {stats.joined}" if stats.joined else "",
+            f", dropped {dropped}" if dropped else "",
+        )
+        return stats
+
+    def _transfer(self, first: Bucket, stream: Iterator[Bucket], version: int):
+        """Announce and broadcast every bucket, packing the next while the previous is on the wire; on a
+        failure, rebuild over the survivors and re-send what they have not confirmed.
+        Returns (bytes, buckets, seconds spent packing, engines dropped, timeline: see PublishStats)."""
+        m = self.members
+        t0 = time.perf_counter()
+        timeline: list[list[float]] = []
+        pending: deque[Bucket] = deque()
+        nxt: Bucket | None = first
+        total = count = 0
+        pack_s = 0.0
+        dropped: list[str] = []
+        rebuilds = 0
+        while (nxt is not None or pending) and m.engines:
+            if nxt is not None and len(pending) < self.max_inflight:
+                self.launch(nxt, version)
+                pending.append(nxt)
+                if nxt.last:
+                    nxt = None
+                else:
+                    t = time.perf_counter()
+                    nxt = next(stream)  # gathered and packed while the buckets before it are on the wire
+                    pack_s += time.perf_counter() - t
+                continue
+            try:
+                done = self.confirm(pending[0])
+            except UpdateFailed as failure:
+                rebuilds += 1
+                if rebuilds > MAX_REBUILDS:
+                    m.leave_group()
+                    raise BusError(f"update failed {rebuilds} times; last: {failure}") from failure
+                dropped += self.recover(failure, pending, confirmed=count)
+                if not m.engines:
+                    log.warning("version %d: every engine was dropped", version)
+                    return total, count, pack_s, dropped, timeline
+                for b in pending:
+                    self.launch(b, version)
+                continue
+            pending.popleft()
+            total += done.flat.numel()
+            count += 1
+            timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
+            done.flat = done.work = None
+        return total, count, pack_s, dropped, timeline
+
+    def launch(self, b: Bucket, version: int) -> None:
+        """Announce bucket b to every engine (the last one tagged with the version), then start its
+        broadcast: an engine's handler blocks inside the collective, so the request goes out first."""
+        m = self.members
+        body = UpdateWeightsFromDistributed(
+            names=b.names,
+            dtypes=b.dtypes,
+            shapes=b.shapes,
+            group_name=m.name,
+            load_format=FLATTENED_BUCKET,
+            weight_version=str(version) if b.last else None,
+            flush_cache=b.last,
+        )
+        b.times[0] = time.perf_counter()
+        b.calls = {e.url: e.announce(body) for e in m.engines}
+        try:
+            b.work = broadcast_async(m.group, b.flat)
+        except Exception as e:  # the group is already broken: confirm reports it
+            b.work = e
+
+    def confirm(self, b: Bucket) -> Bucket:
+        """Wait (bounded) until bucket b's broadcast is done and every engine answered 200."""
+        deadline = time.monotonic() + self.timeout_s + self.grace
+        work = b.work
+        while True:
+            errors = {u: err for u, f in b.calls.items() if (err := _error(f)) is not None}
+            if isinstance(work, BaseException):
+                raise UpdateFailed(b, errors, work)
+            if errors:
+                raise UpdateFailed(b, errors, None)
+            sent = work.is_completed()
+            answered = all(f.done() for f in b.calls.values())
+            now = time.perf_counter()
+            if sent and not b.times[1]:
+                b.times[1] = now
+            if answered and not b.times[2]:
+                b.times[2] = now
+            if sent and answered:
+                break
+            if time.monotonic() > deadline:
+                late = {u: TimeoutError("no answer in time") for u, f in b.calls.items() if not f.done()}
+                done = work.is_completed()
+                raise UpdateFailed(b, late, None if done else TimeoutError("broadcast did not complete"))
+            time.sleep(POLL_S)
+        try:
+            work.wait()
+        except Exception as e:
+            raise UpdateFailed(b, {}, e) from e
+        return b
+
+    def recover(self, failure: UpdateFailed, pending: deque[Bucket], confirmed: int) -> list[str]:
+        """Leave the broken group, find out who is dead, rebuild over the survivors (the caller re-sends
+        the pending buckets). An engine that is alive but refused a bucket whose broadcast went through
+        raises BusError instead.
+
+        NCCL (repair_in_stream False), after `confirmed` > 0 buckets: an engine answers an announcement
+        once its receive is queued, and rank 0's broadcast completes once the bytes left it, so neither
+        proves that a bucket reached an engine downstream of the dead one; re-sending only the pending
+        buckets could leave a survivor with a hole. The survivors are parked instead: out of the group (and of the
+        registry's live set), still paused, their groups aborted, and rejoined with the whole model at
+        the next update. (gloo receives block: an engine's answer means its bytes arrived.)"""
+        m = self.members
+        log.warning("weight update failed: %s", failure)
+        m.leave_group()  # rank 0's unfinished broadcasts fail now
+        # Let sent announcements finish (a survivor gives up a receive stuck on the dead peer after its
+        # group timeout, and then fails the rest at once), so that each engine's answer tells what
+        # happened to it. One that stays silent is lost.
+        errors: dict[str, BaseException] = dict(failure.errors)
+        for e in m.engines:  # already lost (no answer in time, connection error): stop waiting on them
+            if e.url in errors and not isinstance(errors[e.url], Refused):
+                e.channel.close()
+        calls = [f for b in pending for f in b.calls.values()]
+        wait(calls, timeout=self.timeout_s + 2 * self.grace)
+        for b in pending:
+            for url, f in b.calls.items():
+                if url not in errors:
+                    err = _error(f) if f.done() else TimeoutError("no answer in time")
+                    if err is not None:
+                        errors[url] = err
+        lost = {u for u, e in errors.items() if not isinstance(e, Refused)}  # transport error, timeout
+        infos = m.probe([u for u in m.urls if u not in lost])
+        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
+        refused = {u: e for u, e in errors.items() if u not in lost}
+        if refused and not lost and failure.collective is None:
+            # everyone alive and the bytes arrived, yet an engine said no: a bug, not a failure
+            raise BusError("; ".join(str(e) for e in refused.values()))
+        dropped = m.drop(sorted(lost))
+        for url in dropped:
+            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        if not self.repair_in_stream and confirmed > 0 and m.engines:
+            survivors = list(m.engines)
+            list(self.pool.map(m.leave_on_engine, survivors))  # abort their stuck receives
+            parked = m.drop([e.url for e in survivors], park=True)
+            log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
+            return dropped + parked
+        m.rebuild()
+        return dropped
