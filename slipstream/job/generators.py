@@ -367,18 +367,10 @@ class GeneratorPool:
 
     def continue_engines(self) -> None:
         """A trainer that died between pause and continue of a weight update left the engines paused."""
-        import httpx
+        from weight_bus.engine_client import continue_engines
 
-        for url in self.engine_urls:
-            try:
-                httpx.post(
-                    f"{url}/continue_generation",
-                    json={},
-                    headers={"Authorization": f"Bearer {self.api_key}"},
-                    timeout=10.0,
-                ).raise_for_status()
-            except httpx.HTTPError as e:
-                log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
+        for url, e in continue_engines(self.engine_urls, self.api_key, timeout_s=10.0).items():
+            log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
 
     # --- alone ----------------------------------------------------------------------------------------
     def fill(self, groups: int, timeout_s: float, poll_s: float = 0.05) -> list[tuple[float, int]]:
