@@ -23,12 +23,15 @@ class ResultFile:
         **fields: Any,
     ) -> None:
         today = datetime.date.today()
+        # a benchmark that is a package runs as a module
+        package = (Path(__file__).parent / benchmark / "__main__.py").exists()
+        program = ["-m", f"benchmarks.{benchmark}"] if package else [f"benchmarks/{benchmark}.py"]
         self.path = out_dir / f"{benchmark}-{device_kind}{f'-{label}' if label else ''}-{today:%Y%m%d}.json"
         self.result: dict[str, Any] = {
             "benchmark": benchmark,
             "device": device_kind,
             "date": today.isoformat(),
-            "command": shlex.join(["python", f"benchmarks/{benchmark}.py", *argv]),
+            "command": shlex.join(["python", *program, *argv]),
             "config": {},
             "metrics": {},
             "ratios": {},

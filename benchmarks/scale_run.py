@@ -128,7 +128,7 @@ class Progress:
 
     def __init__(self, job, timeout_s: float) -> None:
         from replay_buffer.client import connect
-        from slipstream.job.local import ProgressReader
+        from slipstream.job.progress import ProgressReader
 
         self.job, self.timeout_s = job, timeout_s
         self.r = connect(job.redis.url)
@@ -247,8 +247,8 @@ class Probe:
             "live_engines": len(self.registry.live()),
             "joining_engines": len(self.registry.joining()),
             "status_pools": self.job.store.status(self.job.spec.name).get("pools"),
-            "driver_engines": len(d.engines),
-            "driver_trainer_ranks": len(d.trainers),
+            "driver_engines": len(d.generators.engines),
+            "driver_trainer_ranks": len(d.trainers.ranks),
         }
 
     def close(self) -> None:
@@ -354,12 +354,12 @@ def scaled_job(args, model: Path, work: Path, spp: int) -> dict[str, Any]:
 
             # generators 1 -> 2, as `slipstream scale --generators 2`
             d = job.driver
-            before = set(d.engine_urls)
+            before = set(d.generators.engine_urls)
             t_req = time.monotonic()
             job.store.set_desired(name, generators=2)
 
             def new_engine_live() -> bool:
-                urls = list(d.engine_urls)
+                urls = list(d.generators.engine_urls)
                 new = set(urls) - before
                 return len(urls) == 2 and bool(new) and new <= set(probe.registry.live())
 

@@ -127,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from slipstream.job import driver as driver_mod
     from slipstream.job import faults
+    from slipstream.job import generators as generators_mod
 
-    driver_mod.LAPSED_S = 5.0
+    generators_mod.LAPSED_S = 5.0
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="soak-"))
     log(f"building the tiny model in {tmp}")
@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         end = t0 + args.minutes * 60
         kinds = [
             ("kill_worker", faults.kill_worker),
-            ("kill_engine", lambda j: faults.kill_engine(j, rng.randrange(len(j.driver.engines)))),
-            ("hang_engine", lambda j: faults.hang_engine(j, rng.randrange(len(j.driver.engines)))),
+            ("kill_engine", lambda j: faults.kill_engine(j, rng.randrange(len(j.driver.generators.engines)))),
+            ("hang_engine", lambda j: faults.hang_engine(j, rng.randrange(len(j.driver.generators.engines)))),
             ("kill_trainer", faults.kill_trainer),
             ("restart_redis", faults.restart_redis),
         ]

@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = jobspec.load(args.spec, args.overrides)
 
-    from slipstream.job.local import format_progress, prepare_model, resolve_paths, run_job
+    from slipstream.job.local import run_job
+    from slipstream.job.prepare import prepare_model, resolve_paths
+    from slipstream.job.progress import format_progress
 
     spec = resolve_paths(spec)
     t0 = time.monotonic()

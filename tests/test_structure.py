@@ -132,4 +132,6 @@ def test_long_modules_say_why(pkg):
         lines = path.read_text().splitlines()
         if len(lines) > MAX_LINES and not any(LONG_MARK in line for line in itertools.islice(lines, 30)):
             long.append(f"{path.relative_to(ROOT)}: {len(lines)} lines")
-    assert not long, f"over {MAX_LINES} lines without a '{LONG_MARK}' reason near the top:\n" + "\n".join(long)
+    assert not long, f"over {MAX_LINES} lines without a '{LONG_MARK}' reason near the top:\n" + "\n".join(
+        long
+    )

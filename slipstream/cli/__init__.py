@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from slipstream.job.local import format_progress, run_job
+    from slipstream.job.local import run_job
+    from slipstream.job.progress import format_progress
 
     try:
         result = run_job(

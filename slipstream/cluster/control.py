@@ -32,7 +32,7 @@ from slipstream.cluster.job_store import (
     latest_checkpoint,
 )
 from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
-from slipstream.job.local import ProgressReader
+from slipstream.job.progress import ProgressReader
 
 log = logging.getLogger(__name__)
 
@@ -307,10 +307,7 @@ class JobControl:
         self._job(name)
         if since < 0:
             raise ControlError(422, f"since must be >= 0, got {since}")
-        reader = ProgressReader(self.r, name)
-        while reader.read(block_ms=0):
-            pass
-        records = reader.records
+        records = ProgressReader(self.r, name).read_all()
         run = ReplayBuffer(self.r, name).run_info()
         run_tag = f"{run['run_id']}.{run['attempt']}.{run['trims']}" if run else None
         return {
@@ -391,7 +388,9 @@ class JobControl:
         m = trainers if trainers is not None else want.get("trainers", spec.trainer.num_trainers)
         g = dict(raw.get("generators") or {})
         if n != spec.generators.num_engines:  # the driver runs workers_per_engine per engine then
-            per = -(-spec.generators.num_workers // spec.generators.num_engines)  # driver.workers_per_engine
+            per = -(
+                -spec.generators.num_workers // spec.generators.num_engines
+            )  # generators.workers_per_engine
             g.update(num_engines=n, num_workers=per * n)
         scaled = {**raw, "generators": g, "trainer": {**(raw.get("trainer") or {}), "num_trainers": m}}
         try:

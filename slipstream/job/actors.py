@@ -82,7 +82,7 @@ class EngineActor:
             max_batch_size=spec.generators.max_batch_size,
             torch_threads=spec.generators.torch_threads,
             weight_version="0",
-            # Ray limits this actor to its own GPUs (the launcher reserves gpus_per_engine of them)
+            # Ray limits this actor to its own GPUs (the generator pool reserves gpus_per_engine of them)
             device="cuda" if spec.generators.gpus_per_engine > 0 else "cpu",
         )
 
@@ -126,7 +126,7 @@ class EngineActor:
 @ray.remote(num_cpus=0, max_concurrency=2)  # watch() blocks; stop() must still get through
 class SGLangEngineActor:
     """One real SGLang server (`engine: sglang`), a subprocess of this actor logging to
-    `<output_dir>/logs/sglang-<index>.log`. The launcher reserves its GPUs (`.options(num_gpus=...)`);
+    `<output_dir>/logs/sglang-<index>.log`. The generator pool reserves its GPUs (`.options(num_gpus=...)`);
     Ray sets this actor's CUDA_VISIBLE_DEVICES to them and the server inherits it. The engine joins the
     registry itself, or the job's sglang-router when there is one (rollout requests then go there)."""
 
@@ -226,7 +226,7 @@ class RolloutActor:
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through
 class TrainerActor:
-    """One rank of the trainer pool (one GPU with device cuda: the launcher reserves it)."""
+    """One rank of the trainer pool (one GPU with device cuda: the trainer pool reserves it)."""
 
     def __init__(
         self,

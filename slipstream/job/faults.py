@@ -24,7 +24,7 @@ from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
 from slipstream.cluster.job_store import JobStore
 from slipstream.job import driver as driver_mod
-from slipstream.job.local import init_local_ray
+from slipstream.job.prepare import init_local_ray
 
 log = logging.getLogger("slipstream.job.faults")
 
@@ -118,9 +118,10 @@ class LocalJob:
         import ray
 
         d = self.driver
-        out = {f"engine-{i}": ray.get(e.pid.remote()) for i, e in enumerate(d.engines)}
-        out |= {f"rollout-{i}": ray.get(a.pid.remote()) for i, (a, _) in enumerate(d.workers)}
-        out |= {f"trainer-{i}": ray.get(t.pid.remote()) for i, t in enumerate(d.trainers)}
+        g, t = d.generators, d.trainers
+        out = {f"engine-{i}": ray.get(e.pid.remote()) for i, e in enumerate(g.engines)}
+        out |= {f"rollout-{i}": ray.get(a.pid.remote()) for i, (a, _) in enumerate(g.workers)}
+        out |= {f"trainer-{i}": ray.get(r.pid.remote()) for i, r in enumerate(t.ranks)}
         return out
 
 
@@ -138,7 +139,7 @@ def kill_worker(job: LocalJob, attempts: int = 5) -> dict:
     for _ in range(attempts):
         before = d.restarts["rollout_workers"]
         reissued0 = int(job.r.hget(job.keys.stats, "reissued") or 0)
-        pid = _pid(d.workers[0][0])
+        pid = _pid(d.generators.workers[0][0])
         mine = f"-{pid}-".encode()
 
         def in_flight() -> int:
@@ -161,7 +162,7 @@ def kill_worker(job: LocalJob, attempts: int = 5) -> dict:
 def kill_engine(job: LocalJob, index: int = 0) -> dict:
     """kill -9 an engine (mid-generation: engines are always busy); wait until a new one holds the
     current weights and takes traffic."""
-    d = job.driver
+    d = job.driver.generators
     old, url = d.engines[index], d.engine_urls[index]
     pid = _pid(old)
     os.kill(pid, signal.SIGKILL)
@@ -175,7 +176,7 @@ def kill_engine(job: LocalJob, index: int = 0) -> dict:
 def hang_engine(job: LocalJob, index: int = 0) -> dict:
     """SIGSTOP an engine while the trainer keeps publishing: the weight bus drops it after bus.timeout_s,
     the driver replaces it once its registry lease lapsed. Returns the versions trained meanwhile."""
-    d = job.driver
+    d = job.driver.generators
     old, url = d.engines[index], d.engine_urls[index]
     pid = _pid(old)
     v0 = job.version()
@@ -195,14 +196,14 @@ def hang_engine(job: LocalJob, index: int = 0) -> dict:
 
 def kill_trainer(job: LocalJob) -> dict:
     """kill -9 trainer rank 0 mid-step; wait for the pool to resume from the latest checkpoint."""
-    d = job.driver
-    runs = d.train_runs
-    pid = _pid(d.trainers[0])
+    d = job.driver.trainers
+    runs = d.runs
+    pid = _pid(d.ranks[0])
     v0 = job.version()
     os.kill(pid, signal.SIGKILL)
     log.warning("injected: kill -9 trainer rank 0 pid %d at version %d", pid, v0)
     # the new pool's runs start once it has resumed (and rewound the version to its checkpoint)
-    job.wait("the trainer pool's restart", lambda: d.train_runs is not runs)
+    job.wait("the trainer pool's restart", lambda: d.runs is not runs)
     return {"fault": "kill_trainer", "pid": pid, "killed_at": v0, "resumed_at": job.version()}
 
 

@@ -1,5 +1,5 @@
 """End-of-job report: PNG plots of reward, staleness and throughput from a job's progress records (the
-dicts slipstream.job.local.ProgressReader yields, one per optimizer step), written next to the job's
+dicts slipstream.job.progress.ProgressReader yields, one per optimizer step), written next to the job's
 checkpoints (its output_dir). `slipstream run` and the cluster's job driver call it when a job ends.
 """
 

@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from replay_buffer import ReplayBuffer, Sample, make_group
 from slipstream.cluster.job_store import JobStore
-from slipstream.job.local import ProgressReader
+from slipstream.job.progress import ProgressReader
 
 
 def _group(job, versions, prompt="p"):

@@ -111,7 +111,7 @@ def test_slipstream_run_prints_each_step_once(redis_server, tmp_path, caplog, ca
     import jobspec
     from slipstream.cluster.job_store import JobStore
     from slipstream.job.driver import JobDriver
-    from slipstream.job.local import format_progress
+    from slipstream.job.progress import format_progress
 
     spec = jobspec.loads(f"name: once\noutput_dir: {tmp_path}\nalgorithm: {{total_steps: 10}}\n")
     r = redis_server.client()

@@ -37,9 +37,9 @@ bus: {{backend: gloo, timeout_s: 5.0}}
 def test_a_poisoned_engine_is_replaced_and_training_goes_on(tmp_path, tiny_model_dir, monkeypatch, caplog):
     fault = tmp_path / "fault"
     monkeypatch.setenv(FAULT_ENV, f"@{fault}")  # the job's Ray processes inherit it
-    caplog.set_level(logging.WARNING, logger="slipstream.job.driver")
+    caplog.set_level(logging.WARNING, logger="slipstream.job.generators")
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
-        d = job.driver
+        d = job.driver.generators
         job.wait("the first steps", lambda: job.version() >= 2)
         old, url = d.engines[0], d.engine_urls[0]
         staged = tmp_path / "fault.staged"
@@ -52,7 +52,7 @@ def test_a_poisoned_engine_is_replaced_and_training_goes_on(tmp_path, tiny_model
         job.wait("the new engine to take traffic", lambda: new_url in faults.d_live(job))
         job.wait_progress("the poisoned engine's replacement")
         job.stop()
-        assert d.restarts["engines"] == 1
+        assert job.driver.restarts["engines"] == 1
         why = [r.getMessage() for r in caplog.records if "replacing it" in r.getMessage()]
         print(f"the driver: {why}")
         assert len(why) == 1 and "engine unhealthy" in why[0] and STICKY in why[0], why

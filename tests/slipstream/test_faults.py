@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 import jobspec
-from slipstream.job import driver as driver_mod
 from slipstream.job import faults
+from slipstream.job import generators as generators_mod
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +36,9 @@ redis: {{appendfsync: always}}
 
 
 def test_job_survives_killed_and_hung_processes(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(driver_mod, "LAPSED_S", 3.0)  # a hung engine is replaced 3 s after its lease ran out
+    monkeypatch.setattr(
+        generators_mod, "LAPSED_S", 3.0
+    )  # a hung engine is replaced 3 s after its lease ran out
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
         d = job.driver
         job.wait("the first steps", lambda: job.version() >= 3)

@@ -62,7 +62,7 @@ def test_data_survives_a_restart_from_the_aof(tmp_path):
 
 
 def test_a_new_run_does_not_inherit_the_previous_runs_redis(tmp_path):
-    from slipstream.job.local import reset_run_state
+    from slipstream.job.prepare import reset_run_state
 
     with ManagedRedis(data_dir=tmp_path / "redis", password="pw") as r:
         r.client().set("slipstream:demo:version", 200)  # the previous run finished at version 200

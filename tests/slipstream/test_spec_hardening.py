@@ -301,7 +301,7 @@ BUILD = """
 import hashlib, logging, sys
 from pathlib import Path
 import jobspec
-from slipstream.job.local import prepare_model
+from slipstream.job.prepare import prepare_model
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 spec = jobspec.loads(sys.argv[1])
 prepare_model(spec)

@@ -1,0 +1,317 @@
+"""Async-vs-sync benchmark: the command line (`python -m benchmarks.async_vs_sync`), the full run, its
+summary ratios and its report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.async_vs_sync.job import (
+    CUDA_DEFAULTS,
+    DEFAULTS,
+    ENGINE_KEY_ENV,
+    HEADLINE_STALENESS,
+    QUICK,
+    ROOT,
+    base_spec,
+    build_cuda_model,
+    build_tiny_arith,
+    env_info,
+    log,
+    make_spec,
+    step_samples,
+)
+from benchmarks.async_vs_sync.learning import learning, learning_job, merge_learning
+from benchmarks.async_vs_sync.measure import throughput_run
+from benchmarks.async_vs_sync.pipeline import pipeline_bounds
+from benchmarks.async_vs_sync.plots import plots
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict:
+    from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
+
+    stalenesses = [int(s) for s in args.staleness.split(",")]
+    label = "learning" if args.learning_only else None  # not to overwrite a full run's file
+    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, label, metrics={"runs": {}})
+    result, out_path, save = rf.result, rf.path, rf.save
+
+    t_start = time.monotonic()
+    work_root = Path(args.work_dir) if args.work_dir else None
+    with tempfile.TemporaryDirectory(prefix="async-vs-sync-", dir=work_root) as tmp:
+        work = Path(tmp)
+        if args.device == "cuda":
+            os.environ[ENGINE_KEY_ENV] = secrets.token_hex(16)
+        t = time.monotonic()
+        if args.device == "cpu":
+            model = build_tiny_arith(args, work)
+        elif args.learning_only and args.learning_model != "job":
+            model = work / "throughput-model-not-built"  # --learning-only: no throughput job runs
+        else:
+            model = build_cuda_model(args, work)
+        log(f"model at {model} in {time.monotonic() - t:.1f} s")
+        raw = base_spec(args, model)
+        make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)  # a bad job fails here
+        samples_per_step = step_samples(raw)
+        result["config"] = {
+            "max_staleness": stalenesses,
+            "steps_timed": args.steps,
+            "warmup_steps": args.warmup,
+            "samples_per_step": samples_per_step,
+            "trained_samples_per_job": (args.steps + args.warmup) * samples_per_step,
+            "job": json.loads(json.dumps(raw)),
+            "model_shape": "tiny-arith (demo)" if args.device == "cpu" else args.model_shape,
+            "async_vs_sync_uses": f"max_staleness={HEADLINE_STALENESS}"
+            if HEADLINE_STALENESS in stalenesses
+            else "best async",
+            "definitions": {
+                "samples_per_s": "trained samples / trainer wall time over the steps after warmup_steps "
+                "(progress records' elapsed_s)",
+                "tokens_per_s": "trained response tokens / the same window",
+                "trainer_busy_fraction": "sum(step_s: forward+backward+optimizer) / window; wait and publish "
+                "fractions likewise from wait_s and publish_s (the weight transfer); publish_call: the whole "
+                "publish call (buffer commit, gather, engine pause, transfer, continue); other: 1 - step - "
+                "wait - publish_call (progress record, sample log, checkpoints)",
+                "generator_busy_fraction": "share of engine /metrics samples (every sample_interval_s) in the "
+                "window with sglang:num_running_reqs - sglang:num_paused_reqs > 0",
+                "generator_utilisation": "engine generated tokens/s in the window (sglang:generation_tokens) / "
+                "in the generator-only phase",
+                "staleness_histogram": "buffer histogram of consumed groups' staleness (versions), whole job",
+                "generator_only": "engine + rollout workers, no trainer, unbounded admission: groups produced "
+                "after the first warmup_steps*groups_per_step until (warmup+steps)*groups_per_step / time",
+                "trainer_only": "trainer (with its per-step publish) on the buffer the generator-only phase "
+                "filled; rate as for the jobs",
+            },
+            "sample_interval_s": args.sample_interval_s,
+            "engine": "built-in engine actor (Ray), 1 torch thread"
+            if args.device == "cpu"
+            else f"built-in engine process on GPU {args.engine_gpu} as an external engine",
+            "trainer": "cpu, 1 torch thread"
+            if args.device == "cpu"
+            else f"cuda (Ray GPU, expected {args.trainer_gpu})",
+            "env": env_info(args),
+        }
+        save()
+        try:
+            if not args.learning_only:
+                for ms in stalenesses:
+                    m = throughput_run(args, raw, model, work, ms, samples_per_step)
+                    result["metrics"]["runs"][str(ms)] = m
+                    log(
+                        f"max_staleness {ms}: {m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s, "
+                        f"trainer busy {m['trainer_busy_fraction']:.2f}, generator busy "
+                        f"{m['generator']['busy_fraction']}, staleness {m['staleness_histogram']}"
+                    )
+                    save()
+                result["metrics"] |= pipeline_bounds(args, raw, model, work, samples_per_step)
+                summarise(result, stalenesses)
+                save()
+            if args.learning_steps > 0:
+                lraw, lmodel = learning_job(args, raw, model, work)
+                result["config"]["learning_job"] = json.loads(json.dumps(lraw))
+                save()
+
+                def partial(summary: dict) -> None:
+                    result["learning"] = summary
+                    save()
+
+                result["learning"] = learning(args, lraw, lmodel, work, on_job=partial)
+                save()
+        except BaseException as exc:  # what was measured is still written
+            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
+            save()
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
+            result["config"]["wall_s"] = time.monotonic() - t_start
+            if result["metrics"]["runs"] or result.get("learning"):
+                try:
+                    result["plots"] = plots(result, args.out_dir, out_path.stem)
+                except Exception as exc:  # noqa: BLE001 - plots never lose the numbers
+                    result["errors"].append({"error": f"plots: {exc!r}"})
+            save()
+            log(f"wrote {out_path}")
+    return result
+
+
+def summarise(result: dict, stalenesses: list[int]) -> None:
+    m, r = result["metrics"], result["ratios"]
+    runs = m["runs"]
+    gen, tr = m["generator_only"], m["trainer_only"]
+    bound = min(gen["samples_per_s"], tr["samples_per_s"])
+    m["pipeline_bound_samples_per_s"] = bound
+    m["pipeline_bound_is"] = (
+        "generator_only" if gen["samples_per_s"] <= tr["samples_per_s"] else "trainer_only"
+    )
+    gen_tok = gen["generator"]["generated_tokens_per_s"]
+    for ms, run in runs.items():
+        run["generator_utilisation"] = (
+            run["generator"]["generated_tokens_per_s"] / gen_tok
+            if gen_tok and run["generator"]["generated_tokens_per_s"] is not None
+            else None
+        )
+        m[f"samples_per_s_staleness_{ms}"] = run["samples_per_s"]
+        m[f"tokens_per_s_staleness_{ms}"] = run["tokens_per_s"]
+        m[f"trainer_busy_staleness_{ms}"] = run["trainer_busy_fraction"]
+        m[f"generator_busy_staleness_{ms}"] = run["generator"]["busy_fraction"]
+    m["generator_only_samples_per_s"] = gen["samples_per_s"]
+    m["trainer_only_samples_per_s"] = tr["samples_per_s"]
+    if "0" not in runs:
+        return
+    sync = runs["0"]["samples_per_s"]
+    asyncs = {ms: run["samples_per_s"] for ms, run in runs.items() if ms != "0"}
+    if not asyncs:
+        return
+    best = max(asyncs, key=asyncs.get)
+    head = str(HEADLINE_STALENESS) if str(HEADLINE_STALENESS) in asyncs else best
+    for ms, v in asyncs.items():
+        r[f"async_vs_sync_staleness_{ms}"] = v / sync
+        r[f"async_vs_pipeline_bound_staleness_{ms}"] = v / bound
+    r["async_vs_sync"] = asyncs[head] / sync
+    r["async_vs_pipeline_bound"] = asyncs[head] / bound
+    r["best_async_vs_sync"] = asyncs[best] / sync
+    r["sync_vs_pipeline_bound"] = sync / bound
+    m["headline_staleness"] = int(head)
+    m["best_async_staleness"] = int(best)
+
+
+def report(result: dict) -> str:
+    m, r = result["metrics"], result["ratios"]
+    lines = [f"async vs sync on {result['device']}: {result['config'].get('samples_per_step')} samples/step"]
+    lines.append(
+        f"{'config':<16} {'samples/s':>10} {'tokens/s':>10} {'trainer busy':>13} {'gen busy':>9} {'staleness':>10}"
+    )
+    for ms, run in m.get("runs", {}).items():
+        gb = run["generator"]["busy_fraction"]
+        lines.append(
+            f"{'max_staleness ' + ms:<16} {run['samples_per_s']:>10.1f} {run['tokens_per_s']:>10.0f} "
+            f"{run['trainer_busy_fraction']:>13.2f} {gb if gb is None else round(gb, 2)!s:>9} {run['staleness_mean']:>10.2f}"
+        )
+    for key in ("generator_only", "trainer_only"):
+        if key in m:
+            lines.append(f"{key:<16} {m[key]['samples_per_s']:>10.1f}")
+    if "learning" in result:
+        L = result["learning"]
+        for label, by_seed in L["final_reward"].items():
+            vals = ", ".join(f"seed {s}: {v:.3f}" for s, v in by_seed.items())
+            lines.append(f"learning {label:<12} final-window reward {vals}")
+        lines.append(
+            f"learning: async within seed spread of sync: {L['async_within_seed_spread']}, not worse: "
+            f"{L['async_not_worse_than_sync']}; async without IS: {L['async_no_is_within_seed_spread']}, "
+            f"not worse: {L['async_no_is_not_worse_than_sync']}"
+        )
+    for e in result["errors"]:
+        lines.append(f"ERROR {e['error']}")
+    if "async_vs_sync" in r:
+        lines.append(
+            f"async_vs_sync async_vs_sync={r['async_vs_sync']:.3f} async_vs_pipeline_bound="
+            f"{r['async_vs_pipeline_bound']:.3f} (max_staleness={m['headline_staleness']}, device={result['device']})"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.async_vs_sync", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument(
+        "--device-kind", help="device named in the result file (cpu, nvidia-h200-x2; default: --device)"
+    )
+    p.add_argument(
+        "--staleness", help=f"comma-separated max_staleness values (default {DEFAULTS['staleness']})"
+    )
+    p.add_argument("--steps", type=int, help=f"timed optimizer steps per job (default {DEFAULTS['steps']})")
+    p.add_argument("--warmup", type=int, help=f"untimed first steps per job (default {DEFAULTS['warmup']})")
+    p.add_argument("--groups-per-step", type=int, help="algorithm.groups_per_step (default 16 cpu, 32 cuda)")
+    p.add_argument("--learning-steps", type=int, help="steps per learning job; 0 = no learning part")
+    p.add_argument("--learning-seeds", type=int)
+    p.add_argument("--learning-window", type=int, help="final-window steps of the learning reward")
+    p.add_argument("--no-learning", action="store_true", help="skip the learning-equivalence jobs")
+    p.add_argument("--learning-only", action="store_true", help="only the learning-equivalence jobs")
+    p.add_argument("--model-warmup-steps", type=int, help="SFT warm-up of the tiny-arith model")
+    p.add_argument(
+        "--tiny-model-dir",
+        help="build the tiny-arith model here, or reuse the one already here (saves its SFT warm-up)",
+    )
+    p.add_argument(
+        "--learning-model",
+        choices=["tiny-arith", "job"],
+        default="tiny-arith",
+        help="learning jobs: the demo's a+b job on the tiny-arith model (default), or the throughput job",
+    )
+    p.add_argument(
+        "--learning-groups-per-step",
+        type=int,
+        help=f"algorithm.groups_per_step of the tiny-arith learning jobs (default {DEFAULTS['groups_per_step']})",
+    )
+    p.add_argument("--model-shape", default="qwen2.5-0.5b-shape", help="cuda: benchmarks/shapes.py shape")
+    p.add_argument("--full-vocab", action="store_true", help="cuda: keep the shape's real vocabulary")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="cuda: tokens per model turn")
+    p.add_argument("--engine-max-batch", type=int, default=256, help="cuda: engine --max-batch-size")
+    p.add_argument("--trainer-gpu", type=int, default=0)
+    p.add_argument("--engine-gpu", type=int, default=1)
+    p.add_argument(
+        "--bus-backend",
+        choices=["nccl", "gloo"],
+        default="nccl",
+        help="cuda: the weight bus's backend; gloo (through host memory) lets a smoke run put trainer and "
+        "engine on one GPU (--engine-gpu 0), which NCCL refuses",
+    )
+    p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
+    p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
+    p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument(
+        "--merge-learning",
+        nargs="+",
+        type=Path,
+        metavar="FILE",
+        help="pool the learning seeds of these result files (same job and device) into one result; runs nothing",
+    )
+    args = p.parse_args(argv)
+    from benchmarks.common import apply_presets  # here: the script runs without PYTHONPATH
+
+    apply_presets(args, DEFAULTS, CUDA_DEFAULTS, QUICK)
+    if args.no_learning:
+        args.learning_steps = 0
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the rate window starts at a warm-up step's record)")
+    args.learning_window = min(args.learning_window, max(1, args.learning_steps))
+    args.device_kind = args.device_kind or args.device
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.merge_learning:
+        result = merge_learning(args.merge_learning, args.out_dir, argv)
+        print(report(result), flush=True)
+        return result
+    if args.device == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("math_verify") is None:  # the cuda job's reward (word problems)
+            sys.exit(
+                "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
+            )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.device == "cuda":  # Ray (and so the trainer) sees only the trainer's GPU; the engine gets its own
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.trainer_gpu)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    result = run(args, argv)
+    print(report(result), flush=True)
+    return result

@@ -1,0 +1,86 @@
+"""The two pipeline bounds, in one session on the job's stack: the generators alone fill the buffer
+(unbounded admission), then the trainer alone trains on it, publishing to the same engines every step."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, UNBOUNDED_STALENESS, ExternalEngine, log, make_spec
+from benchmarks.async_vs_sync.measure import EngineSampler, _with_urls, rates, slim
+
+
+def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: int) -> dict[str, Any]:
+    """Generator-only, then trainer-only on the filled buffer, in one session (package docstring)."""
+    import ray
+
+    from replay_buffer.redis_server import ManagedRedis
+    from slipstream.job.generators import generators_only
+    from slipstream.job.prepare import init_local_ray, reset_run_state, resolve_paths
+    from slipstream.job.trainers import trainer_only
+
+    total = args.warmup + args.steps
+    label = "pipeline-bounds"
+    out = work / label
+    spec = make_spec(raw, name=label, out=out, max_staleness=UNBOUNDED_STALENESS, total_steps=total)
+    engine = None
+    if args.device == "cuda":
+        engine = ExternalEngine(args, model, work / f"{label}-engine.log", os.environ[ENGINE_KEY_ENV])
+        spec = _with_urls(spec, [engine.url])
+    spec = resolve_paths(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    reset_run_state(out, managed_redis=True)
+    managed = ManagedRedis(data_dir=out / "redis").start()
+    (out / "redis.url").write_text(managed.url)
+    sampler = EngineSampler(out, label, args.sample_interval_s, engine.url if engine else None)
+    pool = None
+    res: dict[str, Any] = {}
+    G = spec.rollout.group_size
+    gps = spec.algorithm.groups_per_step
+    try:
+        init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
+        # generator-only: the workers fill the buffer; no trainer exists yet
+        pool, marks = generators_only(spec, managed.url, total * gps, args.phase_timeout_s)
+        t0, g0 = next((t, g) for t, g in marks if g >= args.warmup * gps)
+        t1, g1 = marks[-1]
+        gen = sampler.window(t0, t1)
+        res["generator_only"] = {
+            "groups_timed": g1 - g0,
+            "window_s": t1 - t0,
+            "samples_per_s": (g1 - g0) * G / (t1 - t0),
+            "groups_per_s": (g1 - g0) / (t1 - t0),
+            "generator": gen,
+            "tokens_per_s": gen["generated_tokens_per_s"],
+        }
+        log(
+            f"generator-only: {g1 - g0} groups in {t1 - t0:.1f} s = {res['generator_only']['samples_per_s']:.1f} "
+            f"samples/s (engine busy {gen['busy_fraction']})"
+        )
+        # trainer-only: the buffer holds every batch it needs
+        progress, arrivals = [], []
+
+        def on_record(rec: dict) -> None:
+            arrivals.append(time.monotonic())
+            progress.append(rec)
+
+        trainer_only(spec, managed.url, pool.engine_urls, pool.api_key, on_record=on_record)
+        m = rates(progress, arrivals, args.warmup, samples_per_step)
+        m["wall_window"] = None
+        m["progress"] = slim(progress)
+        res["trainer_only"] = m
+        log(
+            f"trainer-only: {m['steps_timed']} steps in {m['window_s']:.1f} s = {m['samples_per_s']:.1f} samples/s "
+            f"(busy {m['trainer_busy_fraction']:.2f}, wait {m['trainer_wait_fraction']:.3f})"
+        )
+    finally:
+        sampler.stop()
+        if ray.is_initialized():
+            if pool is not None:
+                pool.close()
+            ray.shutdown()
+        managed.stop()
+        if engine:
+            engine.stop()
+    return res

@@ -1,0 +1,434 @@
+"""The generator pool of one job: its engines (built-in, SGLang, or attached external ones), their rollout
+workers, and their supervision.
+
+- Scaling: a new engine registers as *joining*: it takes rollout traffic only once the weight bus gave it
+  the current weights at the next update. A removed engine leaves the registry first, so workers stop
+  routing to it; requests still running there are retried on the others. Removed rollout workers finish
+  their groups.
+- Supervision (at most MAX_RESTARTS replacements per kind): a rollout worker that dies is replaced; the
+  prompts it had in flight are reissued to the others once its buffer lease expires (replay_buffer
+  admission). An engine whose process dies, or whose registry lease stays lapsed for LAPSED_S (hung, e.g.
+  stuck in a weight update that the bus gave up on), is killed and replaced by a new one that joins
+  through the weight bus before it takes traffic; its requests are retried on the other engines meanwhile.
+
+`generators_only` runs the pool alone, filling a job's buffer with no trainer consuming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import secrets
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from generator_fleet.registry import EngineRegistry, engines_key, joining_key
+from jobspec import JobSpec
+from replay_buffer import ReplayBuffer
+from replay_buffer.client import connect
+from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, kill, outcome, wait_all
+
+log = logging.getLogger("slipstream.job.generators")
+
+DRAIN_S = 2.5
+"""A removed engine's grace between leaving the registry and stopping (rollout workers refresh the
+registry every generator_fleet.rollout.ENGINE_REFRESH_S = 2 s)."""
+LAPSED_S = 10.0
+"""An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
+is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
+EARLY_DEATH_S = 20.0
+CRASH_LOOP = 3
+"""CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
+reward that cannot load) fail the job at once with the last one's error, instead of after MAX_RESTARTS."""
+
+
+def workers_per_engine(spec: JobSpec) -> int:
+    g = spec.generators
+    return max(1, math.ceil(g.num_workers / g.num_engines))
+
+
+class EngineURLs(NamedTuple):
+    workers: list[str]
+    """Every engine; the weight bus pauses and updates each of them."""
+    rollout: list[str]
+    """Where rollout requests go: the sglang-router when there is one, else the engines."""
+    api_key: str | None
+    """The key every engine (and router) takes."""
+
+
+def engine_actor(spec: JobSpec):
+    """(actor class with the Ray resources of one launched engine, its GPUs): `builtin` or `sglang`."""
+    from slipstream.job.actors import EngineActor, SGLangEngineActor
+
+    g = spec.generators
+    if g.engine == "sglang":
+        gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
+        return SGLangEngineActor.options(num_gpus=gpus, num_cpus=g.cpus_per_engine), gpus
+    return EngineActor.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
+
+
+def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
+    """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
+    `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
+    engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
+    import ray
+
+    from slipstream.job.actors import ExternalEnginesActor
+
+    g = spec.generators
+    if g.engine == "external":
+        api_key = None
+        if g.api_key_env is not None:
+            api_key = os.environ.get(g.api_key_env)
+            if not api_key:
+                raise RuntimeError(f"generators.api_key_env: environment variable {g.api_key_env} is not set")
+        attach = ExternalEnginesActor.remote(spec, redis_url, api_key, g.urls, g.router_url)
+        engine_actors.append(attach)
+        workers = ray.get(attach.attach.remote())
+    else:
+        actor_cls, gpus = engine_actor(spec)
+        have = ray.cluster_resources().get("GPU", 0)
+        if gpus * g.num_engines > have:  # Ray would wait for them forever
+            raise RuntimeError(
+                f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
+                "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
+            )
+        started = [actor_cls.remote(spec, redis_url, api_key, i) for i in range(g.num_engines)]
+        engine_actors += started
+        workers = ray.get([e.start.remote() for e in started])
+        if g.router_url:  # the engines joined the router; the router joins the registry
+            attach = ExternalEnginesActor.remote(spec, redis_url, api_key, workers, g.router_url)
+            engine_actors.append(attach)
+            ray.get(attach.attach.remote())
+    rollout = [g.router_url.rstrip("/")] if g.router_url else workers
+    return EngineURLs(workers, rollout, api_key)
+
+
+def stop_actors(engine_actors: list, actors: list) -> None:
+    """Stop a job's actors: engines first and politely (an SGLang server is a process of its own, which
+    ray.kill, a SIGKILL of the actor, would leave to the kernel's parent-death signal), then kill all."""
+    import ray
+
+    if engine_actors:
+        stops = [e.stop.remote() for e in engine_actors]
+        ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+    for a in engine_actors + actors:
+        try:
+            ray.kill(a)
+        except Exception:  # already dead
+            pass
+
+
+class GeneratorPool:
+    """A job's engines and rollout workers on Ray. `between` is called while the pool waits on its actors
+    (the driver reads progress there); `restarts` is the job's replacement budget, shared with its other
+    pool. Nothing starts before `start`."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        redis_url: str,
+        restarts: Restarts | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec, self.redis_url, self.job = spec, redis_url, spec.name
+        self.r = connect(redis_url)
+        self.restarts = restarts if restarts is not None else Restarts()
+        self.between = between
+        self.api_key = secrets.token_hex(16)
+        self.engines: list = []  # launched engine actors, in order (the last ones go first)
+        self.engine_urls: list[str] = []
+        self.rollout_urls: list[str] = []
+        self.attached: list = []  # external/router attachments (not scaled)
+        self.workers: list[tuple] = []  # (actor, run ref)
+        self.engine_watch: list = []  # per engine in self.engines: its watch() call, which fails on death
+        self.closing = False  # close() began: what stops now is not a failure to repair
+        self._next_engine = 0
+        self._next_worker = 0
+        self._lapsed_since: dict[str, float] = {}
+        self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
+        self._next_registry_check = 0.0
+        self._worker_born: dict = {}  # run ref -> monotonic start
+        self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
+
+    @property
+    def size(self) -> int:
+        """Generators now: launched engines, else the attached ones."""
+        return len(self.engines) if self.engines else len(self.engine_urls)
+
+    @property
+    def scalable(self) -> bool:
+        """Launched engines (attached external ones are not scaled)."""
+        return bool(self.engines)
+
+    def _wait(self, refs: list, timeout_s: float | None = None) -> list:
+        return wait_all(refs, timeout_s, self.between)
+
+    def _get(self, refs: list) -> list:
+        import ray
+
+        self._wait(refs)
+        return ray.get(refs)
+
+    # --- pool -----------------------------------------------------------------------------------------
+    def start(self, n: int) -> None:
+        """The first n engines (builtin, sglang or external: start_engines) and their rollout workers."""
+        import msgspec
+
+        g = msgspec.structs.replace(self.spec.generators, num_engines=n)
+        spec = msgspec.structs.replace(self.spec, generators=g)
+        started: list = []
+        try:
+            urls = start_engines(spec, self.redis_url, self.api_key, started)
+        finally:  # teardown reaches what started, even when a start failed
+            self.attached = started
+        self.engine_urls, self.rollout_urls = urls.workers, urls.rollout
+        self.api_key = urls.api_key
+        if not (self.spec.generators.engine == "external" or self.spec.generators.router_url):
+            self.attached, self.engines = [], started
+            self.engine_watch = [e.watch.remote() for e in started]
+        self._next_engine = n
+        g = self.spec.generators  # the spec's own worker count at its own engine count
+        self.add_workers(g.num_workers if n == g.num_engines else workers_per_engine(self.spec) * n)
+
+    def _start_worker(self, index: int) -> tuple:
+        """(actor, its run() call) of rollout worker `index`."""
+        from slipstream.job.actors import RolloutActor
+
+        a = RolloutActor.remote(
+            self.spec.rollout_config(), self.redis_url, self.rollout_urls, self.api_key, index
+        )
+        return a, a.run.remote()
+
+    def add_workers(self, count: int) -> None:
+        for _ in range(count):
+            a, ref = self._start_worker(self._next_worker)
+            self._next_worker += 1
+            self._worker_born[ref] = time.monotonic()
+            self.workers.append((a, ref))
+
+    def remove_workers(self, count: int) -> None:
+        import ray
+
+        if count <= 0:
+            return
+        gone = self.workers[len(self.workers) - count :]
+        self.workers = self.workers[: len(self.workers) - count]
+        for _, ref in gone:
+            self._worker_born.pop(ref, None)
+        for a, _ in gone:
+            a.stop.remote()
+        runs = [ref for _, ref in gone]
+        done = self._wait(runs, STOP_TIMEOUT_S)
+        produced = sum(ray.get(ref)["groups"] for ref in done)
+        for a, _ in gone:
+            ray.kill(a)
+        log.info("removed %d rollout workers (they finished their groups: %d in all)", count, produced)
+
+    def scale(self, n: int) -> None:
+        """Engines (and workers_per_engine rollout workers each) added or removed until there are n."""
+        import ray
+
+        have = len(self.engines)
+        if n == have:
+            return
+        per = workers_per_engine(self.spec)
+        if n > have:
+            cls, _ = engine_actor(self.spec)
+            # a built-in engine waits in the registry's joining set until the bus gave it the weights
+            joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
+            new = []
+            for _ in range(n - have):
+                new.append(cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining))
+                self._next_engine += 1
+            self.engines += new
+            urls = self._get([e.start.remote() for e in new])
+            self.engine_urls += urls
+            self.engine_watch += [e.watch.remote() for e in new]
+            self.add_workers(per * (n - have))
+            log.info(
+                "generators %d -> %d: engines %s joined (rollouts reach them after the next weight update)",
+                have,
+                n,
+                urls,
+            )
+        else:
+            self.remove_workers(max(0, len(self.workers) - per * n))
+            gone = self.engines[n:]
+            self.engines = self.engines[:n]
+            self.engine_watch = self.engine_watch[:n]
+            self._starting = {i: u for i, u in self._starting.items() if i < n}
+            gone_urls = self.engine_urls[n:]
+            self.engine_urls = self.engine_urls[:n]
+            self._get(
+                [
+                    e.stop.remote(DRAIN_S) if self.spec.generators.engine == "builtin" else e.stop.remote()
+                    for e in gone
+                ]
+            )
+            for e in gone:
+                ray.kill(e)
+            log.info("generators %d -> %d: engines %s stopped", have, n, gone_urls)
+
+    # --- supervision ----------------------------------------------------------------------------------
+    def check_workers(self) -> bool:
+        """Replace rollout workers that died (or returned: they only do when told to stop). True when
+        one was replaced."""
+        import ray
+
+        runs = [ref for _, ref in self.workers]
+        if not runs or self.closing:
+            return False
+        done, _ = ray.wait(runs, num_returns=len(runs), timeout=0)
+        for ref in done:
+            i = next(i for i, (_, r) in enumerate(self.workers) if r == ref)
+            actor, _ = self.workers.pop(i)
+            why = outcome(ref)
+            lived = time.monotonic() - self._worker_born.pop(ref, 0.0)
+            self._early_deaths = self._early_deaths + 1 if lived < EARLY_DEATH_S else 0
+            if self._early_deaths >= CRASH_LOOP:
+                raise RuntimeError(
+                    f"rollout workers die right after they start ({self._early_deaths} in a row, each "
+                    f"within {EARLY_DEATH_S:.0f} s); the last one: {why}"
+                )
+            self.restarts.count("rollout_workers", f"rollout worker {why}")
+            log.warning(
+                "rollout worker %s; starting a replacement (its unfinished prompts are reissued once its "
+                "lease expires, buffer.worker_lease_s)",
+                why,
+            )
+            kill(actor)
+            self.add_workers(1)
+        return bool(done)
+
+    def check_engines(self) -> bool:
+        """Replace engines whose process died, or that stayed out of the registry for LAPSED_S (hung).
+        True when one was replaced."""
+        import ray
+
+        if not self.engines or self.closing:
+            return False
+        done, _ = ray.wait(self.engine_watch, num_returns=len(self.engine_watch), timeout=0)
+        failed: dict[int, str] = {}
+        for i, ref in enumerate(self.engine_watch):
+            if ref not in done:
+                continue
+            if i in self._starting:  # a replacement's start() answered
+                self._started(i, ref, failed)
+            else:
+                failed[i] = f"died ({outcome(ref)})"
+        now = time.monotonic()
+        if now >= self._next_registry_check:
+            self._next_registry_check = now + 1.0
+            reg = EngineRegistry(self.r, self.job)
+            present = set(reg.live()) | set(reg.joining())
+            for i, url in enumerate(self.engine_urls):
+                if url in present or i in self._starting:
+                    self._lapsed_since.pop(url, None)
+                elif now - self._lapsed_since.setdefault(url, now) >= LAPSED_S and i not in failed:
+                    failed[i] = f"is hung (no registry lease for {now - self._lapsed_since[url]:.0f} s)"
+        for i, why in sorted(failed.items()):
+            self._replace_engine(i, why)
+        return bool(failed)
+
+    def _replace_engine(self, i: int, why: str) -> None:
+        """Kill engine i and start its replacement; the loop goes on meanwhile (a start takes seconds, more
+        on a loaded host) and `_started` takes the new engine in when its start() answers."""
+        old, url = self.engines[i], self.engine_urls[i]
+        self.restarts.count("engines", f"engine {url} {why}")
+        log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
+        kill(old)
+        for key in (engines_key(self.job), joining_key(self.job)):
+            self.r.zrem(key, url)  # rollout workers stop routing to it at their next refresh
+        self._lapsed_since.pop(url, None)
+        cls, _ = engine_actor(self.spec)
+        joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
+        new = cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining)
+        self._next_engine += 1
+        self.engines[i], self.engine_watch[i] = new, new.start.remote()
+        self._starting[i] = url
+
+    def replacing(self, i: int) -> bool:
+        """Engine i is a replacement still starting."""
+        return i in self._starting
+
+    def _started(self, i: int, ref, failed: dict[int, str]) -> None:
+        import ray
+
+        old_url = self._starting.pop(i)
+        try:
+            new_url = ray.get(ref)
+        except Exception as e:
+            failed[i] = f"(a replacement) did not start: {type(e).__name__}: {str(e)[:200]}"
+            return
+        self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
+        self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
+        log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)
+
+    def continue_engines(self) -> None:
+        """A trainer that died between pause and continue of a weight update left the engines paused."""
+        from weight_bus.engine_client import continue_engines
+
+        for url, e in continue_engines(self.engine_urls, self.api_key, timeout_s=10.0).items():
+            log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
+
+    # --- alone ----------------------------------------------------------------------------------------
+    def fill(self, groups: int, timeout_s: float, poll_s: float = 0.05) -> list[tuple[float, int]]:
+        """Wait until the job's buffer has had `groups` groups produced (no trainer needed: nothing waits
+        on one when buffer.max_staleness admits them). Returns (monotonic time, groups produced) every
+        poll_s. RuntimeError when a rollout worker exits, TimeoutError after timeout_s."""
+        import ray
+
+        key = ReplayBuffer(self.r, self.job).keys.stats
+        runs = [ref for _, ref in self.workers]
+        marks: list[tuple[float, int]] = []
+        t_begin = time.monotonic()
+        while True:
+            produced = int(self.r.hget(key, "produced") or 0)
+            marks.append((time.monotonic(), produced))
+            if produced >= groups:
+                return marks
+            done, _ = ray.wait(runs, timeout=0)
+            if done:
+                ray.get(done)
+                raise RuntimeError("a rollout worker exited while the generators filled the buffer")
+            if time.monotonic() - t_begin > timeout_s:
+                raise TimeoutError(f"generators: {produced}/{groups} groups after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def stop_workers(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Tell every rollout worker to stop after its groups, and wait for them (at most timeout_s)."""
+        import ray
+
+        for a, _ in self.workers:
+            a.stop.remote()
+        ray.wait([ref for _, ref in self.workers], num_returns=len(self.workers), timeout=timeout_s)
+
+    def close(self, others: list | None = None) -> None:
+        """Stop the workers, then the engines (politely), then kill all, `others` too (stop_actors)."""
+        self.closing = True
+        self.stop_workers()
+        stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + (others or []))
+        self.engines, self.attached, self.engine_urls, self.engine_watch = [], [], [], []
+        self.workers = []
+
+
+def generators_only(spec: JobSpec, redis_url: str, groups: int, timeout_s: float) -> tuple:
+    """The generators alone (on a running Ray): the spec's engines and rollout workers fill the job's
+    buffer with `groups` groups, no trainer consuming them (buffer.max_staleness must admit that many
+    versions ahead of version 0). Returns (the pool, its engines still up and its workers stopped, for a
+    trainer to publish to or for `close`; the fill's (time, groups produced) marks)."""
+    buffer = ReplayBuffer(connect(redis_url), spec.name)
+    buffer.ensure_group()
+    buffer.set_version(0)
+    pool = GeneratorPool(spec, redis_url)
+    try:
+        pool.start(spec.generators.num_engines)
+        marks = pool.fill(groups, timeout_s)
+        pool.stop_workers()
+    except BaseException:
+        pool.close()
+        raise
+    return pool, marks

@@ -1,0 +1,79 @@
+"""A job's trainer progress: the stream's reader (one reader serves the driver's status, the control API
+and the UI) and the one-line rendering `slipstream run` prints per step."""
+
+from __future__ import annotations
+
+import json
+
+import redis
+
+from replay_buffer import JobKeys
+
+
+def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
+    line = (
+        f"step {r['step']:>4}/{total_steps}  version {r['version']:>4}  reward {r['reward_mean']:.3f}  "
+        f"staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
+        f"loss {r['loss']:+.4f}  tok/s {r['tokens_per_s']:.0f}  step {r['step_s'] * 1e3:.0f} ms  "
+        f"wait {r['wait_s'] * 1e3:.0f} ms  swap {r['pause_s'] * 1e3:.0f} ms"
+    )
+    if agent:  # multi-turn jobs: how the episodes went
+        line += (
+            f"  turns {r['turns_mean']:.2f}  tool calls {r['tool_calls_mean']:.2f} (errors "
+            f"{r['tool_errors_mean']:.2f})  budget-out {r['finish_tool_budget']:.2f}"
+        )
+    return line
+
+
+class ProgressReader:
+    """Follows a job's trainer progress stream: the records of its current run (one JSON record per
+    optimizer step; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
+    which every trainer pool of the run continues (ReplayBuffer.start_clock). Each record gains
+    `tokens_per_s` and `samples_per_s`: response tokens and samples trained so far in the run ÷ its
+    elapsed_s. A record whose version is not past the previous one's (the pool restarted from an older
+    checkpoint: the steps after it were lost and the trainer dropped their records) supersedes the records
+    it repeats: they leave `records` and the sums.
+
+    `attempt` (set once the run's attempt is known) is the attempt of the run the reader serves: a
+    resumed attempt first reads the records of the earlier ones, up to where they got, before its trainer
+    drops those after the checkpoint it resumes from; `this_attempt` tells them apart."""
+
+    def __init__(self, r: redis.Redis, job: str, attempt: int | None = None) -> None:
+        self.r, self.key = r, JobKeys(job).progress
+        self.attempt = attempt
+        self.last_id = "0"
+        self.records: list[dict] = []
+        """Every record of the run so far, superseded ones removed."""
+        self.tokens = 0
+        self.samples = 0
+
+    def this_attempt(self, rec: dict) -> bool:
+        """A record of the reader's attempt of the run (or one that names no attempt)."""
+        return rec.get("attempt") in (None, self.attempt)
+
+    def read(self, block_ms: int = 500) -> list[dict]:
+        """The new records (waiting up to block_ms for one), of every attempt."""
+        out = []
+        block = block_ms if block_ms > 0 else None  # BLOCK 0 would wait forever
+        for _, entries in self.r.xread({self.key: self.last_id}, block=block, count=100) or []:
+            for entry_id, fields in entries:
+                self.last_id = entry_id
+                rec = json.loads(fields[b"j"])
+                while self.records and self.records[-1]["version"] >= rec["version"]:
+                    gone = self.records.pop()
+                    self.tokens -= gone["response_tokens"]
+                    self.samples -= gone.get("samples", 0)
+                self.tokens += rec["response_tokens"]
+                self.samples += rec.get("samples", 0)
+                elapsed = max(rec["elapsed_s"], 1e-9)
+                rec["tokens_per_s"] = self.tokens / elapsed
+                rec["samples_per_s"] = self.samples / elapsed
+                self.records.append(rec)
+                out.append(rec)
+        return out
+
+    def read_all(self) -> list[dict]:
+        """Every record of the run so far (reads the stream to its end without waiting)."""
+        while self.read(block_ms=0):
+            pass
+        return self.records

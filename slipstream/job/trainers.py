@@ -1,0 +1,210 @@
+"""The trainer pool of one job: its ranks (one Ray actor each, FSDP2 across them), rescaled through a
+checkpoint, and restarted from the latest one when a rank dies.
+
+- Rescale to M ranks: the pool stops after its current step with a checkpoint, and a pool of M ranks
+  resumes from it (FSDP2 reshards); generators keep filling the buffer meanwhile.
+- A rank that dies takes the pool down: every rank is killed, `before_restart` runs (the driver tells the
+  engines to continue: a rank 0 that died mid-update leaves them paused), and a pool of the same size
+  resumes from the latest checkpoint of this run (or the initial model if none was written); the groups
+  it had read but not committed are redelivered to the new rank 0, and the commit ledger never trains a
+  group twice.
+
+`trainer_only` runs one rank alone on a job's existing (recorded or pre-filled) stream.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from jobspec import JobSpec
+from slipstream.job.supervise import Restarts, kill, outcome, wait_all
+
+log = logging.getLogger("slipstream.job.trainers")
+
+
+def checkpoint_dir(spec: JobSpec) -> Path:
+    """Where the job's trainer writes its checkpoints."""
+    return Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
+
+
+def _checkpoint_run(path: str) -> str | None:
+    """The run_id a checkpoint was written by (None: unknown, e.g. written before runs had ids)."""
+    from trainer import checkpoint
+
+    try:
+        return json.loads((Path(path) / checkpoint.STATE_FILE).read_text()).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+class TrainerPool:
+    """A job's trainer ranks on Ray. `endpoints()` gives the engines to publish to and their key, now (a
+    restarted pool publishes to the engines of the moment); `before_restart` runs between a dead pool and
+    its replacement; `between` is called while the pool waits on its ranks (the driver reads progress
+    there); `restarts` is the job's replacement budget. `run_id` is the job's run: a checkpoint of another
+    run is never resumed from. Nothing starts before `start`."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        redis_url: str,
+        endpoints: Callable[[], tuple[list[str], str | None]] = lambda: ([], None),
+        restarts: Restarts | None = None,
+        between: Callable[[], None] | None = None,
+        before_restart: Callable[[], None] | None = None,
+    ) -> None:
+        self.spec, self.redis_url = spec, redis_url
+        self.endpoints, self.between, self.before_restart = endpoints, between, before_restart
+        self.restarts = restarts if restarts is not None else Restarts()
+        self.run_id: str | None = None
+        self.ranks: list = []
+        self.runs: list = []  # each rank's run() call, once the pool is set up and training
+        self.closing = False
+
+    @property
+    def size(self) -> int:
+        """Ranks set up and training (not those still starting)."""
+        return len(self.runs)
+
+    def _get(self, refs: list) -> list:
+        import ray
+
+        wait_all(refs, None, self.between)
+        return ray.get(refs)
+
+    def start(self, m: int, resume_from: str | None = None) -> None:
+        """m ranks (from `resume_from`, a checkpoint, if given), set up and training."""
+        from slipstream.job.actors import TrainerActor
+
+        trainer = {"num_trainers": m, **({"resume_from": resume_from} if resume_from else {})}
+        spec = msgspec.structs.replace(
+            self.spec, trainer=msgspec.structs.replace(self.spec.trainer, **trainer)
+        )
+        engine_urls, api_key = self.endpoints()
+        rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
+        config = spec.trainer_config()
+        self.ranks = [rank_cls.remote(config, self.redis_url, engine_urls, api_key, r, m) for r in range(m)]
+        master = self._get([self.ranks[0].rendezvous.remote()])[0] if m > 1 else None
+        self._get([t.setup.remote(master) for t in self.ranks])
+        self.runs = [t.run.remote() for t in self.ranks]
+        log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+
+    def stop(self, checkpoint: bool) -> None:
+        """The pool ends after its current step (with a checkpoint there if `checkpoint`)."""
+        self.ranks[0].stop.remote(False, checkpoint)
+
+    def request_checkpoint(self) -> None:
+        self.ranks[0].request_checkpoint.remote()
+
+    def rescale(self, m: int) -> dict | None:
+        """Checkpoint, stop the pool, start one of m ranks from that checkpoint. Returns the old pool's
+        result if it had finished the job before it could be stopped (then nothing restarts)."""
+        import ray
+
+        have = len(self.ranks)
+        self._get([self.ranks[0].stop.remote(True)])
+        results = self._get(self.runs)
+        for t in self.ranks:
+            ray.kill(t)
+        result = results[0]
+        if not result["restart"] or not result["checkpoint"]:
+            return result  # the job ended (last step) before the stop took effect
+        self.start(m, resume_from=result["checkpoint"])
+        log.info(
+            "trainers %d -> %d at version %d (checkpoint %s)",
+            have,
+            m,
+            result["version"],
+            result["checkpoint"],
+        )
+        return None
+
+    def check(self) -> tuple[dict | None, bool]:
+        """(the pool's result once every rank finished, else None; whether the pool was restarted because
+        a rank died)."""
+        import ray
+
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        failed = [why for ref in done if (why := outcome(ref, failed_only=True))]
+        if failed and self.closing:
+            raise RuntimeError(f"trainer rank {failed[0]} while the job was closing")
+        if failed:
+            self.restart(failed[0])
+            return None, True
+        if len(done) == len(self.runs):
+            return ray.get(self.runs[0]), False
+        return None, False
+
+    def restart(self, why: str) -> None:
+        """Kill every rank and start a pool of the same size from this run's latest checkpoint."""
+        from trainer import checkpoint
+
+        m = len(self.ranks)
+        self.restarts.count("trainer_pool", f"trainer rank {why}")
+        for t in self.ranks:
+            kill(t)
+        if self.before_restart is not None:
+            self.before_restart()
+        try:
+            resume = str(checkpoint.resolve(checkpoint.LATEST, checkpoint_dir(self.spec)))
+        except FileNotFoundError:
+            resume = None
+        if resume and (theirs := _checkpoint_run(resume)) not in (None, self.run_id):
+            log.warning(
+                "latest checkpoint %s belongs to run %s, not this one: not resumed from", resume, theirs
+            )
+            resume = self.spec.trainer.resume_from
+        log.warning(
+            "trainer rank %s; restarting the pool of %d ranks from %s",
+            why,
+            m,
+            resume or "the initial model (no checkpoint was written yet: trainer.checkpoint_every)",
+        )
+        self.start(m, resume_from=resume)
+
+    def close(self) -> None:
+        """Kill every rank."""
+        self.closing = True
+        for t in self.ranks:
+            kill(t)
+        self.ranks, self.runs = [], []
+
+
+def trainer_only(
+    spec: JobSpec,
+    redis_url: str,
+    engine_urls: list[str] | None = None,
+    api_key: str | None = None,
+    on_record: Callable[[dict], None] | None = None,
+) -> tuple[dict, list[dict]]:
+    """The trainer alone (on a running Ray): one rank of `spec` trains on the job's existing stream (a
+    recorded one, or one generators filled) until algorithm.total_steps, publishing to `engine_urls` if
+    any. Calls on_record with each progress record as it arrives. Returns (the rank's result, every
+    progress record of the run)."""
+    import ray
+
+    from replay_buffer.client import connect
+    from slipstream.job.progress import ProgressReader
+
+    pool = TrainerPool(spec, redis_url, endpoints=lambda: (list(engine_urls or []), api_key))
+    r = connect(redis_url)
+    reader = ProgressReader(r, spec.name)
+    try:
+        pool.start(1)
+        run = pool.runs[0]
+        while True:
+            done, _ = ray.wait([run], timeout=0)
+            recs = reader.read(block_ms=0 if done else 500)
+            for rec in recs:
+                if on_record is not None:
+                    on_record(rec)
+            if done and not recs:
+                return ray.get(run), reader.records
+    finally:
+        pool.close()
+        r.close()
