@@ -17,6 +17,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
+from generator_fleet.launch_options import SGLangOptions
+
 MAX_POOL = 4096
 """Most engines, rollout workers or trainer ranks a job may ask for, at submit and in a scale request:
 more than a cluster's GPUs, so a bigger number is a typo (or a fuzzer), not a plan."""
@@ -122,36 +125,14 @@ def _bad(key: str, msg: str) -> ValueError:
     return ValueError(f"{msg} - at `.{key}`")
 
 
-class SGLangSpec(Spec):
-    """How the fleet launches real SGLang servers (`generators.engine: sglang`). Each option is the
-    `python -m sglang.launch_server` flag of the same name (SGLang's python/sglang/srt/server_args.py);
-    the fleet itself sets --model-path, --host, --port, --api-key and --weight-version."""
+class SGLangSpec(SGLangOptions, Spec):
+    """How the fleet launches real SGLang servers (`generators.engine: sglang`): the launch options
+    (generator_fleet/launch_options.py's SGLangOptions, one `python -m sglang.launch_server` flag each) and the
+    GPUs Ray reserves for each server."""
 
-    python: str | None = None
-    """Interpreter that has `sglang` installed (SGLang often lives in its own venv or image); null = the
-    one running Slipstream."""
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
-    """--dtype. `auto` is SGLang's rule: FP16 for FP32/FP16 checkpoints, BF16 for BF16 ones."""
-    tp_size: Pos = 1
-    """--tp-size: tensor-parallel GPUs per engine; each one is a rank of the weight-update group."""
-    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
-    """--mem-fraction-static: share of GPU memory for weights + KV cache; null = SGLang picks."""
-    context_length: Pos | None = None
-    """--context-length (tokens); null = the model config's."""
-    served_model_name: str | None = None
-    """--served-model-name (the `model_name` label of its metrics); null = the model path."""
-    skip_server_warmup: bool = False
-    """--skip-server-warmup: report healthy without the warm-up request."""
-    enable_metrics: bool = True
-    """--enable-metrics: serve the sglang:* Prometheus metrics on GET /metrics (SGLang's default is off)."""
-    extra_args: list[str] = msgspec.field(default_factory=list)
-    """Further launch_server arguments, passed as given (e.g. ["--attention-backend", "triton"])."""
     gpus_per_engine: NonNeg | None = None
     """GPUs Ray reserves per engine (they become its CUDA_VISIBLE_DEVICES); null = tp_size, 0 = none
     (a CPU build of SGLang)."""
-    startup_timeout_s: Seconds = 900.0
-    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs); at most
-    a day."""
 
 
 class GeneratorsSpec(Spec):
@@ -164,14 +145,16 @@ class GeneratorsSpec(Spec):
     `external` engines are the `urls`."""
     num_workers: Pool = 1
     """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
-    max_batch_size: Pos = 256
-    """Most requests an engine decodes together."""
+    max_batch_size: BatchSize = engine_default("max_batch_size")
+    """`builtin`: most requests an engine decodes together (its EngineOptions.max_batch_size)."""
     gpus_per_engine: NonNeg = 0
     """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
     `sglang` engines take `sglang.gpus_per_engine`."""
     cpus_per_engine: NonNeg = 0
     """CPUs Ray reserves for each engine (and each rollout worker takes none: they wait on I/O)."""
     torch_threads: Pos = 1
+    """torch intra-op threads of each engine process: 1, as a job's engines share the host (a standalone
+    engine leaves torch's default)."""
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     urls: list[str] = msgspec.field(default_factory=list)
     """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or
@@ -637,3 +620,15 @@ def resolve_paths(spec: JobSpec, base: str | Path) -> JobSpec:
 def to_json(spec: JobSpec) -> str:
     """Resolved spec as JSON (nulls survive a round trip); saved with every run."""
     return json.dumps(msgspec.to_builtins(spec), indent=2)
+
+
+def engine_options(spec: JobSpec) -> EngineOptions:
+    """What each of the job's built-in engines runs with: the job's model and its generators section,
+    on CUDA when Ray reserves the engine GPUs (it then sees only its own)."""
+    g = spec.generators
+    return EngineOptions(
+        model_path=spec.model.path,
+        max_batch_size=g.max_batch_size,
+        torch_threads=g.torch_threads,
+        device="cuda" if g.gpus_per_engine > 0 else "cpu",
+    )

@@ -54,7 +54,7 @@ from slipstream.job.local import (
     RUN_FILES,
     STOP_TIMEOUT_S,
     ProgressReader,
-    engine_actor,
+    launch_engine,
     prepare_model,
     start_engines,
     stop_actors,
@@ -243,12 +243,11 @@ class JobDriver:
         self.report("scaling", scaling=f"generators {have} -> {n}")
         per = workers_per_engine(self.spec)
         if n > have:
-            cls, _ = engine_actor(self.spec)
-            # a built-in engine waits in the registry's joining set until the bus gave it the weights
-            joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
             new = []
             for _ in range(n - have):
-                new.append(cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining))
+                new.append(
+                    launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
+                )
                 self._next_engine += 1
             self.engines += new
             urls = self._get([e.start.remote() for e in new])
@@ -396,9 +395,7 @@ class JobDriver:
         for key in (engines_key(self.job), joining_key(self.job)):
             self.r.zrem(key, url)  # rollout workers stop routing to it at their next refresh
         self._lapsed_since.pop(url, None)
-        cls, _ = engine_actor(self.spec)
-        joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
-        new = cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining)
+        new = launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
         self._next_engine += 1
         self.engines[i], self.engine_watch[i] = new, new.start.remote()
         self._starting[i] = url

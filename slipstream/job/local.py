@@ -18,7 +18,7 @@ from typing import NamedTuple
 import msgspec
 import redis
 
-from jobspec import JobSpec, to_json
+from jobspec import JobSpec, engine_options, to_json
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
@@ -226,6 +226,15 @@ def engine_actor(spec: JobSpec):
     return EngineActor.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
 
 
+def launch_engine(spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False):
+    """The actor of launched engine `index` (`builtin` or `sglang`), not started yet. `joining`: a
+    built-in engine started mid-job waits in the registry's joining set until the bus gave it weights."""
+    cls, _ = engine_actor(spec)
+    if spec.generators.engine == "builtin":
+        return cls.remote(spec, engine_options(spec), redis_url, api_key, index, joining=joining)
+    return cls.remote(spec, redis_url, api_key, index)
+
+
 def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
     """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
     `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
@@ -245,14 +254,14 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
-        actor_cls, gpus = engine_actor(spec)
+        _, gpus = engine_actor(spec)
         have = ray.cluster_resources().get("GPU", 0)
         if gpus * g.num_engines > have:  # Ray would wait for them forever
             raise RuntimeError(
                 f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
                 "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
             )
-        started = [actor_cls.remote(spec, redis_url, api_key, i) for i in range(g.num_engines)]
+        started = [launch_engine(spec, redis_url, api_key, i) for i in range(g.num_engines)]
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])
         if g.router_url:  # the engines joined the router; the router joins the registry
