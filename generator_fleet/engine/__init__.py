@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from generator_fleet.engine.app import build_app
     from generator_fleet.engine.options import EngineOptions
-    from generator_fleet.engine.runner import Completion, Runner, SamplingParams
+    from generator_fleet.engine.request import Completion, SamplingParams
+    from generator_fleet.engine.runner import Runner
     from generator_fleet.engine.serve import EngineServer
 
 _WHERE = {
-    "Completion": "runner",
+    "Completion": "request",
     "Runner": "runner",
-    "SamplingParams": "runner",
+    "SamplingParams": "request",
     "EngineServer": "serve",
     "EngineOptions": "options",
     "build_app": "app",

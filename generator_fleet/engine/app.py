@@ -29,9 +29,10 @@ from generator_fleet.engine.api_types import (
     validation_error,
     value_error,
 )
+from generator_fleet.engine.faults import EngineUnhealthy
 from generator_fleet.engine.info_routes import VERSION
 from generator_fleet.engine.options import EngineOptions
-from generator_fleet.engine.runner import EngineUnhealthy, Runner
+from generator_fleet.engine.runner import Runner
 from generator_fleet.engine.state import EngineState
 from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 

@@ -12,8 +12,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
 from generator_fleet.engine.api_types import http_error, json_response
-from generator_fleet.engine.runner import Request as GenRequest
-from generator_fleet.engine.runner import SamplingParams
+from generator_fleet.engine.request import Request as GenRequest
+from generator_fleet.engine.request import SamplingParams
 from generator_fleet.engine.state import EngineState, engine_state
 
 VERSION = "slipstream-builtin"

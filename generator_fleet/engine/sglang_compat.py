@@ -10,8 +10,9 @@ from typing import Any
 import msgspec
 
 from generator_fleet.engine.api_types import CONSTRAINED, BadRequest, GenerateReqIn, SamplingParamsIn
-from generator_fleet.engine.runner import Completion, Runner, SamplingParams
-from generator_fleet.engine.runner import Request as GenRequest
+from generator_fleet.engine.request import Completion, SamplingParams
+from generator_fleet.engine.request import Request as GenRequest
+from generator_fleet.engine.runner import Runner
 
 MAX_LOGIT_BIAS = 100.0
 """|logit_bias| bound (OpenAI's range): +-100 already forces or bans a token; more overflows the logits."""
