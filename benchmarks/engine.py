@@ -209,7 +209,8 @@ class EngineSide:
     def __init__(
         self, model_dir: Path, dtype: torch.dtype, device: torch.device, runner_kwargs: dict[str, Any]
     ) -> None:
-        from generator_fleet.engine.runner import Request, Runner, SamplingParams
+        from generator_fleet.engine.request import Request, SamplingParams
+        from generator_fleet.engine.runner import Runner
 
         self.Request, self.SamplingParams = Request, SamplingParams
         self.device = device

@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from common.config import MAX_COUNT, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
+from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
+from generator_fleet.launch_options import SGLangOptions
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec
 
@@ -79,36 +81,14 @@ class RolloutSpec(Spec):
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
 
 
-class SGLangSpec(Spec):
-    """How the fleet launches real SGLang servers (`generators.engine: sglang`). Each option is the
-    `python -m sglang.launch_server` flag of the same name (SGLang's python/sglang/srt/server_args.py);
-    the fleet itself sets --model-path, --host, --port, --api-key and --weight-version."""
+class SGLangSpec(SGLangOptions, Spec):
+    """How the fleet launches real SGLang servers (`generators.engine: sglang`): the launch options
+    (generator_fleet/launch_options.py's SGLangOptions, one `python -m sglang.launch_server` flag each) and the
+    GPUs Ray reserves for each server."""
 
-    python: str | None = None
-    """Interpreter that has `sglang` installed (SGLang often lives in its own venv or image); null = the
-    one running Slipstream."""
-    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
-    """--dtype. `auto` is SGLang's rule: FP16 for FP32/FP16 checkpoints, BF16 for BF16 ones."""
-    tp_size: Pos = 1
-    """--tp-size: tensor-parallel GPUs per engine; each one is a rank of the weight-update group."""
-    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
-    """--mem-fraction-static: share of GPU memory for weights + KV cache; null = SGLang picks."""
-    context_length: Pos | None = None
-    """--context-length (tokens); null = the model config's."""
-    served_model_name: str | None = None
-    """--served-model-name (the `model_name` label of its metrics); null = the model path."""
-    skip_server_warmup: bool = False
-    """--skip-server-warmup: report healthy without the warm-up request."""
-    enable_metrics: bool = True
-    """--enable-metrics: serve the sglang:* Prometheus metrics on GET /metrics (SGLang's default is off)."""
-    extra_args: list[str] = msgspec.field(default_factory=list)
-    """Further launch_server arguments, passed as given (e.g. ["--attention-backend", "triton"])."""
     gpus_per_engine: NonNeg | None = None
     """GPUs Ray reserves per engine (they become its CUDA_VISIBLE_DEVICES); null = tp_size, 0 = none
     (a CPU build of SGLang)."""
-    startup_timeout_s: Seconds = 900.0
-    """Seconds an engine may take to answer GET /health after launch (weight loading, CUDA graphs); at most
-    a day."""
 
 
 class GeneratorsSpec(Spec):
@@ -121,7 +101,7 @@ class GeneratorsSpec(Spec):
     `external` engines are the `urls`."""
     num_workers: Pool = 1
     """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
-    max_batch_size: Pos = 256
+    max_batch_size: BatchSize = engine_default("max_batch_size")
     """Most requests an engine decodes together."""
     gpus_per_engine: NonNeg = 0
     """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
@@ -182,3 +162,14 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
     groups_per_step: int
     """Groups the trainer consumes per optimizer step (algorithm.groups_per_step): admission control
     lets workers run at most max_staleness steps' worth of groups ahead."""
+
+
+def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOptions:
+    """What each of the job's built-in engines runs with: the job's model and its generators section,
+    on CUDA when Ray reserves the engine GPUs (it then sees only its own)."""
+    return EngineOptions(
+        model_path=model.path,
+        max_batch_size=generators.max_batch_size,
+        torch_threads=generators.torch_threads,
+        device="cuda" if generators.gpus_per_engine > 0 else "cpu",
+    )

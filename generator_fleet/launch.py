@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import redis
 
-from generator_fleet.config import SGLangSpec
+from generator_fleet.launch_options import SGLangOptions
 from generator_fleet.registry import DEFAULT_LEASE_S, EngineRegistration
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ class EngineStartError(RuntimeError):
 
 
 def sglang_command(
-    model_path: str, port: int, sg: SGLangSpec, api_key: str | None = None, host: str = ENGINE_HOST
+    model_path: str, port: int, sg: SGLangOptions, api_key: str | None = None, host: str = ENGINE_HOST
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine. Flag names are SGLang's (ServerArgs fields in
     python/sglang/srt/server_args.py, `tp_size` -> `--tp-size`); options left null are left to SGLang."""
@@ -137,7 +137,7 @@ class SGLangServer:
     def __init__(
         self,
         model_path: str,
-        sg: SGLangSpec,
+        sg: SGLangOptions,
         log_path: str | Path,
         api_key: str | None = None,
         port: int = 0,

@@ -55,3 +55,10 @@ __all__ = [
     "resolve_paths",
     "to_json",
 ]
+
+
+def engine_options(spec: JobSpec):
+    """The options each of the job's built-in engines runs with (generator_fleet.config.engine_options)."""
+    from generator_fleet.config import engine_options as from_sections
+
+    return from_sections(spec.model, spec.generators)

@@ -10,6 +10,7 @@ import signal
 import sys
 
 from common.http_guard import ENGINE_LIMITS, add_limit_arguments, limits_from_args
+from generator_fleet.engine import options
 
 API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
 """Where the key is read from when --api-key is absent: a command line is visible to every local user."""
@@ -27,49 +28,21 @@ def is_loopback(host: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m generator_fleet.engine", description=__doc__)
-    p.add_argument("--model", required=True, help="HF model directory (weights + tokenizer)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    options.add_arguments(p)
     p.add_argument(
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer <key>' (default: ${API_KEY_ENV}; prefer it: `ps` shows arguments)",
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-batch-size", type=int, default=256)
-    p.add_argument("--torch-threads", type=int, default=None)
-    p.add_argument("--weight-version", default="0")
-    p.add_argument(
-        "--context-length", type=int, default=None, help="default: the config's max_position_embeddings"
-    )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument(
-        "--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA"
-    )
-    p.add_argument(
-        "--kv-cache-tokens", type=int, default=None, help="KV pool size (default: from free memory)"
-    )
-    p.add_argument("--disable-cuda-graph", action="store_true", help="decode without CUDA graphs")
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights from the model's config (benchmarks; SGLang's flag)",
-    )
-    p.add_argument(
-        "--max-body-bytes", type=int, default=None, help="larger requests get 413 (default 64 MiB)"
-    )
-    p.add_argument(
-        "--max-requests-per-call",
-        type=int,
-        default=None,
-        help="a /generate asking for more prompts x n gets 400 (default 16384)",
     )
     p.add_argument("--log-level", default="INFO")
     add_limit_arguments(p, ENGINE_LIMITS)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     http_limits = limits_from_args(args)
+    try:
+        opts = options.from_args(args)
+    except ValueError as e:
+        p.error(str(e))
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     if api_key is None:
         # Without a key every route is open, /update_weights_from_disk (any path) and pause included.
@@ -90,34 +63,9 @@ def main(argv: list[str] | None = None) -> None:
             args.host,
         )
 
-    from generator_fleet.engine.server import EngineServer  # after parsing: --help stays instant
+    from generator_fleet.engine.serve import EngineServer  # after parsing: --help stays instant
 
-    limits = {
-        k: v
-        for k, v in (
-            ("max_body_bytes", args.max_body_bytes),
-            ("max_requests_per_call", args.max_requests_per_call),
-        )
-        if v is not None
-    }
-    server = EngineServer(
-        args.model,
-        api_key=api_key,
-        **limits,
-        limits=http_limits,
-        host=args.host,
-        port=args.port,
-        device=args.device,
-        max_batch_size=args.max_batch_size,
-        torch_threads=args.torch_threads,
-        weight_version=args.weight_version,
-        context_length=args.context_length,
-        served_model_name=args.served_model_name,
-        dtype=args.dtype,
-        kv_cache_tokens=args.kv_cache_tokens,
-        cuda_graphs=not args.disable_cuda_graph,
-        load_format=args.load_format,
-    ).start()
+    server = EngineServer(opts, api_key=api_key, limits=http_limits).start()
 
     asked: list[int] = []
 

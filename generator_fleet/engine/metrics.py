@@ -10,7 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from generator_fleet.engine.runner import Runner, RunnerStats
+from generator_fleet.engine.request import RunnerStats
+from generator_fleet.engine.runner import Runner
 
 # SGLang's default latency buckets are for GPU serving; these also resolve a tiny CPU model's milliseconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

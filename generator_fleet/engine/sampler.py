@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from generator_fleet.engine.runner import Request
+    from generator_fleet.engine.request import Request
 
 
 class Choice:

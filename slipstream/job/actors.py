@@ -15,6 +15,7 @@ import ray
 
 from common.logtext import PlainFormatter
 from generator_fleet.config import RolloutConfig
+from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
 from replay_buffer.client import connect
 from trainer.config import TrainerConfig
@@ -70,21 +71,20 @@ class EngineActor:
     taking no rollout traffic, until the weight bus has given it the current weights."""
 
     def __init__(
-        self, spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False
+        self,
+        spec: JobSpec,
+        options: EngineOptions,
+        redis_url: str,
+        api_key: str,
+        index: int,
+        joining: bool = False,
     ) -> None:
+        """`options`: the engine's (jobspec.engine_options); `spec` names the job's logs and metrics."""
         from generator_fleet.engine import EngineServer
 
-        _setup_process(spec, f"engine-{index}", redis_url, spec.generators.torch_threads)
+        _setup_process(spec, f"engine-{index}", redis_url, options.torch_threads or 1)
         self.redis_url, self.job, self.joining = redis_url, spec.name, joining
-        self.server = EngineServer(
-            spec.model.path,
-            api_key=api_key,
-            max_batch_size=spec.generators.max_batch_size,
-            torch_threads=spec.generators.torch_threads,
-            weight_version="0",
-            # Ray limits this actor to its own GPUs (the generator pool reserves gpus_per_engine of them)
-            device="cuda" if spec.generators.gpus_per_engine > 0 else "cpu",
-        )
+        self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:
 

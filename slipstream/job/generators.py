@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from generator_fleet.registry import EngineRegistry, engines_key, joining_key
-from jobspec import JobSpec
+from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, kill, outcome, wait_all
@@ -69,6 +69,15 @@ def engine_actor(spec: JobSpec):
     return EngineActor.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
 
 
+def launch_engine(spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False):
+    """The actor of launched engine `index` (`builtin` or `sglang`), not started yet. `joining`: a
+    built-in engine started mid-job waits in the registry's joining set until the bus gave it weights."""
+    cls, _ = engine_actor(spec)
+    if spec.generators.engine == "builtin":
+        return cls.remote(spec, engine_options(spec), redis_url, api_key, index, joining=joining)
+    return cls.remote(spec, redis_url, api_key, index)
+
+
 def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
     """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
     `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
@@ -88,14 +97,14 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
-        actor_cls, gpus = engine_actor(spec)
+        _, gpus = engine_actor(spec)
         have = ray.cluster_resources().get("GPU", 0)
         if gpus * g.num_engines > have:  # Ray would wait for them forever
             raise RuntimeError(
                 f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
                 "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
             )
-        started = [actor_cls.remote(spec, redis_url, api_key, i) for i in range(g.num_engines)]
+        started = [launch_engine(spec, redis_url, api_key, i) for i in range(g.num_engines)]
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])
         if g.router_url:  # the engines joined the router; the router joins the registry
@@ -236,12 +245,11 @@ class GeneratorPool:
             return
         per = workers_per_engine(self.spec)
         if n > have:
-            cls, _ = engine_actor(self.spec)
-            # a built-in engine waits in the registry's joining set until the bus gave it the weights
-            joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
             new = []
-            for _ in range(n - have):
-                new.append(cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining))
+            for _ in range(n - have):  # a built-in engine joins once the bus gave it the weights
+                new.append(
+                    launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
+                )
                 self._next_engine += 1
             self.engines += new
             urls = self._get([e.start.remote() for e in new])
@@ -343,9 +351,7 @@ class GeneratorPool:
         for key in (engines_key(self.job), joining_key(self.job)):
             self.r.zrem(key, url)  # rollout workers stop routing to it at their next refresh
         self._lapsed_since.pop(url, None)
-        cls, _ = engine_actor(self.spec)
-        joining = {"joining": True} if self.spec.generators.engine == "builtin" else {}
-        new = cls.remote(self.spec, self.redis_url, self.api_key, self._next_engine, **joining)
+        new = launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
         self._next_engine += 1
         self.engines[i], self.engine_watch[i] = new, new.start.remote()
         self._starting[i] = url

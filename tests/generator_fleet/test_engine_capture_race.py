@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from common.net import free_port
 from generator_fleet.engine import EngineServer
-from generator_fleet.engine.runner import Request, Runner, SamplingParams
+from generator_fleet.engine.request import Request, SamplingParams
+from generator_fleet.engine.runner import Runner
 from model_zoo.tiny import build_tokenizer
 from weight_bus.group import broadcast, new_group
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from generator_fleet.engine.runner import Request, Runner, SamplingParams
+from generator_fleet.engine.request import Request, SamplingParams
+from generator_fleet.engine.runner import Runner
 from model_zoo.tiny import build_tokenizer
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"

@@ -12,7 +12,8 @@ from tiny_engine_model import build_noisy_model, greedy_reference
 
 from generator_fleet.client import EngineClient
 from generator_fleet.engine import EngineServer
-from generator_fleet.engine.runner import Request, Runner, SamplingParams
+from generator_fleet.engine.request import Request, SamplingParams
+from generator_fleet.engine.runner import Runner
 
 CONTEXT = 512
 

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from generator_fleet.engine import EngineServer
-from generator_fleet.engine.runner import FAULT_ENV, is_fatal_cuda_error
+from generator_fleet.engine.faults import FAULT_ENV, is_fatal_cuda_error
 from model_zoo.tiny import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import logging
 import pytest
 
 import jobspec
-from generator_fleet.engine.runner import FAULT_ENV
+from generator_fleet.engine.faults import FAULT_ENV
 from slipstream.job import faults
 
 pytestmark = pytest.mark.slow

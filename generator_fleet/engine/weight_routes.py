@@ -1,0 +1,256 @@
+"""The engine's weight and generation-control routes: pause / continue, joining and leaving a weight
+update group, receiving weights from it or loading them from disk, the weight version, and /flush_cache.
+
+Weight operations run one at a time (the state's weight lock) in the state's weight thread, so the event
+loop keeps answering /health and /abort_request while a receive blocks on the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import msgspec
+import torch
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from generator_fleet.engine.api_types import (
+    ContinueGeneration,
+    PauseGeneration,
+    UpdateWeightsFromDisk,
+    UpdateWeightVersion,
+    control,
+    decode,
+    http_error,
+    json_response,
+)
+from generator_fleet.engine.state import EngineState, engine_state
+from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+
+log = logging.getLogger(__name__)
+
+router = APIRouter()
+
+_WEIGHT_TRACE = os.environ.get("SLIPSTREAM_WEIGHT_TRACE")
+"""Diagnostics: a file to append, per weight update, the GPU timeline of each bucket (CUDA events before
+the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits."""
+
+
+def trace_event():
+    """A recorded CUDA event when tracing (SLIPSTREAM_WEIGHT_TRACE on a CUDA engine), else None."""
+    if not (_WEIGHT_TRACE and torch.cuda.is_available()):
+        return None
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def trace_bucket(state: EngineState, events: list, last: bool) -> None:
+    """Keep one bucket's events; after the update's last bucket, append its timeline to the trace file."""
+    state.trace.append(events)
+    if not last:
+        return
+    torch.cuda.synchronize()
+    t0 = state.trace[0][0]
+    rows = [[round(t0.elapsed_time(e), 3) for e in ev] for ev in state.trace]
+    state.trace.clear()
+    with open(_WEIGHT_TRACE, "a") as f:
+        f.write(msgspec.json.encode(rows).decode() + "\n")
+
+
+def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1: float) -> list:
+    """One bucket of /update_weights_from_distributed, in one worker thread: receive (a CUDA engine
+    overlaps it with the copy of the bucket before: weight_bus.receiver._Ring), then copy into the weights
+    at a step boundary. Observes the receive and load phases (host time) and, when tracing, CUDA events
+    before the receive, after it and after the copy."""
+    phases = state.metrics.bucket_phase
+    events = [trace_event()]
+    marks: list[float] = []
+
+    def load(named: list) -> None:
+        marks.append(time.perf_counter())
+        events.append(trace_event())
+        state.runner.load_weights(named, body.weight_version)
+
+    named = state.receiver.receive(body, load)
+    t3 = time.perf_counter()
+    phases["receive"].observe(marks[0] - t1)
+    phases["load"].observe(t3 - marks[0])
+    if events[0] is not None:
+        events.append(trace_event())
+        trace_bucket(state, events, body.weight_version is not None)
+    return named
+
+
+def group_problem(req: InitWeightsUpdateGroup) -> str | None:
+    """What is wrong with a group request, named by field, before it reaches torch's rendezvous (whose
+    errors for these are pybind signatures, or a wait on a peer that cannot exist)."""
+    try:
+        port = int(req.master_port)
+    except ValueError:
+        return f"master_port must be a port number, got {req.master_port!r}"
+    if not 0 <= port <= 65535:
+        return f"master_port must be in [0, 65535], got {port}"
+    if req.world_size < 2:
+        return f"world_size must be at least 2 (the trainer and this engine), got {req.world_size}"
+    if not 1 <= req.rank_offset < req.world_size:
+        return f"rank_offset must be in [1, world_size={req.world_size}) (rank 0 is the trainer), got {req.rank_offset}"
+    if req.timeout_s is not None and not req.timeout_s > 0:
+        return f"timeout_s must be positive, got {req.timeout_s}"
+    return None
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    body = await decode(request, PauseGeneration)
+    if body.mode not in ("abort", "retract", "in_place"):
+        return control(False, f"pause mode {body.mode!r} is not one of abort, retract, in_place")
+    state.unpaused.clear()
+    if state.paused_at is None:
+        state.paused_at = time.monotonic()
+    await asyncio.to_thread(runner.pause, body.mode)  # returns once aborted calls returned / KV freed
+    log.info("generation paused (mode=%s)", body.mode)
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    await decode(request, ContinueGeneration)
+    runner.resume()
+    state.unpaused.set()
+    if state.paused_at is not None:
+        state.metrics.pause_seconds.observe(time.monotonic() - state.paused_at)
+        state.paused_at = None
+    log.info("generation continued (weight version %s)", runner.weight_version)
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(request: Request) -> Response:
+    state = engine_state(request)
+    body = await decode(request, InitWeightsUpdateGroup)
+    if why := group_problem(body):
+        return control(False, f"Failed to init weight update group: {why}")
+    async with state.weight_lock:
+        try:
+            # Blocks until the trainer (rank 0) and every other engine rank have joined.
+            await state.in_weight_thread(state.receiver.init_group, body)
+        except Exception as e:
+            log.warning("init_weights_update_group failed: %s", e)
+            return control(False, f"Failed to init weight update group: {e}")
+    log.info("joined weight update group %s", body.group_name)
+    return control(True, "Succeeded to initialize custom process group.")
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    body = await decode(request, UpdateWeightsFromDistributed)
+    phases = state.metrics.bucket_phase
+    t0 = time.perf_counter()
+    async with state.weight_lock:
+        t1 = time.perf_counter()
+        phases["wait"].observe(t1 - t0)
+        if body.abort_all_requests:
+            runner.abort(abort_all=True)
+        try:
+            named = await state.in_weight_thread(receive_and_load, state, body, t1)
+        except Exception as e:
+            if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
+                return http_error(503, f"engine unhealthy: {runner.fatal}")
+            log.warning("update_weights_from_distributed failed: %s", e)
+            return control(False, f"Failed to update weights: {e}")
+    state.metrics.weight_updates.inc()
+    # One INFO line per update (its last bucket carries the version), not per bucket.
+    log.log(
+        logging.INFO if body.weight_version is not None else logging.DEBUG,
+        "weights updated from %s (%d tensors) to version %s",
+        body.group_name,
+        len(named),
+        runner.weight_version,
+    )
+    return control(True, "Succeeded to update parameter online.")
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(request: Request) -> Response:
+    state = engine_state(request)
+    body = await decode(request, DestroyWeightsUpdateGroup)
+    async with state.weight_lock:
+        try:
+            state.receiver.destroy(body.group_name)
+        except ValueError as e:
+            return control(False, str(e))
+    log.info("left weight update group %s", body.group_name)
+    return control(True, "Succeeded to destroy custom process group.")
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    body = await decode(request, UpdateWeightsFromDisk)
+    async with state.weight_lock:
+        if body.abort_all_requests:
+            runner.abort(abort_all=True)
+        try:
+            await state.in_weight_thread(runner.load_weights_from_disk, body.model_path, body.weight_version)
+        except Exception as e:
+            if not runner.poison(e):
+                log.warning("update_weights_from_disk(%s) failed: %s", body.model_path, e)
+            return control(
+                False, f"Failed to update weights from {body.model_path}: {e}", num_paused_requests=0
+            )
+    state.metrics.weight_updates.inc()
+    log.info("weights updated from disk %s to version %s", body.model_path, runner.weight_version)
+    return control(True, "Succeeded to update model weights.", num_paused_requests=0)
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    body = await decode(request, UpdateWeightVersion)
+    if body.abort_all_requests:
+        runner.abort(abort_all=True)
+    runner.set_weight_version(body.new_version)
+    log.info("weight version set to %s", body.new_version)
+    return json_response(
+        {
+            "success": True,
+            "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version,
+        }
+    )
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request) -> Response:
+    runner = engine_state(request).runner
+    return json_response({"weight_version": runner.weight_version})
+
+
+async def flush_cache() -> Response:
+    # No prefix cache yet: there is nothing to flush, and nothing can make the flush fail.
+    return Response(
+        "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+        "waiting requests, the operation will not be performed.)\n",
+        media_type="text/plain",
+    )
+
+
+for method in ("GET", "POST"):
+    router.add_api_route(
+        "/flush_cache",
+        flush_cache,
+        methods=[method],
+        operation_id=f"flush_cache_{method.lower()}",
+        response_class=PlainTextResponse,
+    )
