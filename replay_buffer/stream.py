@@ -52,7 +52,7 @@ class Entry(msgspec.Struct):
     group: GroupRecord
 
 
-def _str(x) -> str:
+def as_str(x) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
@@ -70,11 +70,11 @@ class RedisFullError(RuntimeError):
     """Redis refused a write at its memory limit (maxmemory with `noeviction`: nothing stored was evicted)."""
 
 
-def _is_oom(e: redis.RedisError) -> bool:
+def is_oom(e: redis.RedisError) -> bool:
     return isinstance(e, redis.exceptions.OutOfMemoryError) or "used memory > 'maxmemory'" in str(e)
 
 
-def _full(e: redis.RedisError, job: str, mem: tuple[int, int] | None) -> RedisFullError:
+def full_error(e: redis.RedisError, job: str, mem: tuple[int, int] | None) -> RedisFullError:
     """The clear error for an OOM reply (and one more count of `slipstream_buffer_redis_oom_total`)."""
     metrics.REDIS_OOM.inc()
     used = f" (used {mem[0]} of maxmemory {mem[1]} bytes)" if mem else ""
@@ -99,103 +99,11 @@ def _memory(r: redis.Redis) -> tuple[int, int] | None:
         return None
 
 
-async def _memory_async(r: aioredis.Redis) -> tuple[int, int] | None:
+async def memory_async(r: aioredis.Redis) -> tuple[int, int] | None:
     try:
         return _memory_of(await r.info("memory"))
     except redis.RedisError:
         return None
-
-
-class BufferProducer:
-    """Producer side (asyncio), one per rollout worker: admission, heartbeats, XADD."""
-
-    def __init__(
-        self, client: aioredis.Redis, job: str, worker_id: str = "worker-0", lease_ms: int = DEFAULT_LEASE_MS
-    ) -> None:
-        self.r = client
-        self.keys = JobKeys(job)
-        self.worker_id = worker_id
-        self.lease_ms = lease_ms
-        self._admit = client.register_script(scripts.ADMIT)
-        self._heartbeat = client.register_script(scripts.HEARTBEAT)
-        self._leave = client.register_script(scripts.LEAVE)
-        self._inflight = self.keys.inflight(worker_id)
-        self._lease_keys = [
-            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats
-        ]  # fmt: skip
-
-    async def version(self) -> int:
-        return int(await self.r.get(self.keys.version) or 0)
-
-    async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
-        """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
-        versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
-        try:
-            n = await self._admit(
-                keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
-                args=[
-                    groups_per_step,
-                    max_staleness,
-                    self.worker_id,
-                    self.lease_ms,
-                    self.keys.inflight_prefix,
-                ],
-            )
-        except redis.ResponseError as e:
-            if _is_oom(e):
-                raise _full(e, self.keys.job, await _memory_async(self.r)) from e
-            raise
-        return int(n) > 0
-
-    async def begin(self, prompt_id: str) -> None:
-        """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
-        dies before `put` or `release`, the prompt is reissued to the others once its lease expires."""
-        await self.r.rpush(self._inflight, prompt_id)
-
-    async def next_reissued(self) -> str | None:
-        """A prompt_id that a dead worker had in flight, to generate again (served before anything else)."""
-        return _str(await self.r.lpop(self.keys.reissue))
-
-    async def heartbeat(self) -> None:
-        """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
-        await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
-
-    async def release(self, prompt_id: str | None = None) -> None:
-        """Give back a reserved slot whose group will not be produced (e.g. the rollout failed); the
-        prompt `begin` recorded, if any, is no longer in flight."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hincrby(self.keys.reservations, self.worker_id, -1)
-        pipe.decr(self.keys.started)
-        if prompt_id is not None:
-            pipe.lrem(self._inflight, 1, prompt_id)
-        await pipe.execute()
-
-    async def leave(self) -> int:
-        """Worker shutdown: release every reservation it still holds; returns how many."""
-        n = await self._leave(keys=self._lease_keys, args=[self.worker_id, self.keys.inflight_prefix])
-        return int(n)
-
-    async def next_recycled(self) -> str | None:
-        """A prompt_id whose group was dropped as stale (stale_policy: recycle), to generate again."""
-        return _str(await self.r.lpop(self.keys.recycle))
-
-    async def put(self, group: GroupRecord) -> str:
-        t0 = time.perf_counter()
-        data = encode(group)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.groups, {"d": data})
-        pipe.hincrby(self.keys.stats, "produced", 1)
-        pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
-        pipe.lrem(self._inflight, 1, group.prompt_id)
-        try:
-            entry_id, *_ = await pipe.execute()
-        except redis.ResponseError as e:
-            if _is_oom(e):
-                raise _full(e, self.keys.job, await _memory_async(self.r)) from e
-            raise
-        metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
-        metrics.GROUPS_PRODUCED.inc()
-        return _str(entry_id)
 
 
 class ReplayBuffer:
@@ -257,7 +165,7 @@ class ReplayBuffer:
         ids, progress, engine registry, ...; not the control records); returns how many existed."""
         # a worker's `inflight:<worker>` list exists only while it is in the `workers` lease zset (leaving
         # or reaping removes both), so no SCAN: a job's Redis user may not list keys (other jobs' names)
-        workers = [_str(w) for w in self.r.zrange(self.keys.workers, 0, -1)]
+        workers = [as_str(w) for w in self.r.zrange(self.keys.workers, 0, -1)]
         keys = self.keys.per_run() + [self.keys.inflight(w) for w in workers]
         return int(self.r.delete(*keys))
 
@@ -288,7 +196,7 @@ class ReplayBuffer:
 
     def run_info(self) -> dict:
         """run_id and attempt of the job's current run ({} when none began)."""
-        raw = {_str(k): _str(v) for k, v in self.r.hgetall(self.keys.run).items()}
+        raw = {as_str(k): as_str(v) for k, v in self.r.hgetall(self.keys.run).items()}
         if "run_id" not in raw:
             return {}
         return {
@@ -306,14 +214,14 @@ class ReplayBuffer:
         every later pool (rescale, restart, resumed attempt) continues it; Redis time, so every process
         reads the same clock."""
         now = self._now()
-        before = float(_str(self.r.hget(self.keys.run, "elapsed_before") or b"0"))
+        before = float(as_str(self.r.hget(self.keys.run, "elapsed_before") or b"0"))
         self.r.hsetnx(self.keys.run, "started_at", repr(now - before))
-        return now - float(_str(self.r.hget(self.keys.run, "started_at")))
+        return now - float(as_str(self.r.hget(self.keys.run, "started_at")))
 
     def clock(self) -> float | None:
         """The run clock's reading now; None before the first trainer pool started it."""
         started = self.r.hget(self.keys.run, "started_at")
-        return None if started is None else self._now() - float(_str(started))
+        return None if started is None else self._now() - float(as_str(started))
 
     def truncate_progress(self, version: int) -> int:
         """Drop the progress records of steps after `version` (the trainer resumed from a checkpoint there:
@@ -351,10 +259,10 @@ class ReplayBuffer:
         try:
             entry_id, _ = pipe.execute()
         except redis.ResponseError as e:
-            if _is_oom(e):
-                raise _full(e, self.keys.job, _memory(self.r)) from e
+            if is_oom(e):
+                raise full_error(e, self.keys.job, _memory(self.r)) from e
             raise
-        return _str(entry_id)
+        return as_str(entry_id)
 
     # --- consumption -------------------------------------------------------------------------------
     def _read_own_pending(self, count: int) -> list[tuple[str, dict | None]]:
@@ -367,15 +275,15 @@ class ReplayBuffer:
         if len(entries) < count:
             self._own_pending_done = True
         if entries:
-            self._own_cursor = _str(entries[-1][0])
-        return [(_str(eid), fields) for eid, fields in entries]
+            self._own_cursor = as_str(entries[-1][0])
+        return [(as_str(eid), fields) for eid, fields in entries]
 
     def _claim(self, count: int) -> list[tuple[str, dict | None]]:
         """Entries other consumers read but did not commit within reclaim_idle_ms (dead trainers)."""
         resp = self.r.xautoclaim(
             self.keys.groups, TRAINER_GROUP, self.consumer, self.reclaim_idle_ms, start_id="0-0", count=count
         )
-        claimed = [(_str(eid), fields) for eid, fields in resp[1]]
+        claimed = [(as_str(eid), fields) for eid, fields in resp[1]]
         if claimed:
             metrics.RECLAIMED.inc(len(claimed))
             self.r.hincrby(self.keys.stats, "reclaimed", len(claimed))
@@ -386,7 +294,7 @@ class ReplayBuffer:
         resp = self.r.xreadgroup(
             TRAINER_GROUP, self.consumer, {self.keys.groups: ">"}, count=count, block=block_ms
         )
-        return [(_str(eid), fields) for eid, fields in resp[0][1]] if resp else []
+        return [(as_str(eid), fields) for eid, fields in resp[0][1]] if resp else []
 
     def _read(self, count: int, block_ms: int) -> list[tuple[str, dict | None]]:
         if not self._own_pending_done:
@@ -538,8 +446,8 @@ class ReplayBuffer:
         try:
             pipe.execute()
         except redis.ResponseError as e:
-            if _is_oom(e):
-                raise _full(e, self.keys.job, _memory(self.r)) from e
+            if is_oom(e):
+                raise full_error(e, self.keys.job, _memory(self.r)) from e
             raise
         metrics.GROUPS_CONSUMED.inc(len(entries))
         if time.monotonic() >= self._next_trim:  # trimming costs ~5 round trips: at most every interval
@@ -552,10 +460,10 @@ class ReplayBuffer:
         info = self._group_info()
         if info is None:
             return 0
-        last = _str(info["last-delivered-id"])
+        last = as_str(info["last-delivered-id"])
         keep_from = _next_id(last)
         if info["pending"]:
-            oldest = _str(self.r.xpending(self.keys.groups, TRAINER_GROUP)["min"])
+            oldest = as_str(self.r.xpending(self.keys.groups, TRAINER_GROUP)["min"])
             keep_from = min(keep_from, oldest, key=_id_key)
         removed = self.r.xtrim(self.keys.groups, minid=keep_from, approximate=False)
         if removed:
@@ -576,26 +484,26 @@ class ReplayBuffer:
         if not first:
             return 0.0
         sec, usec = self.r.time()
-        return max(0.0, sec + usec / 1e6 - int(_str(first[0][0]).split("-")[0]) / 1e3)
+        return max(0.0, sec + usec / 1e6 - int(as_str(first[0][0]).split("-")[0]) / 1e3)
 
     # --- inspection --------------------------------------------------------------------------------
     def _group_info(self) -> dict | None:
         if not self.r.exists(self.keys.groups):
             return None
         for g in self.r.xinfo_groups(self.keys.groups):
-            if _str(g["name"]) == TRAINER_GROUP:
+            if as_str(g["name"]) == TRAINER_GROUP:
                 return g
         return None
 
     def stats(self) -> dict:
         """Depth, pending, unread, counters and the staleness distribution of consumed groups."""
-        raw = {_str(k): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
+        raw = {as_str(k): int(v) for k, v in self.r.hgetall(self.keys.stats).items()}
         hist = {int(k): int(v) for k, v in self.r.hgetall(self.keys.staleness).items()}
         depth = self.r.xlen(self.keys.groups)
         pending, unread = 0, depth
         if info := self._group_info():
             pending = info["pending"]
-            unread = len(self.r.xrange(self.keys.groups, "(" + _str(info["last-delivered-id"])))
+            unread = len(self.r.xrange(self.keys.groups, "(" + as_str(info["last-delivered-id"])))
         counters = (
             "produced",
             "consumed",

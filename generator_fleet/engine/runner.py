@@ -1,4 +1,4 @@
-# Over 600 lines: Runner is one scheduler state machine (queue, rows, KV blocks, pause, weight swaps).
+# Long module: Runner is one scheduler state machine (queue, rows, KV blocks, pause, weight swaps).
 """Generation core of the built-in engine: continuous batching over a paged KV cache.
 
 One thread runs the scheduler. Every step it either prefills newly admitted requests (batched, up to a

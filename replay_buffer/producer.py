@@ -1,0 +1,106 @@
+"""The producer side of a job's replay buffer: rollout workers append finished groups to the job's Redis
+Stream under admission control (replay_buffer/scripts.py), idempotently per group id."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+import redis.asyncio as aioredis
+
+from replay_buffer import metrics, scripts
+from replay_buffer.keys import JobKeys
+from replay_buffer.schema import GroupRecord, encode
+from replay_buffer.stream import DEFAULT_LEASE_MS, as_str, full_error, is_oom, memory_async
+
+
+class BufferProducer:
+    """Producer side (asyncio), one per rollout worker: admission, heartbeats, XADD."""
+
+    def __init__(
+        self, client: aioredis.Redis, job: str, worker_id: str = "worker-0", lease_ms: int = DEFAULT_LEASE_MS
+    ) -> None:
+        self.r = client
+        self.keys = JobKeys(job)
+        self.worker_id = worker_id
+        self.lease_ms = lease_ms
+        self._admit = client.register_script(scripts.ADMIT)
+        self._heartbeat = client.register_script(scripts.HEARTBEAT)
+        self._leave = client.register_script(scripts.LEAVE)
+        self._inflight = self.keys.inflight(worker_id)
+        self._lease_keys = [
+            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats
+        ]  # fmt: skip
+
+    async def version(self) -> int:
+        return int(await self.r.get(self.keys.version) or 0)
+
+    async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
+        """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
+        versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
+        try:
+            n = await self._admit(
+                keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
+                args=[
+                    groups_per_step,
+                    max_staleness,
+                    self.worker_id,
+                    self.lease_ms,
+                    self.keys.inflight_prefix,
+                ],
+            )
+        except redis.ResponseError as e:
+            if is_oom(e):
+                raise full_error(e, self.keys.job, await memory_async(self.r)) from e
+            raise
+        return int(n) > 0
+
+    async def begin(self, prompt_id: str) -> None:
+        """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
+        dies before `put` or `release`, the prompt is reissued to the others once its lease expires."""
+        await self.r.rpush(self._inflight, prompt_id)
+
+    async def next_reissued(self) -> str | None:
+        """A prompt_id that a dead worker had in flight, to generate again (served before anything else)."""
+        return as_str(await self.r.lpop(self.keys.reissue))
+
+    async def heartbeat(self) -> None:
+        """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
+        await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
+
+    async def release(self, prompt_id: str | None = None) -> None:
+        """Give back a reserved slot whose group will not be produced (e.g. the rollout failed); the
+        prompt `begin` recorded, if any, is no longer in flight."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hincrby(self.keys.reservations, self.worker_id, -1)
+        pipe.decr(self.keys.started)
+        if prompt_id is not None:
+            pipe.lrem(self._inflight, 1, prompt_id)
+        await pipe.execute()
+
+    async def leave(self) -> int:
+        """Worker shutdown: release every reservation it still holds; returns how many."""
+        n = await self._leave(keys=self._lease_keys, args=[self.worker_id, self.keys.inflight_prefix])
+        return int(n)
+
+    async def next_recycled(self) -> str | None:
+        """A prompt_id whose group was dropped as stale (stale_policy: recycle), to generate again."""
+        return as_str(await self.r.lpop(self.keys.recycle))
+
+    async def put(self, group: GroupRecord) -> str:
+        t0 = time.perf_counter()
+        data = encode(group)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(self.keys.groups, {"d": data})
+        pipe.hincrby(self.keys.stats, "produced", 1)
+        pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
+        pipe.lrem(self._inflight, 1, group.prompt_id)
+        try:
+            entry_id, *_ = await pipe.execute()
+        except redis.ResponseError as e:
+            if is_oom(e):
+                raise full_error(e, self.keys.job, await memory_async(self.r)) from e
+            raise
+        metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
+        metrics.GROUPS_PRODUCED.inc()
+        return as_str(entry_id)
