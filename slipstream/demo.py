@@ -103,14 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = jobspec.load(args.spec, args.overrides)
 
+    from model_zoo.prepare import prepare_model
     from slipstream.job.local import run_job
-    from slipstream.job.prepare import prepare_model, resolve_paths
+    from slipstream.job.prepare import resolve_paths
     from slipstream.job.progress import format_progress
 
     spec = resolve_paths(spec)
     t0 = time.monotonic()
     print(f"[demo] preparing model at {spec.model.path}", flush=True)
-    prepare_model(spec)
+    prepare_model(spec.model, spec.dataset)
     before = evaluate(spec.model.path, spec)
     print(
         f"[demo] before RL: sampled reward {before['sampled_reward']:.3f}, greedy {before['greedy_reward']:.3f}",

@@ -120,7 +120,7 @@ def build_tiny_arith(args: argparse.Namespace, work: Path) -> Path:
     """The demo's tiny-arith model (SFT warm-up included), built once; every job loads it via model.path.
     With --tiny-model-dir it is built there, or reused from there when that directory already holds one."""
     import jobspec
-    from slipstream.job.prepare import prepare_model
+    from model_zoo.prepare import prepare_model
 
     where = getattr(args, "tiny_model_dir", None)  # scale_run's arguments have no such option
     path = Path(where).resolve() if where else work / "tiny-arith"
@@ -130,7 +130,7 @@ def build_tiny_arith(args: argparse.Namespace, work: Path) -> Path:
             "dataset": {"name": "arith", "max_operand": 19, "seed": 0},
         }
     )
-    prepare_model(spec)
+    prepare_model(spec.model, spec.dataset)
     return path
 
 

@@ -30,11 +30,12 @@ import redis
 import jobspec
 from common.logtext import PlainFormatter
 from jobspec import JobSpec
+from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.cluster.job_store import JobStore, check_name
 from slipstream.job.generators import GeneratorPool
-from slipstream.job.prepare import RUN_FILES, prepare_model
+from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import ProgressReader
 from slipstream.job.supervise import POLL_S, Restarts
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
@@ -126,7 +127,7 @@ class JobDriver:
             phase = f"loading model {model}"
         log.info("job %s: %s", self.job, phase)
         self.report("starting", phase=phase)
-        prepare_model(self.spec)
+        prepare_model(self.spec.model, self.spec.dataset)
         self.buffer.ensure_group()
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)

@@ -16,12 +16,13 @@ from pathlib import Path
 import msgspec
 
 from jobspec import JobSpec, to_json
+from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
 from slipstream.cluster.job_store import JobStore
 from slipstream.job.driver import JobDriver
-from slipstream.job.prepare import init_local_ray, prepare_model, reset_run_state, resolve_paths
+from slipstream.job.prepare import init_local_ray, reset_run_state, resolve_paths
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     out.mkdir(parents=True, exist_ok=True)
     reset_run_state(out, managed_redis=spec.redis.url is None)
     (out / "job.json").write_text(to_json(spec))
-    prepare_model(spec)
+    prepare_model(spec.model, spec.dataset)
 
     managed = None
     if spec.redis.url is None:

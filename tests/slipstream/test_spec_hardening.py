@@ -301,10 +301,10 @@ BUILD = """
 import hashlib, logging, sys
 from pathlib import Path
 import jobspec
-from slipstream.job.prepare import prepare_model
+from model_zoo.prepare import prepare_model
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 spec = jobspec.loads(sys.argv[1])
-prepare_model(spec)
+prepare_model(spec.model, spec.dataset)
 # what this process would load: the weights in model.path once prepare_model returned
 print("LOADED", hashlib.sha256((Path(spec.model.path) / "model.safetensors").read_bytes()).hexdigest())
 """
