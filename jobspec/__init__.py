@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from generator_fleet.tools.spec import ToolSpec
+
 MAX_POOL = 4096
 """Most engines, rollout workers or trainer ranks a job may ask for, at submit and in a scale request:
 more than a cluster's GPUs, so a bigger number is a typo (or a fuzzer), not a plan."""
@@ -79,15 +81,6 @@ class RewardSpec(Spec):
     math-verify package; `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     """Share of the reward paid for a well-formed answer; the rest for correctness."""
-
-
-class ToolSpecEntry(Spec):
-    name: str
-    """Tool name the model calls; a builtin (`calculator`, `python`, `check_answer`) unless `impl` is set."""
-    impl: str | None = None
-    """`package.module:Class` of a custom tool (see generator_fleet/tools/examples.py)."""
-    args: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Keyword arguments for the tool's constructor (e.g. python: {timeout_s: 5, memory_mb: 256})."""
 
 
 class AgentSpec(Spec):
@@ -414,7 +407,7 @@ class JobSpec(Spec):
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
     agent: AgentSpec | None = None
     """Multi-turn tool-using episodes; null = one model turn per sample."""
-    tools: list[ToolSpecEntry] = msgspec.field(default_factory=list)
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
     rollout: RolloutSpec = msgspec.field(default_factory=RolloutSpec)
     generators: GeneratorsSpec = msgspec.field(default_factory=GeneratorsSpec)
     algorithm: AlgorithmSpec = msgspec.field(default_factory=AlgorithmSpec)

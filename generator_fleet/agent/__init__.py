@@ -8,10 +8,9 @@ def build_agent(spec, tokenizer):
     from generator_fleet.agent.loop import AgentLoop, Limits
     from generator_fleet.agent.parser import get_parser
     from generator_fleet.tools import build_tools
-    from generator_fleet.tools.spec import ToolSpec
 
     a = spec.agent
-    tools = build_tools([ToolSpec(name=t.name, impl=t.impl, args=dict(t.args)) for t in spec.tools])
+    tools = build_tools(spec.tools)
     sp = spec.rollout.sampling
     return AgentLoop(
         tokenizer,
