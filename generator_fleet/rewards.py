@@ -1,6 +1,5 @@
-"""End-of-episode rewards over the final assistant text, looked up by name (`reward.name` in the job spec).
-
-Every registered reward is called as `reward(text, gold) -> float` in [0, 1].
+"""Answer checks over the final assistant text (`text, gold -> float` in [0, 1]), and the registered
+rewards `math_verify` and `tool` built on them (generator_fleet/tasks/__init__.py: REWARDS).
 
 math-verify bounds its sympy work with `signal.alarm`, which only works on the main thread, and
 without it some answers never finish (`\\boxed{9^{9^{9^{9}}}}` runs for minutes). So on the main
@@ -18,7 +17,6 @@ import select
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -191,13 +189,13 @@ def math_verify_reward(text: str, gold: str) -> float:
     return _math_verifier(text, gold)
 
 
-Reward = Callable[[str, str], float]
+def math_verify_score(problem, response, format_weight: float) -> float:
+    """The registered reward `math_verify`: the share `1 - format_weight` for the right final answer
+    (math-verify against `problem.answer`), `format_weight` for stating it in an agreed form."""
+    correct = math_verify_reward(response.text, str(problem.answer))
+    return (1.0 - format_weight) * correct + format_weight * format_reward(response.text)
 
-REWARDS: dict[str, Reward] = {"math_verify": math_verify_reward, "format": format_reward}
 
-
-def get_reward(name: str) -> Reward:
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)}") from None
+def tool_score(problem, response, format_weight: float) -> float:
+    """The registered reward `tool`: what a tool set during the episode (check_answer), 0 if none."""
+    return response.tool_reward or 0.0

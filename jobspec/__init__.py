@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
+from generator_fleet.tasks import REWARDS, TASKS, check_name
 from generator_fleet.tools.spec import ToolSpec
 
 MAX_POOL = 4096
@@ -57,9 +58,10 @@ class ModelSpec(Spec):
 
 
 class DatasetSpec(Spec):
-    name: Literal["arith", "word_problems", "jsonl"] = "arith"
-    """Prompt source. `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
-    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`."""
+    name: str = "arith"
+    """Prompt source (the task). `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
+    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`; or
+    `package.module:attr`, a callable that builds a task from this section (generator_fleet/tasks)."""
     max_operand: Pos = 19
     """Largest operand of the `arith` problems."""
     num_problems: Pos = 1000
@@ -74,13 +76,24 @@ class DatasetSpec(Spec):
     """`gsm8k`: the gold answer is the text after '####'."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if why := check_name("task", self.name, TASKS):
+            raise _bad("name", why)
+
 
 class RewardSpec(Spec):
-    name: Literal["arith", "math_verify", "tool"] = "arith"
-    """`arith`: exact sum (single-turn arith task); `math_verify`: final answer checked with the
-    math-verify package; `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
+    name: str | None = None
+    """What scores each response, single-turn and agent alike. null: the task's own reward (`arith` for
+    `arith`, `qa` for `jsonl` and `word_problems`); `arith`: the exact sum of the arith task; `qa`: the
+    final answer checked with the math-verify package, 0 for a response cut off; `math_verify`: the same,
+    also for a response cut off; `tool`: the reward a tool set during the episode (check_answer), 0 if
+    none; or `package.module:attr`, a function `(problem, response, format_weight) -> float`."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     """Share of the reward paid for a well-formed answer; the rest for correctness."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and (why := check_name("reward", self.name, REWARDS)):
+            raise _bad("name", why)
 
 
 class AgentSpec(Spec):
