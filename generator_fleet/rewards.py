@@ -25,37 +25,12 @@ _NUMBER = r"[-+]?\$?\s?\d[\d,]*(?:\.\d+)?"
 _GSM8K_ANSWER = re.compile(r"####\s*(" + _NUMBER + ")")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(" + _NUMBER + ")", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
-_ANY_NUMBER = re.compile(_NUMBER)
 
 VERIFY_TIMEOUT_S = 5
 """math-verify's own per-step limit (parse gold, parse prediction, each comparison); whole seconds
 because it uses signal.alarm."""
 WORKER_START_TIMEOUT_S = 120.0
 """How long a fresh helper process may take to import math-verify (sympy) before we give up."""
-
-
-def _normalise_number(raw: str) -> str:
-    """'$1,234.00' -> '1234', '+7' -> '7', '-3.50' -> '-3.5'."""
-    s = raw.replace(",", "").replace("$", "").replace(" ", "").lstrip("+")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    return "0" if s in ("-0", "") else s
-
-
-def extract_final_number(text: str) -> str | None:
-    """The final numeric answer in `text`, normalised ('1,234.0' -> '1234'), or None.
-
-    Looks, in order, for GSM8K's `#### 42`, the last `\\boxed{...}` holding a number, then the last
-    number anywhere in the text.
-    """
-    if m := _GSM8K_ANSWER.findall(text):
-        return _normalise_number(m[-1])
-    for boxed in reversed(_BOXED.findall(text)):
-        if nums := _ANY_NUMBER.findall(boxed):
-            return _normalise_number(nums[-1])
-    if nums := _ANY_NUMBER.findall(text):
-        return _normalise_number(nums[-1])
-    return None
 
 
 def format_reward(text: str, gold: str | None = None) -> float:

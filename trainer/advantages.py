@@ -18,7 +18,6 @@ WHITEN_EPS = 1e-8
 """Added to the variance before the rsqrt in batch whitening (verl's masked_whiten)."""
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
-ADVANTAGES = (*GROUP_ESTIMATORS, "reinforce_pp", "gae")
 
 
 def grpo_advantages(rewards: torch.Tensor, eps: float = GRPO_EPS) -> torch.Tensor:

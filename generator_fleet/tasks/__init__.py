@@ -38,9 +38,6 @@ off before its end (the default of `jsonl` and `word_problems`);
 `math_verify`: math-verify correctness plus the format share, also for a response cut off;
 `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
 
-Reward = Callable[..., float]
-"""`reward(problem, response, format_weight) -> float`."""
-
 
 def check_name(kind: str, name: str, registry: dict[str, str]) -> str | None:
     """Why `name` cannot name a `kind` ("task", "reward") of `registry`, else None; imports nothing."""

@@ -1,8 +1,9 @@
 """Run model-written Python in a separate, locked-down process and return what it printed.
 
-Each call starts a fresh `python -I -S -B -u` (isolated mode: stdlib only, no PYTHON* variables; and
-an empty environment) in the episode's working directory, feeds it the code on stdin, and returns
-stdout and stderr. Before any user code exists the child locks itself down in layers. Each kernel
+Each call starts a fresh `python -I -S -B -u sandbox_child.py` (isolated mode: stdlib only, no PYTHON*
+variables, not even the script's own directory on sys.path; and an empty environment) in the episode's
+working directory, feeds it the code on stdin, and returns stdout and stderr. Before any user code
+exists the child (tools/sandbox_child.py) locks itself down in layers. Each kernel
 layer is used where the kernel allows it, and `probe()` reports which ones took hold.
 
 Kernel-enforced, holding even against code that defeats the Python-level hook:
