@@ -49,7 +49,7 @@ import redis
 import redis.asyncio as aioredis
 
 from replay_buffer import BufferProducer, GroupRecord, JobKeys, ReplayBuffer, Sample, decode, encode
-from replay_buffer.keys import TRAINER_GROUP
+from replay_buffer.keys import TRAINER_GROUP, jobs_pattern
 from replay_buffer.redis_server import ManagedRedis
 from replay_buffer.schema import validate
 
@@ -342,7 +342,7 @@ def run(url: str, admin_url: str, cfg: BenchConfig, run_id: str, quiet: bool = F
             put_raw(client, JobKeys(ns("warm-raw")).groups, payloads[:warm], cfg.batch, silent)
             get_ours(reader("warm-ours"), warm, cfg.batch, silent)
             get_raw(client, reader("warm-raw").keys.groups, warm, cfg.batch, silent)
-            for key in client.scan_iter(match=f"slipstream:{ns('warm-')}*"):
+            for key in client.scan_iter(match=jobs_pattern(ns("warm-"))):
                 client.delete(key)
 
         producer, ours_buf = _producer(aclient, ns("ours")), reader("ours")
@@ -383,7 +383,7 @@ def run(url: str, admin_url: str, cfg: BenchConfig, run_id: str, quiet: bool = F
     encode_ms = _per_record_ms(encode, groups[:sample_n])
     decode_ms = _per_record_ms(msgspec.msgpack.Decoder(GroupRecord).decode, payloads[:sample_n])
     validate_ms = _per_record_ms(validate, [decode(p) for p in payloads[:sample_n]])
-    for key in client.scan_iter(match=f"slipstream:{ns('')}*"):
+    for key in client.scan_iter(match=jobs_pattern(ns(""))):
         client.delete(key)
     client.close()
     admin.close()

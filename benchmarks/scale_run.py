@@ -203,8 +203,10 @@ class Probe:
         """engine name -> {requests, generation_tokens, weight_version}; engines that do not answer are left out."""
         from prometheus_client.parser import text_string_to_metric_families
 
+        from replay_buffer.keys import JobKeys
+
         out: dict[str, dict[str, float]] = {}
-        targets = self.job.r.hgetall(f"slipstream:{self.job.spec.name}:metrics_targets")
+        targets = self.job.r.hgetall(JobKeys(self.job.spec.name).metrics_targets)
         for name, addr in sorted(targets.items()):
             name = name.decode()
             if not name.startswith("engine-"):

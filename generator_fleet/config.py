@@ -1,16 +1,18 @@
 """The generator fleet's config: prompts (`DatasetSpec`), rewards (`RewardSpec`), tools and agent
-episodes (`ToolSpecEntry`, `AgentSpec`), sampling and rollout workers (`SamplingSpec`, `RolloutSpec`),
+episodes (`ToolSpec`, `AgentSpec`), sampling and rollout workers (`SamplingSpec`, `RolloutSpec`),
 and the engines (`GeneratorsSpec`, with `SGLangSpec` for launched SGLang servers)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 from common.config import MAX_COUNT, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
 from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
 from generator_fleet.launch_options import SGLangOptions
+from generator_fleet.tasks import REWARDS, TASKS, check_name
+from generator_fleet.tools.spec import ToolSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec
 
@@ -19,9 +21,10 @@ ENGINES = ("builtin", "sglang", "external")
 
 
 class DatasetSpec(Spec):
-    name: Literal["arith", "word_problems", "jsonl"] = "arith"
-    """Prompt source. `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
-    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`."""
+    name: str = "arith"
+    """Prompt source (the task). `arith`: generated `a+b=` problems (single turn); `word_problems`: generated
+    arithmetic word problems that need a calculator; `jsonl`: GSM8K-style .jsonl/.parquet at `path`; or
+    `package.module:attr`, a callable that builds a task from this section (generator_fleet/tasks)."""
     max_operand: Pos = 19
     """Largest operand of the `arith` problems."""
     num_problems: Pos = 1000
@@ -36,22 +39,24 @@ class DatasetSpec(Spec):
     """`gsm8k`: the gold answer is the text after '####'."""
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if why := check_name("task", self.name, TASKS):
+            raise bad("name", why)
+
 
 class RewardSpec(Spec):
-    name: Literal["arith", "math_verify", "tool"] = "arith"
-    """`arith`: exact sum (single-turn arith task); `math_verify`: final answer checked with the
-    math-verify package; `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
+    name: str | None = None
+    """What scores each response, single-turn and agent alike. null: the task's own reward (`arith` for
+    `arith`, `qa` for `jsonl` and `word_problems`); `arith`: the exact sum of the arith task; `qa`: the
+    final answer checked with the math-verify package, 0 for a response cut off; `math_verify`: the same,
+    also for a response cut off; `tool`: the reward a tool set during the episode (check_answer), 0 if
+    none; or `package.module:attr`, a function `(problem, response, format_weight) -> float`."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     """Share of the reward paid for a well-formed answer; the rest for correctness."""
 
-
-class ToolSpecEntry(Spec):
-    name: str
-    """Tool name the model calls; a builtin (`calculator`, `python`, `check_answer`) unless `impl` is set."""
-    impl: str | None = None
-    """`package.module:Class` of a custom tool (see generator_fleet/tools/examples.py)."""
-    args: dict[str, Any] = msgspec.field(default_factory=dict)
-    """Keyword arguments for the tool's constructor (e.g. python: {timeout_s: 5, memory_mb: 256})."""
+    def __post_init__(self) -> None:
+        if self.name is not None and (why := check_name("reward", self.name, REWARDS)):
+            raise bad("name", why)
 
 
 class AgentSpec(Spec):
@@ -155,7 +160,7 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
     dataset: DatasetSpec
     reward: RewardSpec
     agent: AgentSpec | None = None
-    tools: list[ToolSpecEntry] = msgspec.field(default_factory=list)
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
     rollout: RolloutSpec
     buffer: BufferSpec
     """Admission (`max_staleness`), recycling (`stale_policy`) and the worker lease."""

@@ -56,11 +56,11 @@ return 1
 
 
 def engines_key(job: str) -> str:
-    return JobKeys(job)._k("engines")
+    return JobKeys(job).engines
 
 
 def joining_key(job: str) -> str:
-    return JobKeys(job)._k("engines:joining")
+    return JobKeys(job).engines_joining
 
 
 class EngineRegistration:

@@ -1,6 +1,5 @@
-"""End-of-episode rewards over the final assistant text, looked up by name (`reward.name` in the job spec).
-
-Every registered reward is called as `reward(text, gold) -> float` in [0, 1].
+"""Answer checks over the final assistant text (`text, gold -> float` in [0, 1]), and the registered
+rewards `math_verify` and `tool` built on them (generator_fleet/tasks/__init__.py: REWARDS).
 
 math-verify bounds its sympy work with `signal.alarm`, which only works on the main thread, and
 without it some answers never finish (`\\boxed{9^{9^{9^{9}}}}` runs for minutes). So on the main
@@ -18,7 +17,6 @@ import select
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,37 +25,12 @@ _NUMBER = r"[-+]?\$?\s?\d[\d,]*(?:\.\d+)?"
 _GSM8K_ANSWER = re.compile(r"####\s*(" + _NUMBER + ")")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(" + _NUMBER + ")", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}")
-_ANY_NUMBER = re.compile(_NUMBER)
 
 VERIFY_TIMEOUT_S = 5
 """math-verify's own per-step limit (parse gold, parse prediction, each comparison); whole seconds
 because it uses signal.alarm."""
 WORKER_START_TIMEOUT_S = 120.0
 """How long a fresh helper process may take to import math-verify (sympy) before we give up."""
-
-
-def _normalise_number(raw: str) -> str:
-    """'$1,234.00' -> '1234', '+7' -> '7', '-3.50' -> '-3.5'."""
-    s = raw.replace(",", "").replace("$", "").replace(" ", "").lstrip("+")
-    if "." in s:
-        s = s.rstrip("0").rstrip(".")
-    return "0" if s in ("-0", "") else s
-
-
-def extract_final_number(text: str) -> str | None:
-    """The final numeric answer in `text`, normalised ('1,234.0' -> '1234'), or None.
-
-    Looks, in order, for GSM8K's `#### 42`, the last `\\boxed{...}` holding a number, then the last
-    number anywhere in the text.
-    """
-    if m := _GSM8K_ANSWER.findall(text):
-        return _normalise_number(m[-1])
-    for boxed in reversed(_BOXED.findall(text)):
-        if nums := _ANY_NUMBER.findall(boxed):
-            return _normalise_number(nums[-1])
-    if nums := _ANY_NUMBER.findall(text):
-        return _normalise_number(nums[-1])
-    return None
 
 
 def format_reward(text: str, gold: str | None = None) -> float:
@@ -191,13 +164,13 @@ def math_verify_reward(text: str, gold: str) -> float:
     return _math_verifier(text, gold)
 
 
-Reward = Callable[[str, str], float]
+def math_verify_score(problem, response, format_weight: float) -> float:
+    """The registered reward `math_verify`: the share `1 - format_weight` for the right final answer
+    (math-verify against `problem.answer`), `format_weight` for stating it in an agreed form."""
+    correct = math_verify_reward(response.text, str(problem.answer))
+    return (1.0 - format_weight) * correct + format_weight * format_reward(response.text)
 
-REWARDS: dict[str, Reward] = {"math_verify": math_verify_reward, "format": format_reward}
 
-
-def get_reward(name: str) -> Reward:
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)}") from None
+def tool_score(problem, response, format_weight: float) -> float:
+    """The registered reward `tool`: what a tool set during the episode (check_answer), 0 if none."""
+    return response.tool_reward or 0.0

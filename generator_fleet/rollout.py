@@ -10,17 +10,14 @@ import logging
 import os
 import random
 import socket
-import tempfile
 import time
 
 from generator_fleet import metrics
-from generator_fleet.agent import build_agent
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
 from generator_fleet.config import RolloutConfig
 from generator_fleet.registry import live_engines
-from generator_fleet.rewards import format_reward, math_verify_reward
 from generator_fleet.tasks import build_task
-from generator_fleet.tools.base import ToolContext
+from generator_fleet.workflow import build_workflow
 from replay_buffer import BufferProducer, Sample, make_group
 from replay_buffer.client import connect_async
 
@@ -90,9 +87,7 @@ class RolloutWorker:
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.task = build_task(cfg.dataset)
-        self.agent = (
-            build_agent(cfg.agent, cfg.tools, cfg.rollout.sampling, self.tokenizer) if cfg.agent else None
-        )
+        self.workflow = build_workflow(cfg, self.tokenizer, self.task)
         self.engines = EnginePool(self.engine_urls, self.api_key)
         r = connect_async(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
@@ -196,116 +191,6 @@ class RolloutWorker:
 
     async def _group(self, problem) -> list[Sample]:
         t0 = time.monotonic()
-        samples = await (self._agent_group(problem) if self.agent else self._single_turn_group(problem))
+        samples = await self.workflow.run(problem, self._generate, self._stop.is_set)
         metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
         return samples
-
-    async def _single_turn_group(self, problem) -> list[Sample]:
-        """All G samples of one prompt through one batched /generate per round. Samples aborted by a
-        pause are resumed from their token prefix in the next round."""
-        sp = self.config.rollout.sampling
-        g = self.config.rollout.group_size
-        prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
-        ids: list[list[int]] = [[] for _ in range(g)]
-        logprobs: list[list[float]] = [[] for _ in range(g)]
-        versions: list[list[int]] = [[] for _ in range(g)]
-        finish: list[str | None] = [None] * g
-        while todo := [i for i in range(g) if finish[i] is None]:
-            params = [
-                {
-                    "temperature": sp.temperature,
-                    "top_p": sp.top_p,
-                    "max_new_tokens": sp.max_new_tokens - len(ids[i]),
-                }
-                for i in todo
-            ]
-            results = await self._generate([prompt_ids + ids[i] for i in todo], params)
-            for i, res in zip(todo, results, strict=True):
-                ids[i] += res.output_ids
-                logprobs[i] += res.output_logprobs
-                versions[i] += res.token_versions
-                # Aborted by a pause: resume from the prefix (tokens so far keep their versions/logprobs).
-                if (
-                    res.finish_reason == "abort"
-                    and len(ids[i]) < sp.max_new_tokens
-                    and not self._stop.is_set()
-                ):
-                    metrics.RESUMED.inc()
-                    continue
-                finish[i] = res.finish_reason if res.finish_reason in ("stop", "length") else "abort"
-        eos = self.tokenizer.eos_token_id
-        out = []
-        for i in range(g):
-            finished_by_eos = bool(ids[i]) and ids[i][-1] == eos and finish[i] == "stop"
-            text = self.tokenizer.decode(ids[i][:-1] if finished_by_eos else ids[i])
-            reward = self.task.score(problem, text, finished_by_eos, self.config.reward.format_weight)
-            out.append(
-                self._sample(
-                    prompt_ids,
-                    ids[i],
-                    [1] * len(ids[i]),
-                    logprobs[i],
-                    versions[i],
-                    reward,
-                    finish[i],
-                    temperature=sp.temperature,
-                    prompt_len=len(prompt_ids),
-                )
-            )
-        return out
-
-    async def _agent_group(self, problem) -> list[Sample]:
-        """G multi-turn tool-using episodes in lock-step (generator_fleet/agent/loop.py)."""
-        with tempfile.TemporaryDirectory(prefix="slipstream-episode-") as workdir:
-            ctx = ToolContext(prompt_id=problem.prompt_id, answer=str(problem.answer), workdir=workdir)
-            episodes = await self.agent.run_group(
-                self._generate,
-                problem.prompt,
-                ctx,
-                self.config.rollout.group_size,
-                should_stop=self._stop.is_set,
-            )
-        out = []
-        for ep in episodes:
-            metrics.TURNS.observe(ep.turns)
-            reward = await asyncio.to_thread(self._agent_reward, problem, ep)  # math-verify: CPU, may be slow
-            out.append(
-                self._sample(
-                    ep.prompt_ids,
-                    ep.response_ids,
-                    ep.loss_mask,
-                    ep.logprobs,
-                    ep.versions,
-                    reward,
-                    ep.finish_reason,
-                    num_turns=ep.turns,
-                    tool_calls=ep.tool_calls,
-                    tool_errors=ep.tool_errors,
-                    temperature=ep.temperature,
-                    prompt_len=ep.prompt_len,
-                )
-            )
-        return out
-
-    def _agent_reward(self, problem, ep) -> float:
-        rs = self.config.reward
-        if rs.name == "tool":
-            return ep.tool_reward or 0.0
-        if rs.name == "arith":
-            return self.task.score(problem, ep.final_text, ep.finish_reason == "stop", rs.format_weight)
-        correct = math_verify_reward(ep.final_text, str(problem.answer))
-        return (1.0 - rs.format_weight) * correct + rs.format_weight * format_reward(ep.final_text)
-
-    def _sample(self, prompt_ids, ids, mask, logprobs, versions, reward, finish_reason, **stats) -> Sample:
-        metrics.TOKENS.inc(sum(mask))
-        metrics.REWARD.observe(reward)
-        return Sample.build(
-            prompt_ids=prompt_ids,
-            response_ids=ids,
-            loss_mask=mask,
-            behavior_logprobs=logprobs,
-            token_versions=versions,
-            reward=reward,
-            finish_reason=finish_reason,
-            **stats,
-        )

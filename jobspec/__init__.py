@@ -14,8 +14,8 @@ from generator_fleet.config import (
     RolloutSpec,
     SamplingSpec,
     SGLangSpec,
-    ToolSpecEntry,
 )
+from generator_fleet.tools.spec import ToolSpec
 from jobspec.loader import apply_overrides, from_dict, load, loads, parse_yaml
 from jobspec.spec import EXAMPLES_DIR, JobSpec, JobSpecError, resolve_paths, to_json
 from models.config import ModelSpec
@@ -45,7 +45,7 @@ __all__ = [
     "SGLangSpec",
     "SamplingSpec",
     "Spec",
-    "ToolSpecEntry",
+    "ToolSpec",
     "TrainerSpec",
     "apply_overrides",
     "from_dict",

@@ -20,8 +20,8 @@ from generator_fleet.config import (
     RewardSpec,
     RolloutConfig,
     RolloutSpec,
-    ToolSpecEntry,
 )
+from generator_fleet.tools.spec import ToolSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerConfig, TrainerSpec
@@ -44,7 +44,7 @@ class JobSpec(Spec):
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)
     agent: AgentSpec | None = None
     """Multi-turn tool-using episodes; null = one model turn per sample."""
-    tools: list[ToolSpecEntry] = msgspec.field(default_factory=list)
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
     rollout: RolloutSpec = msgspec.field(default_factory=RolloutSpec)
     generators: GeneratorsSpec = msgspec.field(default_factory=GeneratorsSpec)
     algorithm: AlgorithmSpec = msgspec.field(default_factory=AlgorithmSpec)

@@ -6,13 +6,42 @@ import msgspec
 
 TRAINER_GROUP = "trainers"
 """The one consumer group of the trainer pool on a job's stream."""
+KEY_PREFIX = "slipstream:"
+"""Every Slipstream key starts with this; a job's keys with `slipstream:{job}:`."""
+ALL_KEYS = f"{KEY_PREFIX}*"
+"""Key pattern of every Slipstream key (the control plane's ACL user)."""
+JOBS_INDEX = f"{KEY_PREFIX}control:jobs"
+"""Hash job name -> submission time: every job the cluster knows (`control` is not a job name)."""
+METRICS_TARGETS = "metrics_targets"
+METRICS_TARGETS_PATTERN = f"{KEY_PREFIX}*:{METRICS_TARGETS}"
+"""SCAN pattern of every job's `metrics_targets` hash."""
+
+
+def jobs_pattern(name_prefix: str) -> str:
+    """SCAN pattern of the keys of every job whose name starts with `name_prefix`."""
+    return f"{KEY_PREFIX}{name_prefix}*"
+
+
+def job_of_metrics_targets(key: str) -> str:
+    """The job name in a `slipstream:{job}:metrics_targets` key."""
+    return key[len(KEY_PREFIX) : -len(METRICS_TARGETS) - 1]
 
 
 class JobKeys(msgspec.Struct, frozen=True):
     job: str
 
     def _k(self, name: str) -> str:
-        return f"slipstream:{self.job}:{name}"
+        return f"{KEY_PREFIX}{self.job}:{name}"
+
+    @property
+    def prefix(self) -> str:
+        """`slipstream:{job}:`, the start of every key of the job."""
+        return self._k("")
+
+    @property
+    def pattern(self) -> str:
+        """Pattern of every key of the job (SCAN match, ACL key rule)."""
+        return self._k("*")
 
     @property
     def groups(self) -> str:
@@ -96,12 +125,47 @@ class JobKeys(msgspec.Struct, frozen=True):
         trims (times progress records of lost steps were dropped)."""
         return self._k("run")
 
+    @property
+    def engines(self) -> str:
+        """Zset engine URL -> lease expiry (Redis time, ms) of the engines rollout workers route to."""
+        return self._k("engines")
+
+    @property
+    def engines_joining(self) -> str:
+        """Zset like `engines` of engines that joined mid-job and wait for the current weights."""
+        return self._k("engines:joining")
+
+    @property
+    def metrics_targets(self) -> str:
+        """Hash replica -> host:port where that process serves its Prometheus metrics."""
+        return self._k(METRICS_TARGETS)
+
+    # Control records (slipstream/cluster/job_store.py): they outlive runs.
+    @property
+    def spec(self) -> str:
+        """The resolved job spec as submitted (JSON)."""
+        return self._k("spec")
+
+    @property
+    def desired(self) -> str:
+        """Hash of what the user wants: pool sizes, stop."""
+        return self._k("desired")
+
+    @property
+    def status(self) -> str:
+        """What the job driver reports (JSON): state, progress."""
+        return self._k("status")
+
+    @property
+    def commands(self) -> str:
+        """List of commands waiting for the job driver."""
+        return self._k("commands")
+
     def per_run(self) -> list[str]:
         """Every key a run writes (not the control records of slipstream/cluster/job_store.py): a new run of the same
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
-        names = (
-            "groups", "dead", "version", "started", "trained", "reservations", "workers", "recycle",
-            "reissue", "ledger", "stats", "staleness", "progress", "run",
-            "engines", "engines:joining", "metrics_targets",
-        )  # fmt: skip
-        return [self._k(n) for n in names]
+        return [
+            self.groups, self.dead_letter, self.version, self.started, self.trained, self.reservations,
+            self.workers, self.recycle, self.reissue, self.ledger, self.stats, self.staleness,
+            self.progress, self.run, self.engines, self.engines_joining, self.metrics_targets,
+        ]  # fmt: skip

@@ -19,6 +19,7 @@ from pathlib import Path
 import redis
 
 from common.net import free_port
+from replay_buffer.keys import ALL_KEYS, JobKeys
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def job_user(job: str) -> str:
 def set_job_user(admin: redis.Redis, job: str, password: str) -> None:
     """Create or replace (new password, same rights) the job's ACL user, and save the ACL file so the user
     survives a Redis restart. `admin`: a client of the default (admin) user."""
-    rules = ["reset", "on", f">{password}", f"~slipstream:{job}:*", *JOB_RULES.split()]
+    rules = ["reset", "on", f">{password}", f"~{JobKeys(job).pattern}", *JOB_RULES.split()]
     admin.execute_command("ACL", "SETUSER", job_user(job), *rules)
     _acl_save(admin)
 
@@ -165,7 +166,7 @@ class ManagedRedis:
         users = [
             # The default user keeps full rights behind the password (an ACL file replaces requirepass).
             f"user default on #{digest} ~* &* +@all",
-            f"user {APP_USER} on #{digest} ~slipstream:* {CONTROL_RULES}",
+            f"user {APP_USER} on #{digest} ~{ALL_KEYS} {CONTROL_RULES}",
             *kept,
         ]
         return "\n".join(users) + "\n"

@@ -8,8 +8,3 @@ def staleness(version: int, min_version: int) -> int:
 
 def is_usable(version: int, min_version: int, max_staleness: int) -> bool:
     return staleness(version, min_version) <= max_staleness
-
-
-def admission_cap(version: int, max_staleness: int, groups_per_step: int) -> int:
-    """Most groups the fleet may have started at `version` (AReaL's rule); mirrors the Lua script."""
-    return (version + max_staleness + 1) * groups_per_step

@@ -28,12 +28,14 @@ def evaluate(model_path: str, spec: jobspec.JobSpec, seed: int = 1234) -> dict:
     """Mean sampled reward and greedy reward of the model at `model_path` over the whole task."""
     import torch
 
-    from generator_fleet.tasks import build_task
+    from generator_fleet.tasks import build_reward, build_task
+    from generator_fleet.tasks.problem import Response
     from model_zoo.tiny import load
 
     torch.manual_seed(seed)
     model, tok = load(model_path)
     task = build_task(spec.dataset)
+    reward = build_reward(spec.reward, task)
     max_new = spec.rollout.sampling.max_new_tokens
     prompts = [[tok.bos_token_id] + tok.encode(p.prompt) for p in task.problems]
     width = max(map(len, prompts))
@@ -45,7 +47,7 @@ def evaluate(model_path: str, spec: jobspec.JobSpec, seed: int = 1234) -> dict:
         for i, row in enumerate(out[:, width:].tolist()):
             eos = tok.eos_token_id in row
             text = tok.decode(row[: row.index(tok.eos_token_id)] if eos else row)
-            total += task.score(task.problems[i // reps], text, eos, spec.reward.format_weight)
+            total += reward(task.problems[i // reps], Response(text=text, finished=eos))
         return total / len(out)
 
     common = dict(max_new_tokens=max_new, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)

@@ -9,11 +9,10 @@ row of a [B, T] batch is one sequence ([T]: the whole row).
 Names and meanings follow verl (verl/trainer/ppo/core_algos.py, rollout_corr_helper.py) wherever verl
 has the concept, so that a ported config means the same thing; the docstrings say where we differ.
 
-Two ways to reduce per-token losses to the step's scalar:
-- `agg_loss(loss, mask, mode)` on one padded batch (verl's agg_loss);
-- `agg_weights(token_counts, mode)` per sample, so that sum(loss * mask * weight) over *any* split of the
-  batch into micro-batches and ranks adds up to exactly the same scalar. The trainer uses this: the
-  denominator (token count, sequence count) is the whole step's, computed once before the split.
+Per-token losses reduce to the step's scalar through `agg_weights(token_counts, mode)`, a weight per
+sample such that sum(loss * mask * weight) over *any* split of the batch into micro-batches and ranks adds
+up to exactly what verl's agg_loss gives on the whole batch: the denominator (token count, sequence
+count) is the whole step's, computed once before the split.
 """
 
 from __future__ import annotations
@@ -25,21 +24,16 @@ from typing import NamedTuple
 import torch
 
 from trainer.advantages import GRPO_EPS, grpo_advantages
-from trainer.config import AGG_MODES, KL_ESTIMATORS
+from trainer.config import AGG_MODES
 
 __all__ = [
     "GRPO_EPS",
-    "KL_ESTIMATORS",
     "PolicyTerms",
-    "agg_loss",
     "agg_weights",
-    "approx_kl",
     "behav_kl",
     "effective_agg",
-    "entropy_from_logits",
     "grpo_advantages",
     "kl_penalty",
-    "policy_loss",
     "policy_loss_terms",
     "value_loss",
 ]
@@ -56,43 +50,10 @@ LOW_VAR_KL_CLAMP = 10.0
 """...and the per-token estimate itself, as verl/OpenRLHF do, so one outlier cannot dominate the step."""
 
 
-def agg_loss(
-    loss: torch.Tensor, mask: torch.Tensor, mode: str, loss_scale_factor: float | None = None
-) -> torch.Tensor:
-    """Reduce per-token losses [B, T] to a scalar (verl's agg_loss).
-
-    token-mean: sum over all tokens / number of tokens (long answers weigh more);
-    seq-mean-token-sum: mean over sequences of each sequence's token sum (no length norm);
-    seq-mean-token-mean: mean over sequences of each sequence's token mean (original GRPO);
-    seq-mean-token-sum-norm: sum of every token's loss / (B * loss_scale_factor), a constant
-        denominator (Dr.GRPO: the generation budget; None = T, the padded width, verl's default).
-        verl divides each micro-batch's sum by loss_scale_factor and averages over micro-batches and
-        ranks; here the sequence count is the step's, so the value does not depend on the split.
-    Sequences with no masked-in token are left out of the seq-mean denominators (not of -norm's B).
-    """
-    mask = mask.to(loss.dtype)
-    if mode == "token-mean":
-        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
-    if mode == "seq-mean-token-sum-norm":
-        scale = loss.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        rows = loss.shape[0] if loss.dim() > 1 else 1
-        return (loss * mask).sum() / (rows * scale)
-    seq_tokens = mask.sum(-1)
-    has_tokens = seq_tokens > 0
-    seq_sum = (loss * mask).sum(-1)
-    if mode == "seq-mean-token-sum":
-        per_seq = seq_sum
-    elif mode == "seq-mean-token-mean":
-        per_seq = seq_sum / seq_tokens.clamp(min=1.0)
-    else:
-        raise ValueError(f"unknown loss aggregation {mode!r}")
-    return per_seq[has_tokens].sum() / has_tokens.sum().clamp(min=1)
-
-
 def agg_weights(
     token_counts: Sequence[int], mode: str, loss_scale_factor: float | None = None
 ) -> list[float]:
-    """Per-sample token weight w_s such that sum_s w_s * sum_{t in s} loss_t == agg_loss(loss, mask, mode)
+    """Per-sample token weight w_s such that sum_s w_s * sum_{t in s} loss_t == verl's agg_loss(loss, mask, mode)
     for the batch whose samples have `token_counts` masked-in tokens. A sample without tokens gets 0.
 
     token-mean: 1 / total tokens; seq-mean-token-sum: 1 / sequences; seq-mean-token-mean:
@@ -302,51 +263,6 @@ def policy_loss_terms(
     return PolicyTerms(pg * weight * keep, weight, truncated, clip_hit, dual_hit, masked)
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    prox_logprobs: torch.Tensor,
-    behav_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    kind: str = "decoupled_ppo",
-    clip_eps: float = 0.2,
-    is_cap: float = 2.0,
-    agg: str = "token-mean",
-    dual_clip_c: float | None = None,
-    loss_scale_factor: float | None = None,
-    **options,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Aggregated policy loss over a padded batch (each row one sequence); returns (scalar loss, stats
-    over masked tokens): clip_fraction, dual_clip_fraction, is_weight_mean, is_weight_max,
-    is_truncated_fraction, is_masked_fraction. `options`: policy_loss_terms' keyword-only ones."""
-    t = policy_loss_terms(
-        logprobs,
-        prox_logprobs,
-        behav_logprobs,
-        advantages,
-        kind,
-        clip_eps,
-        is_cap,
-        dual_clip_c,
-        mask=mask,
-        **options,
-    )
-    return agg_loss(t.loss, mask, effective_agg(kind, agg), loss_scale_factor), _stats(t, mask)
-
-
-def _stats(t: PolicyTerms, mask: torch.Tensor) -> dict[str, float]:
-    m = mask.to(t.loss.dtype)
-    n = m.sum().clamp(min=1)
-    return {
-        "clip_fraction": float((t.clipped * m).sum() / n),
-        "dual_clip_fraction": float((t.dual_clipped * m).sum() / n),
-        "is_weight_mean": float((t.is_weight * m).sum() / n),
-        "is_weight_max": float((t.is_weight * m).max()) if m.any() else 0.0,
-        "is_truncated_fraction": float((t.truncated * m).sum() / n),
-        "is_masked_fraction": float((t.masked * m).sum() / n),
-    }
-
-
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token estimate of KL(pi || ref) from the sampled token's logprobs (Schulman's estimators),
     named as verl's kl_penalty names them:
@@ -384,12 +300,6 @@ def behav_kl(logprobs: torch.Tensor, behav_logprobs: torch.Tensor) -> torch.Tens
     return torch.exp(log_r) - 1 - log_r
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(l) - sum(softmax(l) * l). fp32 in, fp32 out."""
-    logits = logits.float()
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-
-
 def value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: float | None
 ) -> torch.Tensor:
@@ -399,10 +309,3 @@ def value_loss(
         return 0.5 * unclipped
     v_clip = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     return 0.5 * torch.maximum(unclipped, (v_clip - returns).square())
-
-
-def approx_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> float:
-    """k3 estimator of KL(pi || ref) averaged over masked tokens (a diagnostic of how far a step moved)."""
-    log_ratio = ref_logprobs - logprobs
-    k3 = torch.exp(log_ratio) - 1 - log_ratio
-    return float((k3 * mask).sum() / mask.sum().clamp(min=1))

@@ -36,8 +36,3 @@ def lr_factor(
     if schedule == "cosine":
         return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - progress)
-
-
-def lr_at(step: int, alg) -> float:
-    """The policy learning rate of optimizer step `step` under an AlgorithmSpec."""
-    return alg.lr * lr_factor(step, alg.total_steps, alg.lr_schedule, alg.lr_warmup_steps, alg.min_lr_ratio)

@@ -27,12 +27,14 @@ class EngineSampler:
     def _find(self) -> str | None:
         import redis
 
+        from replay_buffer.keys import JobKeys
+
         url_file = self.out_dir / "redis.url"
         if not url_file.exists():
             return None
         try:
             r = redis.Redis.from_url(url_file.read_text().strip(), socket_timeout=2)
-            target = r.hget(f"slipstream:{self.job}:metrics_targets", "engine-0")
+            target = r.hget(JobKeys(self.job).metrics_targets, "engine-0")
             r.close()
         except Exception:  # noqa: BLE001 - not up yet
             return None

@@ -5,20 +5,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from generator_fleet.config import AgentSpec, SamplingSpec, ToolSpecEntry
+    from generator_fleet.config import AgentSpec, SamplingSpec
+    from generator_fleet.tools.spec import ToolSpec
 
 
-def build_agent(agent: AgentSpec, tools: list[ToolSpecEntry], sampling: SamplingSpec, tokenizer):
+def build_agent(agent: AgentSpec, tools: list[ToolSpec], sampling: SamplingSpec, tokenizer):
     """The AgentLoop of a job's `agent`, `tools` and `rollout.sampling` sections."""
     from generator_fleet.agent.loop import AgentLoop, Limits
     from generator_fleet.agent.parser import get_parser
     from generator_fleet.tools import build_tools
-    from generator_fleet.tools.spec import ToolSpec
 
     a, sp = agent, sampling
     return AgentLoop(
         tokenizer,
-        build_tools([ToolSpec(name=t.name, impl=t.impl, args=dict(t.args)) for t in tools]),
+        build_tools(tools),
         get_parser(a.parser),
         Limits(
             max_turns=a.max_turns,

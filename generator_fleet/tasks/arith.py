@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 import re
 
-from generator_fleet.tasks.problem import Problem, ProblemSet
+from generator_fleet.tasks.problem import Problem, ProblemSet, Response
 
-__all__ = ["ALPHABET", "ArithTask", "Problem", "score"]
+__all__ = ["ALPHABET", "ArithTask", "Problem", "reward", "score"]
 
 ALPHABET = "0123456789+="
 _ANSWER = re.compile(r"^\d{1,4}$")
@@ -19,6 +19,8 @@ _ANSWER = re.compile(r"^\d{1,4}$")
 
 class ArithTask(ProblemSet):
     """All problems a+b with 0 <= a, b <= max_operand, in a seeded order."""
+
+    reward = "arith"
 
     def __init__(self, max_operand: int = 19, seed: int = 0) -> None:
         self.problems = [
@@ -29,10 +31,9 @@ class ArithTask(ProblemSet):
         random.Random(seed).shuffle(self.problems)
         self._index()
 
-    def score(
-        self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float
-    ) -> float:
-        return score(problem, response_text, finished_by_eos, format_weight)
+    @classmethod
+    def from_spec(cls, ds) -> ArithTask:
+        return cls(max_operand=ds.max_operand, seed=ds.seed)
 
 
 def score(problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float = 0.1) -> float:
@@ -41,3 +42,8 @@ def score(problem: Problem, response_text: str, finished_by_eos: bool, format_we
     well_formed = finished_by_eos and bool(_ANSWER.match(text))
     correct = well_formed and int(text) == problem.answer
     return format_weight * well_formed + (1.0 - format_weight) * correct
+
+
+def reward(problem: Problem, response: Response, format_weight: float) -> float:
+    """The registered reward `arith`: `score` of the response."""
+    return score(problem, response.text, response.finished, format_weight)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from generator_fleet.rewards import format_reward, math_verify_reward
-from generator_fleet.tasks.problem import Problem, ProblemSet
+from generator_fleet.tasks.problem import Problem, ProblemSet, Response
 
 AnswerParser = Literal["gsm8k", "raw"]
 GSM8K_MARKER = "####"
@@ -89,6 +89,8 @@ class QATask(ProblemSet):
     prompt_id is `<file stem>:<line or row number>`, stable across seeds and limits.
     """
 
+    reward = "qa"
+
     def __init__(
         self,
         path: str | Path,
@@ -128,10 +130,17 @@ class QATask(ProblemSet):
         random.Random(seed).shuffle(self.problems)
         self._index()
 
-    def score(
-        self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float
-    ) -> float:
-        return score(problem, response_text, finished_by_eos, format_weight)
+    @classmethod
+    def from_spec(cls, ds) -> QATask:
+        if not ds.path:
+            raise ValueError("dataset.path is required for dataset.name: jsonl")
+        return cls(
+            ds.path,
+            question_field=ds.question_field,
+            answer_field=ds.answer_field,
+            answer_parser=ds.answer_parser,
+            seed=ds.seed,
+        )
 
 
 def score(problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float = 0.1) -> float:
@@ -141,3 +150,8 @@ def score(problem: Problem, response_text: str, finished_by_eos: bool, format_we
         return 0.0
     correct = math_verify_reward(response_text, str(problem.answer))
     return format_weight * format_reward(response_text) + (1.0 - format_weight) * correct
+
+
+def reward(problem: Problem, response: Response, format_weight: float) -> float:
+    """The registered reward `qa`: `score` of the response."""
+    return score(problem, response.text, response.finished, format_weight)

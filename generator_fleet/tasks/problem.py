@@ -18,11 +18,25 @@ class Problem(msgspec.Struct, frozen=True):
     """A calculator expression that evaluates to `answer` (generated word problems; for SFT warm-ups)."""
 
 
+class Response(msgspec.Struct, frozen=True, kw_only=True):
+    """What a reward scores: the model's answer to one problem (tasks/__init__.py: REWARDS)."""
+
+    text: str
+    """The response without its end-of-sequence token; the last assistant turn's content in an agent
+    episode."""
+    finished: bool
+    """The model ended it itself (EOS, or an agent episode that finished with `stop`), not a limit."""
+    tool_reward: float | None = None
+    """The reward a tool set during an agent episode (check_answer), if any."""
+
+
 class ProblemSet:
     """What every task shares: an ordered list of problems, lookup by id (recycled prompts), sampling.
-    Subclasses fill `self.problems` and call `_index()`, and define `score(...)`."""
+    Subclasses fill `self.problems`, call `_index()`, and name their own reward in `reward`."""
 
     problems: list[Problem]
+    reward: str
+    """The registered reward (tasks/__init__.py: REWARDS) used when the job spec's `reward.name` is unset."""
 
     def _index(self) -> None:
         self._by_id = {p.prompt_id: p for p in self.problems}

@@ -14,7 +14,6 @@ from typing import Literal
 
 import msgspec
 
-from generator_fleet.tasks.jsonl import score as qa_score
 from generator_fleet.tasks.problem import Problem, ProblemSet
 
 Difficulty = Literal["easy", "medium", "hard"]
@@ -178,6 +177,8 @@ LEVELS: dict[str, tuple[list[Template], Ranges]] = {
 class WordProblemTask(ProblemSet):
     """`num_problems` distinct word problems, the same for the same (seed, difficulty)."""
 
+    reward = "qa"
+
     def __init__(self, num_problems: int = 1000, seed: int = 0, difficulty: Difficulty = "medium") -> None:
         if difficulty not in LEVELS:
             raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {sorted(LEVELS)}")
@@ -198,7 +199,6 @@ class WordProblemTask(ProblemSet):
             self.problems.append(Problem(f"wp-{seed}-{i}", prompt, str(answer), expression=expression))
         self._index()
 
-    def score(
-        self, problem: Problem, response_text: str, finished_by_eos: bool, format_weight: float
-    ) -> float:
-        return qa_score(problem, response_text, finished_by_eos, format_weight)
+    @classmethod
+    def from_spec(cls, ds) -> WordProblemTask:
+        return cls(num_problems=ds.num_problems, seed=ds.seed, difficulty=ds.difficulty)

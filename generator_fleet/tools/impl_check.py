@@ -6,8 +6,12 @@ The module's source is located on `sys.path` (no import, not even of its parent 
 `ast`; the class must be defined there (or reached through `from ... import` / base classes in sources
 found the same way) and have the Tool protocol's members: `name`, `schema()` and `async call()`.
 
+Tasks and rewards named by import path (`dataset.name`, `reward.name`) are checked the same way by
+`check_callable`, which only asks for a top-level definition of the name.
+
 The operator's allow-list (`slipstream cluster up --tool-modules` / `--builtin-tools-only`) is enforced here
-at submit and again by `build_tools` in the rollout workers (`$SLIPSTREAM_TOOL_MODULES`).
+at submit and again where the rollout workers import them (`$SLIPSTREAM_TOOL_MODULES`): custom tools, tasks
+and rewards alike.
 """
 
 from __future__ import annotations
@@ -100,6 +104,29 @@ def check_impl(
         )
     if members["call"] != "async":
         return f"{impl}: call() must be an async method"
+    return None
+
+
+def check_callable(
+    impl: str, allowed: Sequence[str] | None = None, path: Sequence[str] | None = None
+) -> str | None:
+    """Why `impl` ("package.module:attr", a custom task or reward) cannot be imported, else None: the form,
+    the allow-list, the module's source and a top-level definition (or `from ... import`) of the
+    attribute's first part. Runs none of its code."""
+    module, sep, attr = impl.partition(":")
+    if not sep or not all(p.isidentifier() for p in module.split(".") + attr.split(".")):
+        return f"{impl!r} is not of the form 'package.module:attr'"
+    if not module_allowed(module, allowed):
+        return not_allowed(module, allowed or [])
+    finder = _Finder(list(sys.path if path is None else path))
+    if finder.source(module) is None:
+        return f"cannot find the Python source of module {module!r} on the cluster's path"
+    tree = finder.tree(module)
+    if tree is None:
+        return f"cannot read the Python source of module {module!r}"
+    head = attr.split(".")[0]
+    if _defined(tree.body, head) is None and _imported(tree, module, head, finder) is None:
+        return f"module {module!r} defines no {head!r}"
     return None
 
 

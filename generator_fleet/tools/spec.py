@@ -15,8 +15,10 @@ class ToolSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     name: str
-    """The name the model calls the tool by; must equal the constructed tool's ``name``."""
+    """The name the model calls the tool by (must equal the constructed tool's ``name``); a builtin
+    (``calculator``, ``python``, ``check_answer``) unless ``impl`` is set."""
     impl: str | None = None
-    """``"package.module:ClassName"`` to import and construct; None means the builtin called ``name``."""
+    """``"package.module:ClassName"`` to import and construct (see generator_fleet/tools/examples.py);
+    None means the builtin called ``name``."""
     args: dict[str, Any] = {}
-    """Keyword arguments for the tool's constructor."""
+    """Keyword arguments for the tool's constructor (e.g. python: ``{timeout_s: 5, memory_mb: 256}``)."""

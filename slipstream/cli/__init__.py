@@ -115,9 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     except jobspec.JobSpecError as e:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2
+    from generator_fleet.tasks import check_import_paths
     from generator_fleet.tools.impl_check import check_tools
 
-    if why := check_tools(spec.tools):  # reads the tools' sources, runs none of them
+    # Reads the sources of custom tools, tasks and rewards; runs none of them.
+    if why := check_tools(spec.tools) or check_import_paths(spec.dataset.name, spec.reward.name, None):
         print(f"slipstream: invalid job spec: {why}", file=sys.stderr)
         return 2
     if args.cmd == "validate":

@@ -21,6 +21,7 @@ import yaml
 
 import jobspec
 from common.logtext import plain
+from generator_fleet.tasks import check_import_paths
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
@@ -218,6 +219,9 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
         # Each tools[].impl: allowed, and a class with the Tool protocol's members in its source (read, not run).
         if why := check_tools(spec.tools, self.tool_modules):
+            raise ControlError(422, f"invalid job spec: {why}")
+        # A task or reward named by import path: the same allow-list, its source read, not run.
+        if why := check_import_paths(spec.dataset.name, spec.reward.name, self.tool_modules):
             raise ControlError(422, f"invalid job spec: {why}")
         if (
             self.store.exists(spec.name)

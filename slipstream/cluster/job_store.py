@@ -14,10 +14,8 @@ from typing import Any
 
 import redis
 
-from replay_buffer import JobKeys
+from replay_buffer.keys import JOBS_INDEX, JobKeys
 
-INDEX_KEY = "slipstream:control:jobs"
-"""Hash job name -> submission time: every job the cluster knows, running or ended."""
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 """A job name, matched whole (fullmatch: `$` would also accept a trailing newline)."""
 RESERVED_NAMES = {"control"}
@@ -44,34 +42,30 @@ class JobStore:
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
 
-    @staticmethod
-    def _k(job: str, name: str) -> str:
-        return JobKeys(job)._k(name)
-
     # --- submission ------------------------------------------------------------------------------------
     def create(self, job: str, spec_json: str, generators: int, trainers: int) -> None:
         """Record a submitted job (replacing what an ended job of the same name left)."""
         pipe = self.r.pipeline()
-        pipe.hset(INDEX_KEY, job, f"{time.time():.3f}")
-        pipe.set(self._k(job, "spec"), spec_json)
-        pipe.delete(self._k(job, "desired"), self._k(job, "status"), self._k(job, "commands"))
-        pipe.hset(self._k(job, "desired"), mapping={"generators": generators, "trainers": trainers})
-        pipe.set(self._k(job, "status"), json.dumps({"state": "submitted", "submitted_at": time.time()}))
+        pipe.hset(JOBS_INDEX, job, f"{time.time():.3f}")
+        pipe.set(JobKeys(job).spec, spec_json)
+        pipe.delete(JobKeys(job).desired, JobKeys(job).status, JobKeys(job).commands)
+        pipe.hset(JobKeys(job).desired, mapping={"generators": generators, "trainers": trainers})
+        pipe.set(JobKeys(job).status, json.dumps({"state": "submitted", "submitted_at": time.time()}))
         pipe.execute()
 
     def names(self) -> list[str]:
-        return sorted(n.decode() for n in self.r.hkeys(INDEX_KEY))
+        return sorted(n.decode() for n in self.r.hkeys(JOBS_INDEX))
 
     def exists(self, job: str) -> bool:
-        return bool(self.r.hexists(INDEX_KEY, job))
+        return bool(self.r.hexists(JOBS_INDEX, job))
 
     def spec_json(self, job: str) -> str | None:
-        raw = self.r.get(self._k(job, "spec"))
+        raw = self.r.get(JobKeys(job).spec)
         return raw.decode() if raw is not None else None
 
     # --- desired state (the user's side) ---------------------------------------------------------------
     def desired(self, job: str) -> dict[str, Any]:
-        raw = self.r.hgetall(self._k(job, "desired"))
+        raw = self.r.hgetall(JobKeys(job).desired)
         out: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
         for k in ("generators", "trainers"):
             if k in out:
@@ -83,32 +77,30 @@ class JobStore:
     def set_desired(self, job: str, generators: int | None = None, trainers: int | None = None) -> None:
         mapping = {k: v for k, v in (("generators", generators), ("trainers", trainers)) if v is not None}
         if mapping:
-            self.r.hset(self._k(job, "desired"), mapping=mapping)
+            self.r.hset(JobKeys(job).desired, mapping=mapping)
 
     def request_stop(self, job: str, checkpoint: bool = True, reason: str = "") -> None:
         """The trainer ends after its current step, writing a checkpoint there unless `checkpoint` is
         False; `reason` (e.g. "cluster down") goes to the driver's log and the job's final status."""
         mapping = {"stop": "1", "stop_checkpoint": "1" if checkpoint else "0"}
-        self.r.hset(
-            self._k(job, "desired"), mapping={**mapping, **({"stop_reason": reason} if reason else {})}
-        )
+        self.r.hset(JobKeys(job).desired, mapping={**mapping, **({"stop_reason": reason} if reason else {})})
 
     # --- commands --------------------------------------------------------------------------------------
     def push_command(self, job: str, command: str) -> None:
         if command not in COMMANDS:
             raise ValueError(f"unknown command {command!r}; expected one of {COMMANDS}")
-        self.r.rpush(self._k(job, "commands"), command)
+        self.r.rpush(JobKeys(job).commands, command)
 
     def pop_commands(self, job: str) -> list[str]:
         pipe = self.r.pipeline()
-        pipe.lrange(self._k(job, "commands"), 0, -1)
-        pipe.delete(self._k(job, "commands"))
+        pipe.lrange(JobKeys(job).commands, 0, -1)
+        pipe.delete(JobKeys(job).commands)
         raw, _ = pipe.execute()
         return [c.decode() for c in raw]
 
     # --- status (the driver's side) --------------------------------------------------------------------
     def status(self, job: str) -> dict[str, Any]:
-        raw = self.r.get(self._k(job, "status"))
+        raw = self.r.get(JobKeys(job).status)
         return json.loads(raw) if raw else {}
 
     def update_status(self, job: str, **fields: Any) -> dict[str, Any]:
@@ -116,7 +108,7 @@ class JobStore:
         job runs; the control API writes it only before the driver starts and after it died)."""
         st = self.status(job)
         st.update(fields, updated_at=time.time())
-        self.r.set(self._k(job, "status"), json.dumps(st))
+        self.r.set(JobKeys(job).status, json.dumps(st))
         return st
 
     def remove(self, job: str) -> int:
@@ -124,14 +116,14 @@ class JobStore:
         (SCAN, not KEYS: the cluster's Redis stays responsive). Returns how many keys were deleted."""
         n = 0
         batch: list[bytes] = []
-        for key in self.r.scan_iter(match=f"{JobKeys(job)._k('')}*", count=500):
+        for key in self.r.scan_iter(match=JobKeys(job).pattern, count=500):
             batch.append(key)
             if len(batch) >= 500:
                 n += self.r.delete(*batch)
                 batch.clear()
         if batch:
             n += self.r.delete(*batch)
-        self.r.hdel(INDEX_KEY, job)
+        self.r.hdel(JOBS_INDEX, job)
         return n
 
     def active(self, job: str) -> bool:

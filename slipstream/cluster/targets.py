@@ -20,11 +20,10 @@ from pathlib import Path
 import redis
 from prometheus_client import Gauge
 
+from replay_buffer.keys import METRICS_TARGETS_PATTERN, job_of_metrics_targets
+
 log = logging.getLogger(__name__)
 
-KEY_PREFIX = "slipstream:"
-KEY_SUFFIX = ":metrics_targets"
-KEY_PATTERN = f"{KEY_PREFIX}*{KEY_SUFFIX}"
 FILE_NAME = "slipstream.json"
 """deploy/prometheus.yml reads `targets/*.json`; this is the one file Slipstream writes there."""
 SCAN_COUNT = 1000
@@ -53,7 +52,7 @@ def collect_targets(r: redis.Redis) -> list[dict]:
     """The file_sd target groups of every job in Redis, one per replica, in a stable order.
 
     SCAN, not KEYS: the app's ACL user may not run KEYS (it is @dangerous), and SCAN does not block Redis."""
-    keys = sorted(r.scan_iter(match=KEY_PATTERN, count=SCAN_COUNT, _type="hash"))
+    keys = sorted(r.scan_iter(match=METRICS_TARGETS_PATTERN, count=SCAN_COUNT, _type="hash"))
     if not keys:
         return []
     pipe = r.pipeline(transaction=False)
@@ -62,7 +61,7 @@ def collect_targets(r: redis.Redis) -> list[dict]:
     groups = []
     for key, entries in zip(keys, pipe.execute(), strict=True):
         key = key.decode() if isinstance(key, bytes) else key
-        job = key[len(KEY_PREFIX) : -len(KEY_SUFFIX)]
+        job = job_of_metrics_targets(key)
         for replica, address in entries.items():
             replica = replica.decode() if isinstance(replica, bytes) else replica
             address = address.decode() if isinstance(address, bytes) else address

@@ -18,6 +18,7 @@ from generator_fleet.config import RolloutConfig
 from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
 from replay_buffer.client import connect
+from replay_buffer.keys import JobKeys
 from trainer.config import TrainerConfig
 
 
@@ -48,7 +49,7 @@ def _setup_process(
     server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
     port = server.server_port
     gpu_metrics.register()  # this process's GPUs, if it has any
-    connect(redis_url).hset(f"slipstream:{spec.name}:metrics_targets", name, f"127.0.0.1:{port}")
+    connect(redis_url).hset(JobKeys(spec.name).metrics_targets, name, f"127.0.0.1:{port}")
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
 
 

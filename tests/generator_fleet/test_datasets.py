@@ -12,9 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import jobspec
+from generator_fleet.tasks import build_reward
 from generator_fleet.tasks.arith import ArithTask
 from generator_fleet.tasks.jsonl import QATask, parse_gsm8k_answer
-from generator_fleet.tasks.problem import Problem
+from generator_fleet.tasks.problem import Problem, Response
 from generator_fleet.tasks.word_problems import WordProblemTask
 from generator_fleet.tools.base import ToolContext
 from generator_fleet.tools.calculator import Calculator
@@ -27,6 +29,11 @@ GSM8K_ROWS = [
     {"question": "Weng earns $12 an hour. How much for 50 minutes?", "answer": "12/60*50 = 10\n#### 10"},
     {"question": "A tank holds 1,250 liters...", "answer": "so 1,250 liters\n#### 1,250"},
 ]
+
+
+def own_reward(task, problem, text, finished):
+    """The task's own reward (a job spec that names none), at format_weight 0.1."""
+    return build_reward(jobspec.RewardSpec(), task)(problem, Response(text=text, finished=finished))
 
 
 def write_jsonl(path, rows):
@@ -113,10 +120,10 @@ def test_empty_dataset_bad_json_and_unknown_suffix(tmp_path):
 def test_qa_score_pays_format_and_correctness(tmp_path):
     task = QATask(write_jsonl(tmp_path / "d.jsonl", GSM8K_ROWS))
     p = task.get("d:1")
-    assert task.score(p, "24 + 48 = 72. The answer is 72.", True, 0.1) == pytest.approx(1.0)
-    assert task.score(p, "The answer is 70.", True, 0.1) == pytest.approx(0.1)
-    assert task.score(p, "it is 72", True, 0.1) == pytest.approx(0.9)
-    assert task.score(p, "The answer is 72.", False, 0.1) == 0.0
+    assert own_reward(task, p, "24 + 48 = 72. The answer is 72.", True) == pytest.approx(1.0)
+    assert own_reward(task, p, "The answer is 70.", True) == pytest.approx(0.1)
+    assert own_reward(task, p, "it is 72", True) == pytest.approx(0.9)
+    assert own_reward(task, p, "The answer is 72.", False) == 0.0
 
 
 @pytest.mark.parametrize("difficulty", ["easy", "medium", "hard"])
@@ -152,4 +159,4 @@ def test_arith_task_still_uses_int_answers():
     task = ArithTask(max_operand=3)
     p = task.get("2+3")
     assert isinstance(p, Problem) and p.answer == 5 and p.expression is None
-    assert task.score(p, "5", True, 0.1) == pytest.approx(1.0)
+    assert own_reward(task, p, "5", True) == pytest.approx(1.0)

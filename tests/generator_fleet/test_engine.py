@@ -15,11 +15,11 @@ import msgspec
 import pytest
 import torch
 from metrics_text import sample
+from oracles import response_logprobs
 from tiny_engine_model import build_noisy_model, greedy_reference
 
 from generator_fleet.client import EngineClient, EngineError
 from generator_fleet.engine import EngineServer
-from trainer.logprobs import response_logprobs
 from weight_bus.group import broadcast, dtype_name, new_group
 
 API_KEY = "test-key"

@@ -6,16 +6,15 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import pytest
 
-from generator_fleet.rewards import (
-    REWARDS,
-    MathVerifier,
-    extract_final_number,
-    format_reward,
-    get_reward,
-    math_verify_reward,
-)
+import jobspec
+from generator_fleet.rewards import MathVerifier, format_reward, math_verify_reward
+from generator_fleet.tasks import REWARDS, build_reward
+from generator_fleet.tasks.arith import ArithTask
+from generator_fleet.tasks.problem import Problem, Response
+from generator_fleet.tools.impl_check import TOOL_MODULES_ENV
 
 HANGS_WITHOUT_TIMEOUT = "So the result is \\boxed{9^{9^{9^{9}}}}"
 
@@ -76,23 +75,6 @@ def test_runaway_answer_is_killed_off_the_main_thread_and_the_verifier_recovers(
 
 
 @pytest.mark.parametrize(
-    "text, number",
-    [
-        ("Natalia sold 48/2 = 24 clips in May.\n#### 72", "72"),
-        ("#### 1,234", "1234"),
-        ("first \\boxed{3}, then \\boxed{17} and 99 more words", "17"),
-        ("She pays $12.50 for 3 pens", "3"),
-        ("It costs $12.50", "12.5"),
-        ("-7 degrees", "-7"),
-        ("42.0", "42"),
-        ("no numbers here", None),
-    ],
-)
-def test_extract_final_number(text, number):
-    assert extract_final_number(text) == number
-
-
-@pytest.mark.parametrize(
     "text, reward",
     [
         ("so #### 42", 1.0),
@@ -108,9 +90,33 @@ def test_format_reward(text, reward):
     assert format_reward(text) == reward
 
 
-def test_registry():
-    assert set(REWARDS) == {"math_verify", "format"}
-    assert get_reward("math_verify")("The answer is 7", "7") == 1.0
-    assert get_reward("format")("#### 7", "7") == 1.0
-    with pytest.raises(ValueError, match="unknown reward 'exact'.*format.*math_verify"):
-        get_reward("exact")
+def half_of_length(problem, response, format_weight):
+    """A custom reward, named by import path in the test below."""
+    return len(response.text) / 2
+
+
+def test_registry_resolves_names_and_import_paths(monkeypatch):
+    task = ArithTask(max_operand=3)
+    seven = Problem("3+4", "3+4=", 7)
+
+    def reward(name, text, finished=True, tool_reward=None, weight=0.1):
+        rs = jobspec.RewardSpec(name=name, format_weight=weight)
+        return build_reward(rs, task)(seven, Response(text=text, finished=finished, tool_reward=tool_reward))
+
+    assert set(REWARDS) == {"arith", "qa", "math_verify", "tool"}
+    assert reward(None, "7") == reward("arith", "7") == pytest.approx(1.0)  # the task's own: arith
+    assert reward("arith", "The answer is 7") == 0.0  # not a bare number
+    assert reward("math_verify", "The answer is 7") == pytest.approx(1.0)
+    assert reward("math_verify", "7", finished=False) == pytest.approx(0.9)  # cut off still counts
+    assert reward("qa", "The answer is 7", finished=False) == 0.0  # cut off scores 0
+    assert reward("qa", "The answer is 7") == pytest.approx(1.0)
+    assert reward("tool", "7", tool_reward=0.25) == 0.25 and reward("tool", "7") == 0.0
+    assert reward(f"{__name__}:half_of_length", "123456") == 3.0
+    with pytest.raises(ValueError, match="unknown reward 'exact'.*arith.*math_verify.*qa.*tool"):
+        build_reward(msgspec.structs.replace(jobspec.RewardSpec(), name="exact"), task)
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        reward(f"{__name__}:nope", "7")
+    monkeypatch.setenv(TOOL_MODULES_ENV, "[]")  # the operator's allow-list: builtins only
+    with pytest.raises(ValueError, match="is not allowed on this cluster"):
+        reward(f"{__name__}:half_of_length", "7")
+    assert reward("arith", "7") == pytest.approx(1.0)  # registered rewards are always allowed

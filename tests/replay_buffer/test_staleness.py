@@ -1,4 +1,6 @@
-from replay_buffer.staleness import admission_cap, is_usable, staleness
+from oracles import admission_cap
+
+from replay_buffer.staleness import is_usable, staleness
 
 
 def test_staleness_rule():

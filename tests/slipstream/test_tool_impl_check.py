@@ -94,7 +94,7 @@ def test_the_check_reads_sources_and_runs_none_of_them(package):
 
 def test_os_system_and_other_non_tools_are_refused_naming_the_key():
     def tools(*impls):
-        return [jobspec.ToolSpecEntry(name=f"t{i}", impl=impl) for i, impl in enumerate(impls)]
+        return [ToolSpec(name=f"t{i}", impl=impl) for i, impl in enumerate(impls)]
 
     why = check_tools(tools("generator_fleet.tools.examples:EchoTool", "os:system"))
     assert why == "tool 't1': system is not a class defined in module 'os' - at `$.tools[1].impl`"
@@ -103,11 +103,9 @@ def test_os_system_and_other_non_tools_are_refused_naming_the_key():
     why = check_tools(tools("does.not.exist:Foo"))
     assert "cannot find the Python source of module 'does.not.exist'" in why
     assert "not of the form" in check_tools(tools("generator_fleet.tools.examples.EchoTool"))
-    why = check_tools([jobspec.ToolSpecEntry(name="calculatr")])
+    why = check_tools([ToolSpec(name="calculatr")])
     assert "no builtin tool of that name" in why and why.endswith("at `$.tools[0].name`")
-    assert (
-        check_tools([jobspec.ToolSpecEntry(name=n) for n in ("calculator", "python", "check_answer")]) is None
-    )
+    assert check_tools([ToolSpec(name=n) for n in ("calculator", "python", "check_answer")]) is None
 
 
 def test_the_allow_list_takes_listed_modules_and_their_submodules_only():

@@ -1,7 +1,6 @@
 import torch
+from oracles import build_batch
 from sample_pair import sample_pair_group
-
-from trainer.batch import build_batch
 
 
 def test_tokens_align_with_next_token_logprobs():

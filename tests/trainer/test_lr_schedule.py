@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from oracles import lr_at
 
 import jobspec
 from common.net import free_port
 from replay_buffer import Sample, make_group
-from trainer.lr_schedule import lr_at, lr_factor
+from trainer.lr_schedule import lr_factor
 
 STEPS = 4
 TOTAL = 5  # algorithm.total_steps: the decay runs past the last step we take

@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 import torch
+from oracles import build_batch, policy_loss, token_logprobs
 from sample_pair import sample_pair_group
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from trainer import attention
-from trainer.batch import build_batch, build_samples
-from trainer.logprobs import packed_logprobs, token_logprobs
+from trainer.batch import build_samples
+from trainer.logprobs import packed_logprobs
 from trainer.packing import TrainSample, first_fit_decreasing, pack, plan_step
 
 
@@ -116,7 +117,7 @@ def test_packed_logprobs_equal_unpacked(gqa_model):
 def test_packed_loss_gradient_equals_padded_batch_gradient(gqa_model):
     """The trainer's packed loss (per-token loss x aggregation weight, summed over micro-batches) has the
     same value and gradient as the padded-batch policy loss with agg_loss over the same samples."""
-    from trainer.losses import agg_weights, policy_loss, policy_loss_terms
+    from trainer.losses import agg_weights, policy_loss_terms
 
     rng = np.random.default_rng(2)
     lens = (9, 4, 15, 7, 11)

@@ -1,0 +1,160 @@
+"""How a rollout worker turns one prompt into a scored group: the `Workflow` protocol and its two
+implementations, chosen once per worker from the job spec (`build_workflow`).
+
+`SingleTurn`: G samples of one model turn each. `AgentEpisodes`: G multi-turn, tool-using episodes
+(generator_fleet/agent/loop.py). Both score every response with the one reward the spec resolves to
+(generator_fleet/tasks/__init__.py: `build_reward`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
+
+from generator_fleet import metrics
+from generator_fleet.agent.loop import GenerateBatch
+from generator_fleet.tasks.problem import Problem, Response
+from generator_fleet.tools.base import ToolContext
+from replay_buffer import Sample
+
+if TYPE_CHECKING:
+    from generator_fleet.config import RolloutConfig
+
+
+class Workflow(Protocol):
+    async def run(
+        self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
+    ) -> list[Sample]:
+        """The group of one prompt: its samples, each with its reward. `generate` is one batched
+        /generate (the worker's engine pool, with retries); `should_stop` is true once the worker stops."""
+        ...
+
+
+def _sample(prompt_ids, ids, mask, logprobs, versions, reward, finish_reason, **stats) -> Sample:
+    metrics.TOKENS.inc(sum(mask))
+    metrics.REWARD.observe(reward)
+    return Sample.build(
+        prompt_ids=prompt_ids,
+        response_ids=ids,
+        loss_mask=mask,
+        behavior_logprobs=logprobs,
+        token_versions=versions,
+        reward=reward,
+        finish_reason=finish_reason,
+        **stats,
+    )
+
+
+class SingleTurn:
+    """All G samples of one prompt through one batched /generate per round. Samples aborted by a pause
+    are resumed from their token prefix in the next round."""
+
+    def __init__(self, tokenizer, sampling, group_size: int, reward: Callable[[Problem, Response], float]):
+        self.tokenizer, self.sampling, self.group_size, self.reward = tokenizer, sampling, group_size, reward
+
+    async def run(
+        self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
+    ) -> list[Sample]:
+        sp, g = self.sampling, self.group_size
+        prompt_ids = [self.tokenizer.bos_token_id] + self.tokenizer.encode(problem.prompt)
+        ids: list[list[int]] = [[] for _ in range(g)]
+        logprobs: list[list[float]] = [[] for _ in range(g)]
+        versions: list[list[int]] = [[] for _ in range(g)]
+        finish: list[str | None] = [None] * g
+        while todo := [i for i in range(g) if finish[i] is None]:
+            params = [
+                {
+                    "temperature": sp.temperature,
+                    "top_p": sp.top_p,
+                    "max_new_tokens": sp.max_new_tokens - len(ids[i]),
+                }
+                for i in todo
+            ]
+            results = await generate([prompt_ids + ids[i] for i in todo], params)
+            for i, res in zip(todo, results, strict=True):
+                ids[i] += res.output_ids
+                logprobs[i] += res.output_logprobs
+                versions[i] += res.token_versions
+                # Aborted by a pause: resume from the prefix (tokens so far keep their versions/logprobs).
+                if res.finish_reason == "abort" and len(ids[i]) < sp.max_new_tokens and not should_stop():
+                    metrics.RESUMED.inc()
+                    continue
+                finish[i] = res.finish_reason if res.finish_reason in ("stop", "length") else "abort"
+        eos = self.tokenizer.eos_token_id
+        out = []
+        for i in range(g):
+            finished_by_eos = bool(ids[i]) and ids[i][-1] == eos and finish[i] == "stop"
+            text = self.tokenizer.decode(ids[i][:-1] if finished_by_eos else ids[i])
+            reward = self.reward(problem, Response(text=text, finished=finished_by_eos))
+            out.append(
+                _sample(
+                    prompt_ids,
+                    ids[i],
+                    [1] * len(ids[i]),
+                    logprobs[i],
+                    versions[i],
+                    reward,
+                    finish[i],
+                    temperature=sp.temperature,
+                    prompt_len=len(prompt_ids),
+                )
+            )
+        return out
+
+
+class AgentEpisodes:
+    """G multi-turn tool-using episodes in lock-step (generator_fleet/agent/loop.py), each in its own
+    working directory for the tools; the reward scores the last assistant turn."""
+
+    def __init__(self, agent, group_size: int, reward: Callable[[Problem, Response], float]):
+        self.agent, self.group_size, self.reward = agent, group_size, reward
+
+    async def run(
+        self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
+    ) -> list[Sample]:
+        with tempfile.TemporaryDirectory(prefix="slipstream-episode-") as workdir:
+            ctx = ToolContext(prompt_id=problem.prompt_id, answer=str(problem.answer), workdir=workdir)
+            episodes = await self.agent.run_group(
+                generate, problem.prompt, ctx, self.group_size, should_stop=should_stop
+            )
+        out = []
+        for ep in episodes:
+            metrics.TURNS.observe(ep.turns)
+            response = Response(
+                text=ep.final_text, finished=ep.finish_reason == "stop", tool_reward=ep.tool_reward
+            )
+            reward = await asyncio.to_thread(self.reward, problem, response)  # math-verify: CPU, may be slow
+            out.append(
+                _sample(
+                    ep.prompt_ids,
+                    ep.response_ids,
+                    ep.loss_mask,
+                    ep.logprobs,
+                    ep.versions,
+                    reward,
+                    ep.finish_reason,
+                    num_turns=ep.turns,
+                    tool_calls=ep.tool_calls,
+                    tool_errors=ep.tool_errors,
+                    temperature=ep.temperature,
+                    prompt_len=ep.prompt_len,
+                )
+            )
+        return out
+
+
+def build_workflow(config: RolloutConfig, tokenizer, task) -> Workflow:
+    """The workflow the rollout config asks for (`agent:` set: agent episodes, else single turn), with
+    the reward it names resolved once."""
+    from generator_fleet.tasks import build_reward
+
+    reward = build_reward(config.reward, task)
+    sampling = config.rollout.sampling
+    if config.agent is not None:
+        from generator_fleet.agent import build_agent
+
+        agent = build_agent(config.agent, config.tools, sampling, tokenizer)
+        return AgentEpisodes(agent, config.rollout.group_size, reward)
+    return SingleTurn(tokenizer, sampling, config.rollout.group_size, reward)
