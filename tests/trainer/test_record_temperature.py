@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from oracles import response_logprobs
 
 import jobspec
 from replay_buffer import Sample, make_group
@@ -14,7 +15,6 @@ from replay_buffer.schema import decode, encode
 from trainer.batch import build_samples
 from trainer.distributed import DistInfo, Pool
 from trainer.learner import Learner
-from trainer.logprobs import response_logprobs
 
 
 @pytest.fixture(scope="module")
