@@ -453,7 +453,7 @@ def run(url: str, admin_url: str, cfg: BenchConfig, run_id: str, quiet: bool = F
 
 
 def report(result: dict, device: str) -> str:
-    """Headline lines (BENCHMARKS.md names) and a table; sub-rows have latencies only."""
+    """Headline lines (the names in benchmarks/README.md) and a table; sub-rows have latencies only."""
     m, r = result["metrics"], result["ratios"]
     rows = [  # (label, metric prefix, what one latency sample is)
         ("ours put", "put", "one put, one in flight (records/s: --concurrency in flight)"),

@@ -1,4 +1,4 @@
-"""The result file every benchmark writes (shared/BENCHMARKS.md): its name, its skeleton, saving it."""
+"""The result file every benchmark writes (benchmarks/README.md, Result files): its name, its skeleton, saving it."""
 
 from __future__ import annotations
 

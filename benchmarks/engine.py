@@ -481,7 +481,7 @@ def report(result: dict) -> str:
         )
     for e in result["errors"]:
         lines.append(f"ERROR {e['side']} c={e['concurrency']}: {e['error']}")
-    # Headline last (BENCHMARKS.md names); c=64 when it ran, else the largest concurrency measured.
+    # Headline last (the names in benchmarks/README.md); c=64 when it ran, else the largest concurrency measured.
     head = 64 if 64 in cfg["concurrency"] else max(cfg["concurrency"])
     lines.append(
         f"engine vs_hf_generate_c{head}={f(f'vs_hf_generate_c{head}', 1, '.2f', r)} "

@@ -53,7 +53,7 @@ Devices:
 Run:
     python benchmarks/scale_run.py                 # CPU, ~10-15 min on 2 cores
     python benchmarks/scale_run.py --quick         # CPU smoke (the test)
-Result: benchmarks/results/scale_run-<device-kind>-<YYYYMMDD>.json (BENCHMARKS.md format) and a table.
+Result: benchmarks/results/scale_run-<device-kind>-<YYYYMMDD>.json (the format in benchmarks/README.md) and a table.
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class Probe:
     def __init__(self, job) -> None:
         import httpx
 
-        from generator_fleet.registry import EngineRegistry
+        from weight_bus.registry import EngineRegistry
 
         self.job = job
         self.registry = EngineRegistry(job.r, job.spec.name)

@@ -24,7 +24,7 @@ first_publish_ms) and one untimed raw broadcast, `--repeats` rounds alternate ra
   continue answered). After the rounds every engine must report the final weight version.
 Medians over the rounds. bus_vs_raw_broadcast = raw time / bus publish time (= bus bandwidth ÷ raw
 bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publish. Headline
-(BENCHMARKS.md): the largest model of the run. Result file: weight_bus-<device>[-<label>]-<date>.json.
+(benchmarks/README.md): the largest model of the run. Result file: weight_bus-<device>[-<label>]-<date>.json.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The one async client rollout workers use to drive an engine, SGLang server or built-in, over SGLang's
-native HTTP API (shared/SGLANG_API.md). Token-in/token-out: prompts go as ids, results come back as ids,
+native HTTP API (docs/sglang_api.md). Token-in/token-out: prompts go as ids, results come back as ids,
 behaviour logprobs and the weight version of every token."""
 
 from __future__ import annotations

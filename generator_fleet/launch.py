@@ -5,7 +5,7 @@ EngineClient and the trainer's weight bus drive them exactly like the built-in e
 
 Where requests go (slime and AReaL drive SGLang the same way): rollout requests go to the router when
 there is one, else straight to the engines; pause, continue and weight updates always go to each engine
-("worker"), because the router does not forward them (shared/SGLANG_API.md §5).
+("worker"), because the router does not forward them (docs/sglang_api.md §5).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import httpx
 import redis
 
 from generator_fleet.launch_options import SGLangOptions
-from generator_fleet.registry import DEFAULT_LEASE_S, EngineRegistration
+from weight_bus.registry import DEFAULT_LEASE_S, EngineRegistration
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ import time
 from generator_fleet import metrics
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
 from generator_fleet.config import RolloutConfig
-from generator_fleet.registry import live_engines
 from generator_fleet.tasks import build_task
 from generator_fleet.workflow import build_workflow
 from replay_buffer import BufferProducer, Sample, make_group
 from replay_buffer.client import connect_async
+from weight_bus.registry import live_engines
 
 log = logging.getLogger(__name__)
 

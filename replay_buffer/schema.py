@@ -9,7 +9,7 @@ Worked example (one sample of a two-turn tool rollout, tokens shown as text):
     token_versions    = [ 4     5  ]      # weight version that produced each token (partial rollout)
 
 `min_version`/`max_version` of the group span every model token of every sample; the trainer uses
-`min_version` for the staleness rule (DESIGN.md §3).
+`min_version` for the staleness rule (docs/design.md §3).
 
 Per-token arrays travel packed (little-endian int32 ids/versions, float32 logprobs, uint8 mask) rather
 than as msgpack lists: decoding a 8 x 1k-token group drops from ~1 ms to ~15 us, which is what lets the

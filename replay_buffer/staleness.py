@@ -1,4 +1,4 @@
-"""Staleness rule (DESIGN.md §3), pure: a group whose oldest token came from `min_version` is usable by a
+"""Staleness rule (docs/design.md §3), pure: a group whose oldest token came from `min_version` is usable by a
 trainer at policy `version` iff version - min_version <= max_staleness (counted in versions)."""
 
 

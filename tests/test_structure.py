@@ -32,7 +32,7 @@ ALLOWED = {  # package -> the project packages it may import
     "common": set(),
     "models": {"common"},
     "replay_buffer": {"common"},
-    "weight_bus": {"common", "models"},
+    "weight_bus": {"common", "models", "replay_buffer"},
     "generator_fleet": {"common", "models", "replay_buffer", "weight_bus"},
     "trainer": {"common", "models", "replay_buffer", "weight_bus"},
     "jobspec": {"common", "models", "replay_buffer", "weight_bus", "generator_fleet", "trainer"},

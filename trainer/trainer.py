@@ -1,6 +1,6 @@
 """The trainer loop: take a staleness-bounded batch, one importance-corrected policy step, commit, publish.
 
-Each step, in order (the order is the durability contract, DESIGN.md §3):
+Each step, in order (the order is the durability contract, docs/design.md §3):
   1. take_batch   — groups read from the stream, still pending (unacked)            (rank 0)
   2. optimizer step over packed micro-batches, split across the trainer ranks        (every rank)
   3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from generator_fleet.registry import EngineRegistry
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from trainer import checkpoint, metrics
@@ -33,6 +32,7 @@ from trainer.flops import peak_flops
 from trainer.learner import Learner
 from weight_bus import BusError, WeightBus, update_due
 from weight_bus.group import master_address_for
+from weight_bus.registry import EngineRegistry
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ One update (`WeightBus.publish`):
   5. continue — /continue_generation; engines that joined are promoted in the registry (they take
      traffic only now, holding the current weights).
 
-Order matters (shared/SGLANG_API.md §3): an engine's HTTP handler blocks inside the collective, so the
+Order matters (docs/sglang_api.md §3): an engine's HTTP handler blocks inside the collective, so the
 trainer fires the HTTP request first, then joins the collective, then collects the HTTP answer. The
 announcements to one engine go out in bucket order on one pipelined connection (weight_bus/pipeline.py):
 bucket k+1's is written without waiting for k's answer, yet cannot overtake it (on two connections it

@@ -1,4 +1,4 @@
-"""The engines' control routes over HTTP (SGLang's native API, shared/SGLANG_API.md §3): pause and
+"""The engines' control routes over HTTP (SGLang's native API, docs/sglang_api.md §3): pause and
 continue generation, join and leave weight-update groups, announce buckets, read server info. The one
 synchronous client for them, used by the weight bus and the job driver; generation has its own async
 client (generator_fleet.client).

@@ -37,7 +37,7 @@ BUILTIN_ENGINE = "slipstream-builtin"
 
 
 class Registry(Protocol):
-    """What the bus needs of the engine registry (generator_fleet.registry.EngineRegistry): engines
+    """What the bus needs of the engine registry (weight_bus.registry.EngineRegistry): engines
     registered mid-job wait in a joining set until the bus has given them the current weights."""
 
     def joining(self) -> list[str]: ...

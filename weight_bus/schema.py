@@ -1,4 +1,4 @@
-"""Bodies of the engines' weight-update endpoints (SGLang native API, shared/SGLANG_API.md §3)."""
+"""Bodies of the engines' weight-update endpoints (SGLang native API, docs/sglang_api.md §3)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ max_staleness 10^6, so nothing ever waits on the trainer):
 - trainer-only: then the trainer (publishing to the engine every step as in a job) trains `warmup + steps`
   steps on the pre-filled buffer (no wait for data); rate as for the jobs.
 
-Headlines (BENCHMARKS.md): ratios.async_vs_sync = samples/s at max_staleness 2 / at 0 (which one is
+Headlines (benchmarks/README.md): ratios.async_vs_sync = samples/s at max_staleness 2 / at 0 (which one is
 `config.async_vs_sync_uses`; the best async one is ratios.best_async_vs_sync); ratios.async_vs_pipeline_bound
 = the same async samples/s / min(generator-only, trainer-only).
 

@@ -1,4 +1,4 @@
-"""The built-in engine's FastAPI app: SGLang's native API subset (shared/SGLANG_API.md) over a Runner,
+"""The built-in engine's FastAPI app: SGLang's native API subset (docs/sglang_api.md) over a Runner,
 assembled from its route groups (generation, weights and generation control, health and information)
 behind the API key and body guards.
 

@@ -16,7 +16,7 @@ GREEDY_EPS = 1e-6
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    """Resolved per-request sampling settings; defaults are SGLang's (shared/SGLANG_API.md §1)."""
+    """Resolved per-request sampling settings; defaults are SGLang's (docs/sglang_api.md §1)."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0

@@ -89,7 +89,7 @@ class EngineActor:
 
     def start(self) -> str:
 
-        from generator_fleet.registry import EngineRegistration
+        from weight_bus.registry import EngineRegistration
 
         self.server.start()
         _export(self.server.app.state.engine.metrics.registry)

@@ -221,7 +221,7 @@ def restart_redis(job: LocalJob, down_s: float = 1.0) -> dict:
 
 
 def d_live(job: LocalJob) -> list[str]:
-    from generator_fleet.registry import EngineRegistry
+    from weight_bus.registry import EngineRegistry
 
     return EngineRegistry(job.r, job.spec.name).live()
 

@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from generator_fleet.registry import EngineRegistry, engines_key, joining_key
 from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, kill, outcome, wait_all
+from weight_bus.registry import EngineRegistry, engines_key, joining_key
 
 log = logging.getLogger("slipstream.job.generators")
 

@@ -1,6 +1,6 @@
 """Async-vs-sync benchmark: the rate and learning-summary arithmetic on hand-made progress records, and a
 --quick CPU run (three real jobs on local Ray: max_staleness 0 and 2, then the generator-only /
-trainer-only session) that writes a result file in the BENCHMARKS.md format with the headline names. No
+trainer-only session) that writes a result file in the result-file format (benchmarks/README.md) with the headline names. No
 timing thresholds: timings belong to the benchmark."""
 
 import json

@@ -1,5 +1,5 @@
 """Smoke test of the buffer benchmark: a tiny run against a real redis-server writes a result file in
-the BENCHMARKS.md format with the headline names. No timing thresholds: timings belong to the benchmark."""
+the result-file format (benchmarks/README.md) with the headline names. No timing thresholds: timings belong to the benchmark."""
 
 import json
 

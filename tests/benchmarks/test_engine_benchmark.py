@@ -1,5 +1,5 @@
 """Smoke test of the engine benchmark: a --quick CPU run (tiny model, concurrency 1 and 4, 8 new tokens)
-writes a result file in the BENCHMARKS.md format with the headline names for every concurrency, and the
+writes a result file in the result-file format (benchmarks/README.md) with the headline names for every concurrency, and the
 engine produced exactly max_new_tokens per request. No timing thresholds: timings belong to the benchmark."""
 
 import json

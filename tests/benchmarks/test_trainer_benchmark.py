@@ -1,5 +1,5 @@
 """Smoke test of the trainer benchmark: a tiny CPU run of the real training step writes a result file in
-the BENCHMARKS.md format with the headline names. No timing thresholds: timings belong to the benchmark."""
+the result-file format (benchmarks/README.md) with the headline names. No timing thresholds: timings belong to the benchmark."""
 
 import json
 

@@ -1,5 +1,5 @@
 """Smoke test of the weight-bus benchmark: a --quick CPU run (tiny shape, gloo, a real engine process and a
-raw peer process) writes a result file in the BENCHMARKS.md format with the headline names, and every
+raw peer process) writes a result file in the result-file format (benchmarks/README.md) with the headline names, and every
 timed publish reached the engine with all the bytes (the benchmark checks it and records errors). No timing
 thresholds: timings belong to the benchmark."""
 

@@ -40,8 +40,8 @@ from generator_fleet.launch import (
     router_workers,
     sglang_command,
 )
-from generator_fleet.registry import engines_key, live_engines
 from jobspec import SGLangSpec
+from weight_bus.registry import engines_key, live_engines
 
 KEY = "launch-key"
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}

@@ -13,8 +13,8 @@ from prometheus_client import REGISTRY
 
 import jobspec
 from generator_fleet.engine import EngineServer
-from generator_fleet.registry import EngineRegistration, EngineRegistry
 from trainer.trainer import Trainer
+from weight_bus.registry import EngineRegistration, EngineRegistry
 
 KEY = "idle-key"
 LIMIT_S = 120.0

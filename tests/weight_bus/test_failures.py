@@ -18,8 +18,8 @@ from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, version
 from metrics_text import sample
 
 from generator_fleet.engine import EngineServer
-from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key
 from weight_bus import WeightBus
+from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key
 
 TIMEOUT_S = 2.0
 """The bus's bound on calls and collectives; survivors give up a receive stuck on the dead peer after it."""

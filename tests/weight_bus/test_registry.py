@@ -8,8 +8,8 @@ import redis.asyncio as aioredis
 
 import jobspec
 from generator_fleet.engine import EngineServer
-from generator_fleet.registry import EngineRegistration, EngineRegistry, engines_key, live_engines
 from generator_fleet.rollout import EnginePool, RolloutWorker
+from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key, live_engines
 
 KEY = "reg-key"
 
