@@ -23,6 +23,7 @@ import httpx
 import redis
 
 from generator_fleet.launch_options import SGLangOptions
+from weight_bus.engine_client import EngineClient
 from weight_bus.registry import DEFAULT_LEASE_S, EngineRegistration
 
 log = logging.getLogger(__name__)
@@ -107,10 +108,9 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 def is_healthy(url: str, api_key: str | None = None, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
-    try:
-        return httpx.get(f"{url}/health", headers=_headers(api_key), timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
+    """GET {url}/health answers 200, through the engines' one control client."""
+    with EngineClient(api_key, timeout_s) as client:
+        return client.healthy(url)
 
 
 def wait_healthy(

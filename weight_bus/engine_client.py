@@ -76,6 +76,13 @@ class EngineClient:
             raise Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
         return resp.json()
 
+    def healthy(self, url: str, timeout_s: float | None = None) -> bool:
+        """GET /health answers 200 (SGLang answers 503 while it starts); False on any transport error."""
+        try:
+            return self._http.get(url + "/health", timeout=timeout_s or self.timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     def pause_generation(self, url: str, mode: str) -> dict:
         """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
         return self.post(url, "/pause_generation", {"mode": mode})
