@@ -14,7 +14,6 @@ Adding a task: a module in this folder and its line in `TASKS` (or name it by im
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,7 +67,7 @@ def check_import_paths(
 
 def _load(kind: str, name: str, registry: dict[str, str]) -> Any:
     """The object `name` stands for: a registered one, or one imported by path (allow-list applies)."""
-    from generator_fleet.tools.impl_check import allowed_from_env, module_allowed, not_allowed
+    from generator_fleet.tools.impl_check import allowed_from_env, import_path, module_allowed, not_allowed
 
     if why := check_name(kind, name, registry):
         raise ValueError(why)
@@ -78,18 +77,7 @@ def _load(kind: str, name: str, registry: dict[str, str]) -> Any:
         if not module_allowed(name.partition(":")[0], allowed):
             raise ValueError(f"{kind} {name!r}: {not_allowed(name.partition(':')[0], allowed or [])}")
         target = name
-    module_name, _, attr_path = target.partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"{kind} {name!r}: cannot import module {module_name!r}: {e}") from e
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ValueError(
-                f"{kind} {name!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+    obj = import_path(f"{kind} {name!r}", target)
     if not callable(obj):
         raise ValueError(f"{kind} {name!r}: {target!r} is not callable")
     return obj

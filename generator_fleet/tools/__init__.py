@@ -10,7 +10,6 @@ A tool is a builtin (`BUILTIN_TOOLS`, chosen by name) or any class named by impo
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterable
 from typing import Any
@@ -75,20 +74,12 @@ def build_tool(spec: ToolSpec) -> Tool:
 
 
 def _import(name: str, impl: str) -> Any:
+    from generator_fleet.tools.impl_check import import_path
+
     module_name, sep, attr_path = impl.partition(":")
     if not sep or not module_name or not attr_path:
         raise ValueError(f"tool {name!r}: impl {impl!r} is not of the form 'package.module:ClassName'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"tool {name!r}: cannot import module {module_name!r}: {e}") from e
-    for attr in attr_path.split("."):
-        try:
-            obj = getattr(obj, attr)
-        except AttributeError:
-            raise ValueError(
-                f"tool {name!r}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
+    obj = import_path(f"tool {name!r}", impl)
     if not callable(obj):
         raise ValueError(f"tool {name!r}: {impl!r} is not a class or factory")
     return obj

@@ -54,6 +54,24 @@ def not_allowed(module: str, allowed: Sequence[str]) -> str:
     )
 
 
+def import_path(what: str, target: str) -> Any:
+    """The object at `target` (`package.module:attr[.attr]`), imported; a ValueError that starts with
+    `what` (e.g. "tool 'calc'") when the module or the attribute is missing."""
+    import importlib
+
+    module_name, _, attr_path = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"{what}: cannot import module {module_name!r}: {e}") from e
+    for attr in attr_path.split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise ValueError(f"{what}: module {module_name!r} has no attribute {attr_path!r}") from None
+    return obj
+
+
 def check_tools(
     tools: Iterable[Any], allowed: Sequence[str] | None = None, path: Sequence[str] | None = None
 ) -> str | None:

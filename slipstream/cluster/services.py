@@ -6,15 +6,7 @@ head (token auth, dashboard + job API), Prometheus (optional: skipped if no bina
 goes to HOME/cluster.json, and `down` signals exactly those processes (never `ray stop`, which kills every
 Ray instance of the user on the machine).
 
-HOME (`--home`, $SLIPSTREAM_HOME, default ~/.slipstream):
-
-    secrets.json      0600: redis_password, api_token, ray_auth_token; generated once, kept across down/up
-    cluster.json      host, ports, pids, addresses (no secrets); ports are reused by the next `up`
-    redis/            redis.conf (0600, holds the password) and the AOF
-    ray/              Ray's --temp-dir (sessions, Ray's own logs); see `ray_temp_dir` for long HOMEs
-    prometheus/       prometheus.yml (rendered from deploy/prometheus.yml), data/, targets/ (file_sd)
-    logs/             <service>.log (each service's stdout/stderr) and cluster.log (one line per event)
-    jobs/             per-job output directories (the job driver's)
+HOME's layout: slipstream/cluster/state.py.
 """
 
 from __future__ import annotations
