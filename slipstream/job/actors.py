@@ -11,10 +11,11 @@ import logging
 import os
 from pathlib import Path
 
+import msgspec
 import ray
 
 from common.logtext import PlainFormatter
-from generator_fleet.config import RolloutConfig
+from generator_fleet.config import GeneratorsSpec, RolloutConfig
 from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
 from replay_buffer.client import connect
@@ -22,11 +23,22 @@ from replay_buffer.keys import JobKeys
 from trainer.config import TrainerConfig
 
 
+class JobRef(msgspec.Struct, frozen=True):
+    """What an engine process needs of its job: the name (its metrics key) and the output directory (its
+    log). Trainer and rollout processes get the same two fields in their component's config."""
+
+    name: str
+    output_dir: str
+
+
+def job_ref(spec: JobSpec) -> JobRef:
+    return JobRef(name=spec.name, output_dir=spec.output_dir)
+
+
 def _setup_process(
-    spec: JobSpec | TrainerConfig | RolloutConfig, name: str, redis_url: str, threads: int
+    job: JobRef | TrainerConfig | RolloutConfig, name: str, redis_url: str, threads: int
 ) -> None:
-    """Logging, threads and metrics of this actor's process; `spec`: the job spec or the component's
-    config (its job `name` and `output_dir`)."""
+    """Logging, threads and metrics of this actor's process, for the job `job` names."""
     import torch
     from prometheus_client import start_http_server
 
@@ -34,7 +46,7 @@ def _setup_process(
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(threads)
-    log_dir = Path(spec.output_dir) / "logs"
+    log_dir = Path(job.output_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
     root.setLevel(logging.INFO)
@@ -49,7 +61,7 @@ def _setup_process(
     server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
     port = server.server_port
     gpu_metrics.register()  # this process's GPUs, if it has any
-    connect(redis_url).hset(JobKeys(spec.name).metrics_targets, name, f"127.0.0.1:{port}")
+    connect(redis_url).hset(JobKeys(job.name).metrics_targets, name, f"127.0.0.1:{port}")
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
 
 
@@ -73,18 +85,18 @@ class EngineActor:
 
     def __init__(
         self,
-        spec: JobSpec,
+        job: JobRef,
         options: EngineOptions,
         redis_url: str,
         api_key: str,
         index: int,
         joining: bool = False,
     ) -> None:
-        """`options`: the engine's (jobspec.engine_options); `spec` names the job's logs and metrics."""
+        """`options`: the engine's (jobspec.engine_options)."""
         from generator_fleet.engine import EngineServer
 
-        _setup_process(spec, f"engine-{index}", redis_url, options.torch_threads or 1)
-        self.redis_url, self.job, self.joining = redis_url, spec.name, joining
+        _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
+        self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:
@@ -131,16 +143,24 @@ class SGLangEngineActor:
     Ray sets this actor's CUDA_VISIBLE_DEVICES to them and the server inherits it. The engine joins the
     registry itself, or the job's sglang-router when there is one (rollout requests then go there)."""
 
-    def __init__(self, spec: JobSpec, redis_url: str, api_key: str, index: int) -> None:
+    def __init__(
+        self,
+        job: JobRef,
+        model_path: str,
+        generators: GeneratorsSpec,
+        redis_url: str,
+        api_key: str,
+        index: int,
+    ) -> None:
         from generator_fleet.launch import SGLangServer
 
-        _setup_process(spec, f"engine-{index}", redis_url, 1)
-        self.redis_url, self.job, self.router_url = redis_url, spec.name, spec.generators.router_url
+        _setup_process(job, f"engine-{index}", redis_url, 1)
+        self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
         self.server = SGLangServer(
-            spec.model.path,
-            spec.generators.sglang,
-            log_path=Path(spec.output_dir) / "logs" / f"sglang-{index}.log",
+            model_path,
+            generators.sglang,
+            log_path=Path(job.output_dir) / "logs" / f"sglang-{index}.log",
             api_key=api_key,
         )
         self.registration = None
@@ -188,12 +208,12 @@ class ExternalEnginesActor:
     /health and holds their registry leases, renewed only while they keep answering."""
 
     def __init__(
-        self, spec: JobSpec, redis_url: str, api_key: str | None, urls: list[str], router_url: str | None
+        self, job: JobRef, redis_url: str, api_key: str | None, urls: list[str], router_url: str | None
     ) -> None:
         from generator_fleet.launch import ExternalEngines
 
-        _setup_process(spec, "external-engines", redis_url, 1)
-        self.redis_url, self.job = redis_url, spec.name
+        _setup_process(job, "external-engines", redis_url, 1)
+        self.redis_url, self.job = redis_url, job.name
         self.engines = ExternalEngines(urls, router_url, api_key)
 
     def attach(self) -> list[str]:

@@ -72,10 +72,12 @@ def engine_actor(spec: JobSpec):
 def launch_engine(spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False):
     """The actor of launched engine `index` (`builtin` or `sglang`), not started yet. `joining`: a
     built-in engine started mid-job waits in the registry's joining set until the bus gave it weights."""
+    from slipstream.job.actors import job_ref
+
     cls, _ = engine_actor(spec)
     if spec.generators.engine == "builtin":
-        return cls.remote(spec, engine_options(spec), redis_url, api_key, index, joining=joining)
-    return cls.remote(spec, redis_url, api_key, index)
+        return cls.remote(job_ref(spec), engine_options(spec), redis_url, api_key, index, joining=joining)
+    return cls.remote(job_ref(spec), spec.model.path, spec.generators, redis_url, api_key, index)
 
 
 def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
@@ -84,7 +86,7 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
     engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
     import ray
 
-    from slipstream.job.actors import ExternalEnginesActor
+    from slipstream.job.actors import ExternalEnginesActor, job_ref
 
     g = spec.generators
     if g.engine == "external":
@@ -93,7 +95,7 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
             api_key = os.environ.get(g.api_key_env)
             if not api_key:
                 raise RuntimeError(f"generators.api_key_env: environment variable {g.api_key_env} is not set")
-        attach = ExternalEnginesActor.remote(spec, redis_url, api_key, g.urls, g.router_url)
+        attach = ExternalEnginesActor.remote(job_ref(spec), redis_url, api_key, g.urls, g.router_url)
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
@@ -108,7 +110,7 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])
         if g.router_url:  # the engines joined the router; the router joins the registry
-            attach = ExternalEnginesActor.remote(spec, redis_url, api_key, workers, g.router_url)
+            attach = ExternalEnginesActor.remote(job_ref(spec), redis_url, api_key, workers, g.router_url)
             engine_actors.append(attach)
             ray.get(attach.attach.remote())
     rollout = [g.router_url.rstrip("/")] if g.router_url else workers
