@@ -23,14 +23,7 @@ def _parser() -> argparse.ArgumentParser:
     ):
         s = sub.add_parser(name, help=help_)
         s.add_argument("spec", help="job spec YAML")
-        s.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable)",
-        )
+        jobs_cli.add_overrides(s)
     buf = sub.add_parser("buffer", help="inspect a job's replay buffer")
     bsub = buf.add_subparsers(dest="buffer_cmd", required=True)
     st = bsub.add_parser("stats", help="depth, pending, dead letters, staleness distribution of a job")

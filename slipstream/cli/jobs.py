@@ -108,6 +108,18 @@ class ControlClient:
         return self._call("DELETE", f"/jobs/{name}", params={"purge": purge})
 
 
+def add_overrides(parser) -> None:
+    """`--set KEY=VALUE` (repeatable): a spec key's value, given as YAML, over the file's."""
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable; VALUE is YAML)",
+    )
+
+
 def add_parsers(sub) -> None:
     def common(p):
         p.add_argument(
@@ -120,14 +132,7 @@ def add_parsers(sub) -> None:
 
     s = common(sub.add_parser("submit", help="submit a job to the cluster"))
     s.add_argument("spec", help="job spec YAML")
-    s.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a spec key, e.g. --set algorithm.lr=1e-4 (repeatable; VALUE is YAML)",
-    )
+    add_overrides(s)
     s.add_argument("--watch", action="store_true", help="then show its status live until it ends")
     common(sub.add_parser("list", help="the cluster's jobs"))
     st = common(sub.add_parser("status", help="a job's version, staleness, throughput, pools, reward"))
