@@ -53,6 +53,13 @@ class RewardSpec(Spec):
     none; or `package.module:attr`, a function `(problem, response, format_weight) -> float`."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     """Share of the reward paid for a well-formed answer; the rest for correctness."""
+    overlong_buffer_len: NonNeg = 0
+    """DAPO's soft overlong punishment (verl `reward_model.overlong_buffer.len`), in response tokens;
+    0 = off. With Lmax the response budget (`rollout.sampling.max_new_tokens`, or `agent.max_total_tokens`)
+    and B this length, a response of L tokens gets `overlong_penalty_factor` times 0 if L <= Lmax - B,
+    ((Lmax - B) - L) / B if Lmax - B < L <= Lmax, -1 beyond, added to its reward. At most Lmax."""
+    overlong_penalty_factor: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] = 1.0
+    """Scale of the overlong penalty (verl `overlong_buffer.penalty_factor`): the most a response loses."""
 
     def __post_init__(self) -> None:
         if self.name is not None and (why := check_name("reward", self.name, REWARDS)):
@@ -78,12 +85,29 @@ class SamplingSpec(Spec):
     max_new_tokens: Pos = 8
 
 
+class DynamicSamplingSpec(Spec):
+    """DAPO's dynamic sampling (verl `algorithm.filter_groups`): a finished group whose rewards are all
+    equal has zero GRPO advantage everywhere, so it is not put into the buffer; its admission slot is
+    given back and the worker generates another group in its place, so batches stay full."""
+
+    enabled: bool = False
+    max_filtered_per_step: Pos = 64
+    """Most groups one rollout worker filters per trainer step (buffer version); beyond it uniform groups
+    are kept (and a warning logged once), so a task whose groups are all uniform still makes progress
+    (verl's `filter_groups.max_num_gen_batches` bounds the same over-generation, per batch)."""
+
+
 class RolloutSpec(Spec):
     group_size: Annotated[int, msgspec.Meta(ge=2, le=MAX_COUNT)] = 8
     """Samples per prompt (G); GRPO needs at least 2."""
     concurrency: Pos = 16
     """Groups each rollout worker keeps in flight."""
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    dynamic_sampling: DynamicSamplingSpec = msgspec.field(default_factory=DynamicSamplingSpec)
+    overlong_filter: bool = False
+    """DAPO's overlong filtering (the paper's; verl has no key for it): a response
+    cut off by the token budget (finish_reason `length`) keeps its reward but gets loss_mask all zeros, so
+    it does not train. A group with no trainable token left is dropped (its slot given back)."""
 
 
 class SGLangSpec(SGLangOptions, Spec):
@@ -167,6 +191,9 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
     groups_per_step: int
     """Groups the trainer consumes per optimizer step (algorithm.groups_per_step): admission control
     lets workers run at most max_staleness steps' worth of groups ahead."""
+    response_budget: int = 0
+    """Response tokens a sample may have (sampling.max_new_tokens, or agent.max_total_tokens): the Lmax of
+    the overlong penalty; 0 = the rollout section's max_new_tokens."""
 
 
 def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOptions:

@@ -27,6 +27,12 @@ REISSUED = Counter(
     "slipstream_rollout_reissued_prompts_total",
     "Prompts generated again because the worker generating them died (its lease expired)",
 )
+GROUPS_FILTERED = Counter(
+    "slipstream_rollout_groups_filtered_total",
+    "Finished groups not put into the buffer (their admission slot given back): `uniform`, all rewards "
+    "equal (dynamic sampling); `overlong`, no trainable token left after overlong filtering",
+    ["reason"],
+)
 TOOL_CALLS = Counter("slipstream_tool_calls_total", "Tool calls made by the agent loop", ["tool"])
 TOOL_ERRORS = Counter(
     "slipstream_tool_errors_total", "Tool calls that failed (bad call, timeout, crash)", ["tool"]

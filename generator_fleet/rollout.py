@@ -96,6 +96,8 @@ class RolloutWorker:
             r, cfg.name, worker_id=name, lease_ms=int(cfg.buffer.worker_lease_s * 1000)
         )
         self.produced = 0
+        self.filtered = 0
+        self._filter_version, self._filtered_in_version, self._cap_warned = -1, 0, False
         self.redis = r
         heartbeat = asyncio.create_task(self._heartbeat())
         registry = asyncio.create_task(self._follow_registry())
@@ -115,8 +117,13 @@ class RolloutWorker:
                 log.info("rollout worker %s released %d unfinished reservations", name, released)
             await self.engines.aclose()
             await r.aclose()
-        log.info("rollout worker %d stopped after %d groups", self.worker_id, self.produced)
-        return {"groups": self.produced}
+        log.info(
+            "rollout worker %d stopped after %d groups (%d filtered)",
+            self.worker_id,
+            self.produced,
+            self.filtered,
+        )
+        return {"groups": self.produced, "filtered": self.filtered}
 
     async def _heartbeat(self) -> None:
         """Keep this worker's lease alive while groups take long (admission calls renew it too)."""
@@ -157,8 +164,39 @@ class RolloutWorker:
                 await self.producer.release(problem.prompt_id)
                 log.error("group for %s given up: %s", problem.prompt_id, e)
                 continue
+            if reason := await self._filter(samples):
+                await self.producer.release(problem.prompt_id)
+                metrics.GROUPS_FILTERED.labels(reason).inc()
+                self.filtered += 1
+                log.debug("group for %s filtered (%s): not put into the buffer", problem.prompt_id, reason)
+                continue
             await self.producer.put(make_group(self.config.name, problem.prompt_id, samples))
             self.produced += 1
+
+    async def _filter(self, samples: list[Sample]) -> str | None:
+        """Why a finished group is not put into the buffer, or None to keep it. `overlong`: overlong
+        filtering left no trainable token. `uniform` (dynamic sampling): every reward is equal, so GRPO's
+        advantages are all 0; at most `max_filtered_per_step` per buffer version, then such groups are kept."""
+        if self.config.rollout.overlong_filter and not any(s.view("loss_mask").any() for s in samples):
+            return "overlong"
+        ds = self.config.rollout.dynamic_sampling
+        if not ds.enabled or any(s.reward != samples[0].reward for s in samples):
+            return None
+        version = await self.producer.version()
+        if version != self._filter_version:
+            self._filter_version, self._filtered_in_version = version, 0
+        if self._filtered_in_version >= ds.max_filtered_per_step:
+            if not self._cap_warned:
+                self._cap_warned = True
+                log.warning(
+                    "dynamic sampling: %d groups filtered at version %d (max_filtered_per_step); keeping "
+                    "uniform-reward groups until the next version (warned once)",
+                    self._filtered_in_version,
+                    version,
+                )
+            return None
+        self._filtered_in_version += 1
+        return "uniform"
 
     async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
         """One batched /generate on the least-loaded engine; an engine error retries the whole batch on

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from generator_fleet import metrics
@@ -32,7 +33,43 @@ class Workflow(Protocol):
         ...
 
 
-def _sample(prompt_ids, ids, mask, logprobs, versions, reward, finish_reason, **stats) -> Sample:
+def overlong_penalty(length: int, max_len: int, buffer_len: int, factor: float = 1.0) -> float:
+    """DAPO's soft overlong punishment of a response of `length` tokens with budget `max_len` and buffer
+    `buffer_len` (tokens): 0 up to max_len - buffer_len, then falling linearly to -factor at max_len,
+    -factor beyond. `buffer_len` 0: no penalty."""
+    if buffer_len <= 0:
+        return 0.0
+    start = max_len - buffer_len
+    if length <= start:
+        return 0.0
+    if length <= max_len:
+        return factor * (start - length) / buffer_len
+    return -factor
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """What the rollout config does to each sample after scoring: the overlong penalty (added to the
+    reward) and overlong filtering (a `length`-finished response gets loss_mask all zeros)."""
+
+    max_len: int = 0
+    buffer_len: int = 0
+    penalty_factor: float = 1.0
+    filter_overlong: bool = False
+
+    def reward(self, reward: float, length: int) -> float:
+        return reward + overlong_penalty(length, self.max_len, self.buffer_len, self.penalty_factor)
+
+
+NO_SHAPING = Shaping()
+
+
+def _sample(
+    prompt_ids, ids, mask, logprobs, versions, reward, finish_reason, shaping=NO_SHAPING, **stats
+) -> Sample:
+    reward = shaping.reward(reward, len(ids))
+    if shaping.filter_overlong and finish_reason == "length":
+        mask, logprobs, versions = [0] * len(ids), [0.0] * len(ids), [-1] * len(ids)
     metrics.TOKENS.inc(sum(mask))
     metrics.REWARD.observe(reward)
     return Sample.build(
@@ -51,8 +88,16 @@ class SingleTurn:
     """All G samples of one prompt through one batched /generate per round. Samples aborted by a pause
     are resumed from their token prefix in the next round."""
 
-    def __init__(self, tokenizer, sampling, group_size: int, reward: Callable[[Problem, Response], float]):
+    def __init__(
+        self,
+        tokenizer,
+        sampling,
+        group_size: int,
+        reward: Callable[[Problem, Response], float],
+        shaping: Shaping = NO_SHAPING,
+    ):
         self.tokenizer, self.sampling, self.group_size, self.reward = tokenizer, sampling, group_size, reward
+        self.shaping = shaping
 
     async def run(
         self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
@@ -97,6 +142,7 @@ class SingleTurn:
                     versions[i],
                     reward,
                     finish[i],
+                    self.shaping,
                     temperature=sp.temperature,
                     prompt_len=len(prompt_ids),
                 )
@@ -108,8 +154,14 @@ class AgentEpisodes:
     """G multi-turn tool-using episodes in lock-step (generator_fleet/agent/loop.py), each in its own
     working directory for the tools; the reward scores the last assistant turn."""
 
-    def __init__(self, agent, group_size: int, reward: Callable[[Problem, Response], float]):
-        self.agent, self.group_size, self.reward = agent, group_size, reward
+    def __init__(
+        self,
+        agent,
+        group_size: int,
+        reward: Callable[[Problem, Response], float],
+        shaping: Shaping = NO_SHAPING,
+    ):
+        self.agent, self.group_size, self.reward, self.shaping = agent, group_size, reward, shaping
 
     async def run(
         self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
@@ -135,6 +187,7 @@ class AgentEpisodes:
                     ep.versions,
                     reward,
                     ep.finish_reason,
+                    self.shaping,
                     num_turns=ep.turns,
                     tool_calls=ep.tool_calls,
                     tool_errors=ep.tool_errors,
@@ -152,9 +205,15 @@ def build_workflow(config: RolloutConfig, tokenizer, task) -> Workflow:
 
     reward = build_reward(config.reward, task)
     sampling = config.rollout.sampling
+    shaping = Shaping(
+        max_len=config.response_budget or sampling.max_new_tokens,
+        buffer_len=config.reward.overlong_buffer_len,
+        penalty_factor=config.reward.overlong_penalty_factor,
+        filter_overlong=config.rollout.overlong_filter,
+    )
     if config.agent is not None:
         from generator_fleet.agent import build_agent
 
         agent = build_agent(config.agent, config.tools, sampling, tokenizer)
-        return AgentEpisodes(agent, config.rollout.group_size, reward)
-    return SingleTurn(tokenizer, sampling, config.rollout.group_size, reward)
+        return AgentEpisodes(agent, config.rollout.group_size, reward, shaping)
+    return SingleTurn(tokenizer, sampling, config.rollout.group_size, reward, shaping)

@@ -53,11 +53,14 @@ class JobSpec(Spec):
     bus: BusSpec = msgspec.field(default_factory=BusSpec)
     redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
 
+    @property
+    def response_budget(self) -> int:
+        """Response tokens one sample may have."""
+        return self.agent.max_total_tokens if self.agent is not None else self.rollout.sampling.max_new_tokens
+
     def trainer_config(self) -> TrainerConfig:
         """The sections a trainer rank uses."""
-        budget = (
-            self.agent.max_total_tokens if self.agent is not None else self.rollout.sampling.max_new_tokens
-        )
+        budget = self.response_budget
         return TrainerConfig(
             name=self.name,
             output_dir=self.output_dir,
@@ -82,9 +85,15 @@ class JobSpec(Spec):
             rollout=self.rollout,
             buffer=self.buffer,
             groups_per_step=self.algorithm.groups_per_step,
+            response_budget=self.response_budget,
         )
 
     def __post_init__(self) -> None:
+        if self.reward.overlong_buffer_len > self.response_budget:
+            raise bad(
+                "reward.overlong_buffer_len",
+                f"{self.reward.overlong_buffer_len} exceeds the response budget {self.response_budget}",
+            )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.update_every - 1 > self.buffer.max_staleness:
