@@ -13,6 +13,8 @@ from typing import Any
 import httpx
 import msgspec
 
+from weight_bus.engine_client import auth_headers
+
 DEFAULT_TIMEOUT_S = 1800.0
 """Read timeout per call: a /generate may legitimately wait out a long pause for a weight update."""
 CONNECT_TIMEOUT_S = 10.0
@@ -125,10 +127,9 @@ class EngineClient:
         max_connections: int | None = 1024,
     ) -> None:
         self.base_url = base_url.rstrip("/")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers=headers,
+            headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
             # A rollout worker keeps hundreds of /generate calls open on one engine.
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),

@@ -23,7 +23,7 @@ import httpx
 import redis
 
 from generator_fleet.launch_options import SGLangOptions
-from weight_bus.engine_client import EngineClient
+from weight_bus.engine_client import EngineClient, auth_headers
 from weight_bus.registry import DEFAULT_LEASE_S, EngineRegistration
 
 log = logging.getLogger(__name__)
@@ -101,10 +101,6 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def is_healthy(url: str, api_key: str | None = None, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
@@ -253,7 +249,7 @@ class HealthCheckedRegistration(EngineRegistration):
 
 def router_workers(router_url: str, api_key: str | None = None) -> list[str]:
     """The worker URLs behind an sglang-router (GET /list_workers -> {"urls": [...]})."""
-    resp = httpx.get(f"{router_url}/list_workers", headers=_headers(api_key), timeout=HEALTH_TIMEOUT_S)
+    resp = httpx.get(f"{router_url}/list_workers", headers=auth_headers(api_key), timeout=HEALTH_TIMEOUT_S)
     resp.raise_for_status()
     return [u.rstrip("/") for u in resp.json()["urls"]]
 
@@ -262,7 +258,7 @@ def router_add_worker(router_url: str, url: str, api_key: str | None = None) -> 
     """POST /add_worker?url=...; `api_key` is the worker's, for the router to call it with."""
     params = {"url": url, **({"api_key": api_key} if api_key else {})}
     resp = httpx.post(
-        f"{router_url}/add_worker", params=params, headers=_headers(api_key), timeout=ATTACH_TIMEOUT_S
+        f"{router_url}/add_worker", params=params, headers=auth_headers(api_key), timeout=ATTACH_TIMEOUT_S
     )
     if resp.status_code != 200:
         raise EngineStartError(f"router {router_url} refused worker {url}: {resp.status_code} {resp.text}")
@@ -274,7 +270,7 @@ def router_remove_worker(router_url: str, url: str, api_key: str | None = None) 
         resp = httpx.post(
             f"{router_url}/remove_worker",
             params={"url": url},
-            headers=_headers(api_key),
+            headers=auth_headers(api_key),
             timeout=HEALTH_TIMEOUT_S,
         )
     except httpx.HTTPError as e:

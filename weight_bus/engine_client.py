@@ -27,6 +27,7 @@ PROBE_TIMEOUT_S = 5.0
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header every engine checks (the job's engine key), for generation and control calls alike."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
