@@ -19,9 +19,9 @@ import time
 
 import httpx
 import pytest
-import redis.asyncio as aioredis
 import uvicorn
 from fastapi import FastAPI, Request, Response
+from registry_helpers import live
 from sglang_env import REAL_SGLANG_ENV, SGLANG_INSTALLED, install_shim
 from sglang_shim import parse as shim_parse
 
@@ -41,21 +41,10 @@ from generator_fleet.launch import (
     sglang_command,
 )
 from jobspec import SGLangSpec
-from weight_bus.registry import engines_key, live_engines
+from weight_bus.registry import engines_key
 
 KEY = "launch-key"
 GREEDY = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-
-
-def live(redis_server, job: str) -> list[str]:
-    async def go():
-        r = aioredis.Redis.from_url(redis_server.url)
-        try:
-            return await live_engines(r, job)
-        finally:
-            await r.aclose()
-
-    return asyncio.run(go())
 
 
 def generate(url: str, prompt: list[int]):

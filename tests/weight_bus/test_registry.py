@@ -5,55 +5,45 @@ elsewhere."""
 import asyncio
 
 import redis.asyncio as aioredis
+from registry_helpers import live
 
 import jobspec
 from generator_fleet.engine import EngineServer
 from generator_fleet.rollout import EnginePool, RolloutWorker
-from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key, live_engines
+from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key
 
 KEY = "reg-key"
-
-
-def _live(redis_server, job):
-    async def go():
-        r = aioredis.Redis.from_url(redis_server.url)
-        try:
-            return await live_engines(r, job)
-        finally:
-            await r.aclose()
-
-    return asyncio.run(go())
 
 
 def test_registration_lease_and_deregistration(redis_server, redis_client, job_id):
     a = EngineRegistration(redis_client, job_id, "http://a:1", lease_s=60)
     b = EngineRegistration(redis_client, job_id, "http://b:2", lease_s=60)
-    assert _live(redis_server, job_id) == ["http://a:1", "http://b:2"]
+    assert live(redis_server, job_id) == ["http://a:1", "http://b:2"]
     b._stop.set()  # b stops renewing ...
     redis_client.zadd(engines_key(job_id), {"http://b:2": 0})  # ... and its lease runs out
-    assert _live(redis_server, job_id) == ["http://a:1"]
+    assert live(redis_server, job_id) == ["http://a:1"]
     a.close()
-    assert _live(redis_server, job_id) == []
+    assert live(redis_server, job_id) == []
 
 
 def test_joining_engine_is_hidden_until_promoted_and_demoted_one_rejoins(redis_server, redis_client, job_id):
     registry = EngineRegistry(redis_client, job_id)
     a = EngineRegistration(redis_client, job_id, "http://a:1", lease_s=60)
     late = EngineRegistration(redis_client, job_id, "http://late:2", lease_s=60, joining=True)
-    assert _live(redis_server, job_id) == ["http://a:1"] and registry.joining() == ["http://late:2"]
+    assert live(redis_server, job_id) == ["http://a:1"] and registry.joining() == ["http://late:2"]
     late.renew()  # renewing does not make it live
-    assert _live(redis_server, job_id) == ["http://a:1"]
+    assert live(redis_server, job_id) == ["http://a:1"]
     assert registry.promote("http://late:2") and not registry.promote("http://late:2")
     late.renew()  # once live, it stays live
-    assert _live(redis_server, job_id) == ["http://a:1", "http://late:2"] and registry.joining() == []
+    assert live(redis_server, job_id) == ["http://a:1", "http://late:2"] and registry.joining() == []
 
     registry.demote("http://a:1")  # the weight bus dropped it: no traffic from now on ...
-    assert _live(redis_server, job_id) == ["http://late:2"]
+    assert live(redis_server, job_id) == ["http://late:2"]
     a.renew()  # ... and if it is alive, it waits as a joiner for the current weights
-    assert registry.joining() == ["http://a:1"] and _live(redis_server, job_id) == ["http://late:2"]
+    assert registry.joining() == ["http://a:1"] and live(redis_server, job_id) == ["http://late:2"]
     a.close()
     late.close()
-    assert registry.joining() == [] and _live(redis_server, job_id) == []
+    assert registry.joining() == [] and live(redis_server, job_id) == []
 
 
 def test_pool_follows_membership_and_balances():
