@@ -94,6 +94,11 @@ class JobSpec(Spec):
                 "reward.overlong_buffer_len",
                 f"{self.reward.overlong_buffer_len} exceeds the response budget {self.response_budget}",
             )
+        if self.rollout.sampling.ignore_eos and self.agent is not None:
+            raise bad(
+                "rollout.sampling.ignore_eos",
+                "single-turn rollouts only: an agent's turns end at EOS (unset it or remove `agent:`)",
+            )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.update_every - 1 > self.buffer.max_staleness:
