@@ -192,6 +192,7 @@ def colocated_raw(args, model: Path, task: str) -> dict[str, Any]:
         groups_per_step=args.groups_per_step,
         bus_backend="ipc",
         placement="colocated",
+        engine_max_batch=256,
     )
     return base_spec(ns, model, task)
 
@@ -283,7 +284,12 @@ def trl_child(cfg: dict) -> None:
         dataloader_num_workers=0,
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=conf, train_dataset=data, processing_class=tok, callbacks=[Clock()]
+        model=model,
+        reward_funcs=reward,
+        args=conf,
+        train_dataset=data,
+        processing_class=tok,
+        callbacks=[Clock()],
     )
     t0 = time.monotonic()
     trainer.train()
@@ -316,7 +322,10 @@ def run_trl(args, model: Path, prompts: list[str], work: Path, variant: str) -> 
         "out": str(work / f"trl-{variant}"),
         "variant": variant,
     }
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+    }
     t0 = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.colocated", "--trl-child", json.dumps(cfg)],
@@ -404,7 +413,10 @@ def run(args, argv: list[str]) -> dict:
                     m = measure_publish(args, shape, work)
                     result["metrics"]["publish"][shape] = m
                     result["ratios"]["publish_vs_d2d_copy"] = m["publish_vs_d2d_copy"]  # largest shape last
-                    result["metrics"]["pause_ms"], result["metrics"]["transfer_ms"] = m["pause_ms"], m["transfer_ms"]
+                    result["metrics"]["pause_ms"], result["metrics"]["transfer_ms"] = (
+                        m["pause_ms"],
+                        m["transfer_ms"],
+                    )
                     log(
                         f"{shape}: publish {m['publish_ms']:.1f} ms vs d2d copy {m['d2d_copy_ms']:.2f} ms: "
                         f"ratio {m['publish_vs_d2d_copy']:.3f} (pause {m['pause_ms']:.1f}, transfer {m['transfer_ms']:.1f})"
@@ -417,7 +429,9 @@ def run(args, argv: list[str]) -> dict:
                 raw = colocated_raw(args, model, None)
                 for ms in (0, 2):
                     runs[str(ms)] = run_colocated_job(args, raw, model, work, f"colocated-staleness-{ms}", ms)
-                    log(f"max_staleness {ms}: {runs[str(ms)]['samples_per_s']:.1f} samples/s, split {runs[str(ms)]['split_s']}")
+                    log(
+                        f"max_staleness {ms}: {runs[str(ms)]['samples_per_s']:.1f} samples/s, split {runs[str(ms)]['split_s']}"
+                    )
                     save()
                 result["ratios"]["async_vs_sync"] = runs["2"]["samples_per_s"] / runs["0"]["samples_per_s"]
                 best_staleness = max((0, 2), key=lambda ms: runs[str(ms)]["samples_per_s"])
