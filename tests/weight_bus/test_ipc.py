@@ -402,6 +402,15 @@ def test_deserialize_refuses_descriptors_and_foreign_classes():
         ipc.deserialize(base64.b64encode(b"cbuiltins\neval\n.").decode())
 
 
+def test_ipc_refuses_an_engine_on_another_host():
+    bus = WeightBus(["http://192.0.2.1:30000"], api_key=KEY, backend="ipc")  # TEST-NET-1: never this host
+    try:
+        with pytest.raises(BusError, match="on this host only"):
+            bus.connect()
+    finally:
+        bus.close()
+
+
 def test_engine_client_refused_is_refused(engines):
     with EngineClient(KEY, 30) as client, pytest.raises(Refused, match="tp_size 1"):
         client.update_weights_from_tensor(
