@@ -156,10 +156,10 @@ class WeightBus:
         with self._lock:
             self.members.connect()
             log.info(
-                "weight bus connected: %d engines, %s, group %s",
+                "weight bus connected: %d engines, %s, %s",
                 len(self.members.engines),
                 self.backend,
-                self.members.name,
+                "no group (handles on this host)" if self.backend == IPC else f"group {self.members.name}",
             )
 
     def joiners_waiting(self) -> list[str]:

@@ -21,8 +21,9 @@ import msgspec
 import pytest
 import torch
 from bus_engines import AUTH, KEY, ROOT, noisy_model, version
+from metrics_text import sample
 
-from weight_bus import BusError, EngineClient, WeightBus, ipc
+from weight_bus import BusError, EngineClient, WeightBus, ipc, metrics
 from weight_bus.errors import Refused
 from weight_bus.ipc_transfer import BucketRing
 from weight_bus.schema import UpdateWeightsFromTensor
@@ -119,6 +120,12 @@ def test_publish_over_ipc_bit_for_bit_and_ring_reused(engines, tmp_path):
         for e in engines:
             _assert_holds(e.weights(), named)
             assert version(e.url) == "14"
+            text = httpx.get(e.url + "/metrics").text  # the engine observes each bucket's phases
+            assert sample(text, "slipstream_engine_weight_updates_total") >= 4 * len(named)
+            for phase in ("wait", "receive", "load"):
+                n = sample(text, "slipstream_engine_weight_bucket_seconds_count", phase=phase)
+                assert n >= 4 * len(named), phase
+        assert metrics.UPDATES.labels("ipc")._value.get() >= 4
     finally:
         bus.close()
 
@@ -325,13 +332,24 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
+
+
+@dataclass
+class LocalSerializedTensor:  # SGLang keeps it elsewhere under sglang.srt; loaders match it by name
+    values: list
 """
 
 SGLANG_SIDE = """
 import base64, io, pickle, sys
 from multiprocessing.reduction import ForkingPickler
 import torch, torch.multiprocessing
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata, LocalSerializedTensor
+
+
+def dumps(obj):
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
 
 if sys.argv[1] == "load":  # what SGLang's deserializer does with our payload (its allowlist admits these)
     obj = pickle.loads(base64.b64decode(sys.stdin.read()))
@@ -344,9 +362,9 @@ else:  # what an SGLang sender (slime) writes, CPU tensors shared by the file_sy
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     flat = t.reshape(-1).view(torch.uint8).clone()
     meta = [FlattenedTensorMetadata("model.norm.weight", t.shape, t.dtype, 0, 24, 24)]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": meta})
-    print(base64.b64encode(buf.getvalue()).decode(), flush=True)
+    print(base64.b64encode(dumps({"flattened_tensor": flat, "metadata": meta})).decode(), flush=True)
+    wrapped = [("model.norm.weight", LocalSerializedTensor(values=[dumps(t * 2)]))]  # verl's direct form
+    print(base64.b64encode(dumps(wrapped)).decode(), flush=True)
     sys.stdin.read()  # keep the shared memory alive until the reader is done
 """
 
@@ -389,6 +407,9 @@ def test_payloads_cross_between_sglang_and_ours(tmp_path):
         [(name, got)] = ipc.load_payload(theirs, ipc.FLATTENED_BUCKET)
         assert name == "model.norm.weight"
         assert torch.equal(got, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+        [(name, got)] = ipc.load_payload(sender.stdout.readline().strip(), None)
+        assert name == "model.norm.weight"
+        assert torch.equal(got, 2 * torch.arange(6, dtype=torch.float32).reshape(2, 3))
     finally:
         sender.communicate("", timeout=60)
 
