@@ -36,10 +36,10 @@ class IpcEngine:
     """A built-in engine in its own process (tests/weight_bus/ipc_engine.py) whose weights the test can
     read back (`weights()`), and which can really die (`kill()`)."""
 
-    def __init__(self, model_dir: Path, tmp: Path) -> None:
+    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu") -> None:
         self.tmp = tmp
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY],
+            [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY, device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -58,7 +58,7 @@ class IpcEngine:
         self.proc.stdin.write(f"dump {path}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "dumped"
-        return torch.load(path)
+        return torch.load(path, map_location="cpu")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -455,3 +455,30 @@ def test_cuda_ipc_handles_cross_processes(tmp_path):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["w", "cuda", str(float(t.sum())), "12345.0"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path):
+    """Colocated: trainer weights on the GPU, the engine on the same GPU; the buckets live in the bus's
+    CUDA ring and reach the engine (bf16) as CUDA-IPC handles, bit for bit, in every update."""
+    engine = IpcEngine(model_dir, tmp_path, device="cuda")
+    named = {n: t.to("cuda") for n, t in noisy_model(tmp_path / "g", 8).state_dict().items()}
+    bus = WeightBus([engine.url], api_key=KEY, backend="ipc", bucket_bytes=64 * 1024)
+    bus.connect()
+    try:
+        for v in (51, 52):
+            with torch.no_grad():
+                for t in named.values():
+                    t.add_(0.25)
+            stats = bus.publish(named.items(), version=v)
+            assert stats.engines == [engine.url] and stats.buckets > 1
+            assert all(s is None or s.is_cuda for s in bus.transfer.ring.slots)
+            got = engine.weights()
+            for n, t in named.items():
+                assert got[n].dtype == torch.bfloat16, n  # the engine's dtype on CUDA: the wire's too
+                assert torch.equal(got[n], t.to(torch.bfloat16).cpu()), n
+        assert version(engine.url) == "52"
+    finally:
+        bus.close()
+        engine.kill()
