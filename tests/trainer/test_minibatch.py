@@ -221,3 +221,34 @@ def test_more_minibatches_than_samples_per_rank_is_refused_at_the_key(tiny_model
         )
     with pytest.raises(jobspec.JobSpecError, match="ppo_epochs"):
         jobspec.from_dict(base | {"algorithm": {"ppo_epochs": 0}})
+
+
+@pytest.mark.slow
+def test_a_job_with_minibatches_clips_and_records_it(tmp_path, tiny_model_dir):
+    """A short real CPU job (Redis, Ray, a built-in engine, the weight bus) with 2 mini-batches per batch;
+    staleness 0 makes every batch fully on-policy, so the engines' logprobs are pi_prox."""
+    from slipstream.job.local import run_job
+
+    spec = jobspec.from_dict(
+        {
+            "name": "minibatch",
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(tiny_model_dir)},
+            "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 6}},
+            "algorithm": {
+                "groups_per_step": 2,
+                "total_steps": 3,
+                "ppo_minibatches": 2,
+                "lr": 1e-2,
+                "clip_eps": 0.05,
+            },
+            "buffer": {"max_staleness": 0},
+            "trainer": {"export_hf": False},
+        }
+    )
+    seen = []
+    result = run_job(spec, on_progress=seen.append)
+    assert result.version == 3 and [r["version"] for r in seen] == [1, 2, 3]  # one version per batch
+    assert all(r["optimizer_steps"] == 2 and r["prox_source"] == "engine" for r in seen)
+    assert max(r["clip_fraction"] for r in seen) > 0
+    assert all(r["ratio_min"] <= r["ratio_max"] for r in seen)
