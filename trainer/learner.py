@@ -102,6 +102,8 @@ class Learner:
         """Optimizer steps taken: the LR schedule's position (checkpointed as trainer_state `lr_step`)."""
         self.updates = algorithm.ppo_minibatches * algorithm.ppo_epochs
         """Optimizer steps per batch."""
+        self._prox_source = ""
+        """The last step's prox_source (a log line when it changes)."""
         self.update_stats: list[dict[str, float]] = []
         """Per optimizer step of the last train_step (all ranks): loss, clip_fraction, grad_norm, lr."""
 
@@ -314,6 +316,16 @@ class Learner:
                 u += 1
         stats = self._reduce(acc, per_update, grad_norms, lrs)
         stats["prox_source"] = prox_source
+        if prox_source != self._prox_source and self.pool.is_main:  # rank 0 logs, every rank remembers
+            log.info(
+                "pi_prox from %s (%d optimizer steps per batch%s)",
+                {"current": "each step's own forward pass", "engine": "the engines' logprobs"}.get(
+                    prox_source, "a forward pass before the first update"
+                ),
+                self.updates,
+                ", the batch fully on-policy" if prox_source == "engine" else "",
+            )
+        self._prox_source = prox_source
         if self.critic is not None:
             stats["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         stats["flops"] = self._flops(micro_batches, prox_source == "recompute")
