@@ -1,10 +1,11 @@
-"""One trainer rank's models and optimizer step: the compute half of the trainer, free of Redis and HTTP.
+"""One trainer rank's models and optimizer steps: the compute half of the trainer, free of Redis and HTTP.
 
-Every rank of the pool holds a `Learner`. Per optimizer step each rank gets its share of the step's
+Every rank of the pool holds a `Learner`. Per optimizer step each rank gets its share of the mini-batch's
 samples as packed micro-batches (trainer/packing.py), runs forward/backward on each, and the gradients
 accumulate; then one clipped optimizer step. Loss normalisation is global: each token's loss is scaled by
-its sample's aggregation weight computed over the whole step (losses.agg_weights), so the per-micro-batch
-losses of all ranks add up to the loss of the whole batch on one rank. FSDP averages gradients over
+its sample's aggregation weight computed over the whole mini-batch (losses.agg_weights; the whole step
+with one mini-batch), so the per-micro-batch losses of all ranks add up to the loss of the whole
+mini-batch on one rank. FSDP averages gradients over
 ranks; the backward pass therefore scales by world_size to turn that average into the sum.
 
 A step's batch takes algorithm.ppo_minibatches x ppo_epochs optimizer steps: the batch is split into
@@ -69,8 +70,6 @@ SUM_STATS = (
     "ratio_sum",
 )
 MAX_STATS = ("is_weight_max", "ratio_max", "ratio_neg_min")
-PROX_SOURCES = ("current", "engine", "recompute")
-"""Where a step's pi_prox logprobs come from (the module docstring says when each is used)."""
 
 
 class Learner:
