@@ -90,6 +90,15 @@ class JobSpec(Spec):
         )
 
     def __post_init__(self) -> None:
+        samples = self.algorithm.groups_per_step * self.rollout.group_size
+        per_rank = samples // self.trainer.num_trainers
+        if self.algorithm.ppo_minibatches > max(per_rank, 1):
+            raise bad(
+                "algorithm.ppo_minibatches",
+                f"{self.algorithm.ppo_minibatches} mini-batches exceed the {per_rank} samples per trainer rank "
+                f"(groups_per_step {self.algorithm.groups_per_step} x rollout.group_size "
+                f"{self.rollout.group_size} / trainer.num_trainers {self.trainer.num_trainers})",
+            )
         if self.reward.overlong_buffer_len > self.response_budget:
             raise bad(
                 "reward.overlong_buffer_len",

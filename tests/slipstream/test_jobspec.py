@@ -90,3 +90,14 @@ def test_bus_ipc_needs_engines_on_this_host():
     local = {"bus": {"backend": "ipc"}, "generators": {**ext, "urls": ["http://127.0.0.1:30000"]}}
     assert jobspec.from_dict(local).bus.backend == "ipc"
     assert jobspec.from_dict({"bus": {"backend": "ipc"}}).bus.backend == "ipc"  # launched engines
+
+
+def test_example_dapo_math_recipe_is_valid_and_takes_any_model_path(tmp_path):
+    spec = jobspec.load("examples/dapo_math.yaml")
+    alg = spec.algorithm
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg) == (0.2, 0.28, "token-mean")
+    assert alg.ppo_minibatches > 1 and spec.rollout.dynamic_sampling.enabled
+    assert 0 < spec.reward.overlong_buffer_len <= spec.response_budget
+    assert spec.model.build == "tiny-tools" and spec.trainer.device == "cpu"
+    other = jobspec.load("examples/dapo_math.yaml", [f"model.path={tmp_path}", "model.build=null"])
+    assert other.model.path == str(tmp_path) and other.model.build is None
