@@ -307,11 +307,13 @@ class JobControl:
         """The job's progress records of its current run (one per optimizer step, as ProgressReader yields
         them: with the cumulative `tokens_per_s`, `samples_per_s`) after the first `since`; `next` is the
         `since` of the next call. `run` names the run, its attempt and its progress trims: when it
-        changes, the records a client holds are not a prefix of these any more (read from 0 again)."""
+        changes, the records a client holds are not a prefix of these any more (read from 0 again). `evals`:
+        every evaluation's record of the run (a spec with `eval`)."""
         self._job(name)
         if since < 0:
             raise ControlError(422, f"since must be >= 0, got {since}")
-        records = ProgressReader(self.r, name).read_all()
+        reader = ProgressReader(self.r, name)
+        records = reader.read_all()
         run = ReplayBuffer(self.r, name).run_info()
         run_tag = f"{run['run_id']}.{run['attempt']}.{run['trims']}" if run else None
         return {
@@ -320,6 +322,7 @@ class JobControl:
             "since": since,
             "next": len(records),
             "records": records[since:],
+            "evals": reader.evals,
         }
 
     def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:

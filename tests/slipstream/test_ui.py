@@ -114,7 +114,14 @@ def test_job_control_progress_reads_the_stream(redis_client, job_id) -> None:
         ctl.progress(job_id)
     assert e.value.status == 404
     ctl.store.create(job_id, "{}", 1, 1)
-    assert ctl.progress(job_id) == {"name": job_id, "run": None, "since": 0, "next": 0, "records": []}
+    assert ctl.progress(job_id) == {
+        "name": job_id,
+        "run": None,
+        "since": 0,
+        "next": 0,
+        "records": [],
+        "evals": [],
+    }
     key = JobKeys(job_id).progress
     for v in range(1, 151):  # more than one XREAD page (100)
         rec = {"version": v, "elapsed_s": float(v), "response_tokens": 10, "reward_mean": 0.5}
