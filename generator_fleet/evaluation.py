@@ -133,6 +133,8 @@ class Evaluator:
         """Eval records by version."""
         self.failed: set[int] = set()
         self.last_version = -1
+        self.unversioned = False
+        """The engines report no integer weight version: answers tagged -1 count for the trainer's."""
         """The newest version evaluated; the next is due `every` versions after it."""
         self._waiters: list[asyncio.Future] = []
         self._stop = asyncio.Event()
@@ -248,6 +250,9 @@ class Evaluator:
                 versions.append(int(a))
             except (TypeError, ValueError):
                 continue
+        # engines that answer with a version that is no integer (an external server the bus never
+        # updated: SGLang's "default") tag their tokens -1; those are evaluated at the trainer's version
+        self.unversioned = not versions and any(isinstance(a, str) for a in answers)
         if versions:
             return max(versions)
         from replay_buffer.keys import JobKeys
@@ -261,7 +266,7 @@ class Evaluator:
         log.info("evaluation at version %d begins (%d problems)", version, len(self.problems))
         try:
             rec = await asyncio.wait_for(self._round(version), self.config.eval.timeout_s)
-        except (EvalFailed, EngineError, TimeoutError, OSError) as e:
+        except Exception as e:  # engines, reward, Redis: whatever it was, the job goes on
             why = (
                 f"took longer than eval.timeout_s = {self.config.eval.timeout_s:.0f} s"
                 if isinstance(e, TimeoutError)
@@ -286,7 +291,7 @@ class Evaluator:
             if not todo:
                 break
             answers = await asyncio.gather(*(self._answer_one(gate, s[0], s[1]) for s in todo))
-            newest = max((v for _, v in answers if v is not None), default=target)
+            newest = max((v for _, v in answers if v is not None and v >= 0), default=target)
             if newest > target:  # the engines moved on: this evaluation is of the newer version now
                 log.info("evaluation at version %d: weights changed to %d mid-evaluation; going on at %d",
                          target, newest, newest)  # fmt: skip
@@ -294,7 +299,7 @@ class Evaluator:
                 kept = {s: a for s, a in kept.items() if a[1] == newest}
                 target = newest
             for s, (reward, v) in zip(todo, answers, strict=True):
-                if v == target:
+                if v == target or (self.unversioned and v == -1):
                     kept[s] = (reward, v)
                 else:
                     redone += 1
@@ -340,10 +345,11 @@ class Evaluator:
                     log.warning("eval request on %s failed (%s); retrying elsewhere", url, e)
                 finally:
                     self.engines.outstanding[url] -= 1
-        if res.finish_reason == "abort":  # a pause aborted it: ask again
-            return 0.0, None
-        response = response_of(self.tokenizer, res.output_ids, res.finish_reason)
-        reward = await asyncio.to_thread(self.reward, problem, response)  # math-verify: CPU, may be slow
+            if res.finish_reason == "abort":  # a pause aborted it: ask again
+                return 0.0, None
+            # scored under the gate too: IN_FLIGHT also bounds the reward threads (math-verify is CPU)
+            response = response_of(self.tokenizer, res.output_ids, res.finish_reason)
+            reward = await asyncio.to_thread(self.reward, problem, response)
         return reward, one_version(res)
 
     async def _publish(self, rec: dict) -> None:

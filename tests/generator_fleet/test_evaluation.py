@@ -8,6 +8,8 @@ import asyncio
 import json
 import random
 
+import httpx
+import msgspec
 import pytest
 import torch
 from tiny_engine_model import build_noisy_model
@@ -255,6 +257,55 @@ def test_evaluator_evaluates_the_engines_version_once(
         asyncio.run(set_version(0))
     assert first["version"] == 3 and again == first  # asked again at the same version: the same record
     assert redis_client.xlen(JobKeys(job_id).progress) == 1
+
+
+_bump = {}
+"""The engine whose weight version `bumps_the_version` moves, and whether it did already."""
+
+
+def bumps_the_version(problem, response, format_weight):
+    """shares_a_digit, and on its first call the engine's weight version moves to 7: as if a weight
+    update landed while the evaluation ran."""
+    if not _bump.get("done"):
+        _bump["done"] = True
+        httpx.post(
+            f"{_bump['url']}/update_weight_version",
+            json={"new_version": "7"},
+            headers={"Authorization": f"Bearer {KEY}"},
+        ).raise_for_status()
+    return shares_a_digit(problem, response, format_weight)
+
+
+def test_evaluation_follows_the_weights_to_one_version(
+    noisy_model_dir, engine, redis_server, redis_client, job_id, monkeypatch
+):
+    from generator_fleet import evaluation
+    from generator_fleet.client import EngineClient
+
+    # one answer at a time: the first is generated at version 0, every later one after the bump
+    monkeypatch.setattr(evaluation, "IN_FLIGHT", 1)
+
+    spec = _eval_spec(job_id, noisy_model_dir, heldout=6)
+    spec = jobspec.from_dict(
+        {**msgspec.to_builtins(spec), "reward": {"name": f"{__name__}:bumps_the_version"}}
+    )
+    _bump.clear()
+    _bump["url"] = engine.url
+    try:
+        (rec,) = _evaluate(Evaluator(spec.eval_config(), redis_server.url, [engine.url], KEY))
+    finally:
+
+        async def reset():
+            async with EngineClient(engine.url, api_key=KEY) as c:
+                await c.update_weight_version(0)
+
+        asyncio.run(reset())
+    # answers from version 0 were asked again: the record is of version 7 alone (same weights, same scores)
+    assert _bump["done"] and rec["version"] == 7
+    assert rec["eval"]["redone"] == 1
+    _, problems = eval_set(spec.eval_config())
+    expected = _greedy_rewards(noisy_model_dir, problems)
+    assert rec["eval"]["accuracy"] == pytest.approx(sum(expected) / len(expected))
 
 
 def test_rollouts_never_sample_heldout_problems(noisy_model_dir, engine, redis_server, redis_client, job_id):
