@@ -137,6 +137,11 @@ class JobSpec(Spec):
             )
 
 
+def eval_task(spec: JobSpec) -> str | None:
+    """The task name of the spec's own eval dataset (`eval.dataset.name`), if it has one."""
+    return spec.eval.dataset.name if spec.eval is not None and spec.eval.dataset is not None else None
+
+
 def known_size(ds: DatasetSpec) -> int | None:
     """Problems a generated task has (`arith`, `word_problems`); None where only reading the data tells."""
     if ds.name == "arith":

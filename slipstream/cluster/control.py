@@ -23,6 +23,7 @@ import jobspec
 from common.logtext import plain
 from generator_fleet.tasks import check_import_paths
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
+from jobspec.spec import eval_task
 from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
 from slipstream.cluster.job_store import (
@@ -221,7 +222,9 @@ class JobControl:
         if why := check_tools(spec.tools, self.tool_modules):
             raise ControlError(422, f"invalid job spec: {why}")
         # A task or reward named by import path: the same allow-list, its source read, not run.
-        if why := check_import_paths(spec.dataset.name, spec.reward.name, self.tool_modules):
+        if why := check_import_paths(
+            spec.dataset.name, spec.reward.name, self.tool_modules, eval_dataset_name=eval_task(spec)
+        ):
             raise ControlError(422, f"invalid job spec: {why}")
         if (
             self.store.exists(spec.name)

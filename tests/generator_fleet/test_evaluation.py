@@ -131,6 +131,12 @@ def test_spec_checks_name_the_key():
         jobspec.from_dict({"eval": {"every": 0}})
     with pytest.raises(jobspec.JobSpecError, match=r"agent episodes .* `\$\.eval`"):
         jobspec.from_dict({"agent": {}, "eval": {}})
+    from generator_fleet.tasks import check_import_paths
+    from jobspec.spec import eval_task
+
+    custom = jobspec.from_dict({"eval": {"heldout": 0, "dataset": {"name": "no_such_pkg.tasks:build"}}})
+    why = check_import_paths("arith", None, None, eval_dataset_name=eval_task(custom))
+    assert why is not None and why.endswith("- at `$.eval.dataset.name`")
     spec = jobspec.from_dict({"eval": {"k": 4, "samples_per_problem": 8}})
     assert spec.eval.n == 8 and spec.eval_config().max_new_tokens == spec.rollout.sampling.max_new_tokens
     assert jobspec.from_dict({}).eval is None and jobspec.from_dict({}).eval_config() is None
