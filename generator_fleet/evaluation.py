@@ -135,6 +135,8 @@ class Evaluator:
         self.last_version = -1
         self.unversioned = False
         """The engines report no integer weight version: answers tagged -1 count for the trainer's."""
+        self.guessed = False
+        """No engine answered /get_weight_version with an integer: the version due came from the trainer."""
         """The newest version evaluated; the next is due `every` versions after it."""
         self._waiters: list[asyncio.Future] = []
         self._stop = asyncio.Event()
@@ -210,6 +212,14 @@ class Evaluator:
 
     async def _tick(self) -> None:
         version = await self._engine_version()
+        if version is not None and version < self.last_version:
+            # a trainer restarted from an older checkpoint: the versions after it will be trained again
+            # (and their records were dropped), so they are evaluated again as they come
+            for v in [v for v in self.done if v > version]:
+                del self.done[v]
+            self.failed = {v for v in self.failed if v <= version}
+            self.last_version = max(self.done, default=-1)
+            log.info("the engines went back to version %d: evaluations after it are done again", version)
         forced = bool(self._waiters)
         if version is not None and forced and version in self.done:
             self._answer(self.done[version])
@@ -253,6 +263,7 @@ class Evaluator:
         # engines that answer with a version that is no integer (an external server the bus never
         # updated: SGLang's "default") tag their tokens -1; those are evaluated at the trainer's version
         self.unversioned = not versions and any(isinstance(a, str) for a in answers)
+        self.guessed = not versions
         if versions:
             return max(versions)
         from replay_buffer.keys import JobKeys
@@ -286,13 +297,17 @@ class Evaluator:
         slots += [(i, "sample", j) for i in range(len(self.problems)) for j in range(n)]
         target, kept, redone = version, {}, 0
         gate = asyncio.Semaphore(IN_FLIGHT)
-        for _ in range(MAX_PASSES):
+        for n_pass in range(MAX_PASSES):
             todo = [s for s in slots if s not in kept]
             if not todo:
                 break
             answers = await asyncio.gather(*(self._answer_one(gate, s[0], s[1]) for s in todo))
-            newest = max((v for _, v in answers if v is not None and v >= 0), default=target)
-            if newest > target:  # the engines moved on: this evaluation is of the newer version now
+            versions = [v for _, v in answers if v is not None and v >= 0]
+            newest = max(versions, default=target)
+            if self.guessed and n_pass == 0 and versions:
+                # no engine said its version (a router in front): the answers tell which one it is
+                target = newest
+            elif newest > target:  # the engines moved on: this evaluation is of the newer version now
                 log.info("evaluation at version %d: weights changed to %d mid-evaluation; going on at %d",
                          target, newest, newest)  # fmt: skip
                 redone += len(kept)
