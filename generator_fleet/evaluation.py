@@ -133,11 +133,11 @@ class Evaluator:
         """Eval records by version."""
         self.failed: set[int] = set()
         self.last_version = -1
+        """The newest version evaluated; the next is due `every` versions after it."""
         self.unversioned = False
         """The engines report no integer weight version: answers tagged -1 count for the trainer's."""
         self.guessed = False
         """No engine answered /get_weight_version with an integer: the version due came from the trainer."""
-        """The newest version evaluated; the next is due `every` versions after it."""
         self._waiters: list[asyncio.Future] = []
         self._stop = asyncio.Event()
         self._wake = asyncio.Event()
@@ -229,7 +229,8 @@ class Evaluator:
             for w in waiters:
                 if not w.done():
                     w.set_result(rec)
-            self._answer(rec)
+            # callers who asked meanwhile are answered at the next tick, for the version the engines
+            # hold then (the final one, for the driver's last evaluation)
         else:
             if forced and version is not None:  # this version failed already: nothing newer to wait for
                 self._answer(None)
