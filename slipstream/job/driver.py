@@ -428,9 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         driver.close()  # the final state is reported once every actor is gone
         from slipstream.job.report import write_report_logged
 
-        write_report_logged(
-            driver.records + driver.progress.evals, out
-        )  # PNG plots; logs and swallows any failure
+        # PNG plots (the steps' and the evaluations'); logs and swallows any failure
+        write_report_logged(driver.records + driver.progress.evals, out)
         driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code

@@ -43,11 +43,11 @@ LAPSED_S = 10.0
 """An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
 is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
 EARLY_DEATH_S = 20.0
-MAX_EVAL_RESTARTS = 5
-"""Evaluator replacements before evaluation is given up for the job (logged; training goes on)."""
 CRASH_LOOP = 3
 """CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
 reward that cannot load) fail the job at once with the last one's error, instead of after MAX_RESTARTS."""
+MAX_EVAL_RESTARTS = 5
+"""Evaluator replacements before evaluation is given up for the job (logged; training goes on)."""
 
 
 def workers_per_engine(spec: JobSpec) -> int:

@@ -314,6 +314,40 @@ def test_evaluation_follows_the_weights_to_one_version(
     assert rec["eval"]["accuracy"] == pytest.approx(sum(expected) / len(expected))
 
 
+def test_a_failed_evaluation_is_logged_and_the_evaluator_goes_on(
+    noisy_model_dir, redis_server, redis_client, job_id, caplog
+):
+    from prometheus_client import REGISTRY
+
+    def failed() -> float:
+        return REGISTRY.get_sample_value("slipstream_eval_rounds_total", {"outcome": "failed"}) or 0.0
+
+    before = failed()
+    redis_client.set(JobKeys(job_id).version, 0)  # no engine answers: the trainer's version is the one due
+    dead = "http://127.0.0.1:9"  # nothing listens there
+    spec = _eval_spec(job_id, noisy_model_dir, heldout=4)
+    evaluator = Evaluator(spec.eval_config(), redis_server.url, [dead], KEY)
+
+    async def go():
+        task = asyncio.create_task(evaluator.run())
+        try:
+            first = await evaluator.evaluate_now(60)
+            redis_client.set(JobKeys(job_id).version, 1)
+            second = await evaluator.evaluate_now(60)
+            assert not task.done()  # still running: a failure never ends the evaluator
+            return first, second
+        finally:
+            evaluator.stop()
+            await task
+
+    with caplog.at_level("ERROR", logger="generator_fleet.evaluation"):
+        first, second = asyncio.run(go())
+    assert first is None and second is None
+    assert evaluator.failed == {0, 1} and failed() - before == 2
+    assert "evaluation at version 0 failed" in caplog.text and "evaluation at version 1 failed" in caplog.text
+    assert redis_client.xlen(JobKeys(job_id).progress) == 0
+
+
 def test_rollouts_never_sample_heldout_problems(noisy_model_dir, engine, redis_server, redis_client, job_id):
     # 300 of the 400 problems held out: a worker sampling all 400 would hit one in 12 groups almost surely
     spec = jobspec.from_dict(
