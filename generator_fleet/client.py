@@ -104,7 +104,9 @@ def _server_message(resp: httpx.Response) -> str:
     return resp.text.strip()
 
 
-def _generate_body(input_ids, sampling_params, return_logprob: bool, rid: str | None) -> dict[str, Any]:
+def _generate_body(
+    input_ids, sampling_params, return_logprob: bool, rid: str | None, priority: int | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": sampling_params,
@@ -112,6 +114,8 @@ def _generate_body(input_ids, sampling_params, return_logprob: bool, rid: str | 
     }
     if rid is not None:
         body["rid"] = rid
+    if priority is not None:
+        body["priority"] = priority
     return body
 
 
@@ -179,6 +183,7 @@ class EngineClient:
         sampling_params: list[dict[str, Any]],
         return_logprob: bool = True,
         rid: str | None = None,
+        priority: int | None = None,
     ) -> list[GenerateResult]:
         """One sample for each of several prompts (results in input order). Items with the same sampling
         params go in ONE request with one params object (a group's G samples: one HTTP round trip instead
@@ -186,7 +191,8 @@ class EngineClient:
         `sampling_params` object and a single `rid` string. Items whose params differ (resumed samples
         with less budget left) go as one request per distinct params, concurrently. The engine names the
         items "{rid}_{i}" ("{rid}_{k}_{i}" in the k-th of several requests), so aborting `rid` (prefix
-        match) aborts them all."""
+        match) aborts them all. `priority`: SGLang's request priority (larger is scheduled first where
+        the server schedules by priority; null sends none)."""
         if len(input_ids) != len(sampling_params):
             raise ValueError("input_ids and sampling_params must have the same length")
         parts: dict[str, list[int]] = {}
@@ -196,7 +202,7 @@ class EngineClient:
         async def request(k: int, idx: list[int]) -> list[dict[str, Any]]:
             sub_rid = f"{rid}_{k}" if rid is not None and len(parts) > 1 else rid
             prompts = [input_ids[i] for i in idx]
-            body = _generate_body(prompts, sampling_params[idx[0]], return_logprob, sub_rid)
+            body = _generate_body(prompts, sampling_params[idx[0]], return_logprob, sub_rid, priority)
             resp = await self._request("POST", "/generate", body)
             objs = resp.json()
             if not isinstance(objs, list) or len(objs) != len(idx):
@@ -261,6 +267,11 @@ class EngineClient:
             "/update_weight_version",
             {"new_version": str(version), "abort_all_requests": abort_all_requests},
         )
+
+    async def weight_version(self) -> str:
+        """The engine's current weight version string (GET /get_weight_version)."""
+        resp = await self._request("GET", "/get_weight_version")
+        return str(resp.json().get("weight_version"))
 
     async def flush_cache(self) -> None:
         """Raises EngineError (400) while an SGLang server still has requests resident; callers retry."""

@@ -1,6 +1,7 @@
 """The generator fleet's config: prompts (`DatasetSpec`), rewards (`RewardSpec`), tools and agent
 episodes (`ToolSpec`, `AgentSpec`), sampling and rollout workers (`SamplingSpec`, `RolloutSpec`),
-and the engines (`GeneratorsSpec`, with `SGLangSpec` for launched SGLang servers)."""
+the engines (`GeneratorsSpec`, with `SGLangSpec` for launched SGLang servers), and evaluation on a held-out
+set during training (`EvalSpec`)."""
 
 from __future__ import annotations
 
@@ -175,6 +176,74 @@ class GeneratorsSpec(Spec):
             raise bad("router_url", f"expected an http(s):// base URL, got {self.router_url!r}")
 
 
+class EvalSpec(Spec):
+    """Evaluation during training (verl `trainer.test_freq` / `val_before_train`, AReaL `evaluator`, TRL
+    `eval_strategy`): the job's engines answer a held-out set at the weight versions due, scored by the
+    job's reward; results are per version and never enter the replay buffer."""
+
+    every: Pos = 10
+    """Versions between evaluations (verl `trainer.test_freq`, AReaL `evaluator.freq_steps`). Version 0
+    (before the first step) and the job's last version are always evaluated."""
+    heldout: NonNeg = 64
+    """Problems split off the job's `dataset` for evaluation (a seeded, deterministic split): rollouts never
+    see them. 0 with `dataset` set: the eval set is that section's problems instead."""
+    dataset: DatasetSpec | None = None
+    """An eval set of its own (verl `data.val_files`, AReaL `valid_dataset`); null = the held-out split."""
+    greedy: bool = True
+    """Score one greedy (temperature 0) answer per problem: `accuracy`, the mean reward."""
+    k: NonNeg = 0
+    """pass@k: at least one of k samples correct (reward >= `correct_reward`); 0 = off."""
+    samples_per_problem: Pos | None = None
+    """n samples per problem for the unbiased pass@k estimator (n >= k); null = k."""
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
+    """Sampling temperature of the pass@k samples (verl `val_kwargs.temperature`)."""
+    top_p: Prob = 1.0
+    max_new_tokens: Pos | None = None
+    """Response budget of an eval answer; null = `rollout.sampling.max_new_tokens`."""
+    correct_reward: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = 1.0
+    """A sample counts as correct for pass@k when its reward is at least this (the `arith` and `qa`
+    rewards pay 1.0 for a right, well-formed answer)."""
+    max_samples: Pos = 512
+    """Most samples one evaluation generates: it takes the first max_samples // (greedy + n) problems of
+    the eval set."""
+    seed: int = 0
+    """Seed of the held-out split."""
+    timeout_s: Seconds = 600.0
+    """How long one evaluation may take; the evaluations before the first step and after the last are
+    waited for at most this long (then logged as failed; the job goes on)."""
+
+    @property
+    def n(self) -> int:
+        """Samples per problem for pass@k (0 when pass@k is off)."""
+        if self.k == 0:
+            return 0
+        return self.samples_per_problem if self.samples_per_problem is not None else self.k
+
+    @property
+    def per_problem(self) -> int:
+        """Samples one problem costs per evaluation."""
+        return int(self.greedy) + self.n
+
+    def __post_init__(self) -> None:
+        if not self.greedy and self.k == 0:
+            raise bad("greedy", "nothing to evaluate: set `greedy: true` or pass@k's `k`")
+        if self.k > 0 and self.temperature < 1e-6:
+            raise bad("temperature", f"pass@{self.k} needs samples that differ: a temperature > 0")
+        if self.samples_per_problem is not None and self.samples_per_problem < self.k:
+            raise bad("samples_per_problem", f"{self.samples_per_problem} < k = {self.k}: need n >= k")
+        if self.samples_per_problem is not None and self.k == 0:
+            raise bad("samples_per_problem", "only with pass@k (`k` > 0)")
+        if self.per_problem > self.max_samples:
+            raise bad(
+                "max_samples",
+                f"{self.max_samples} is less than one problem's {self.per_problem} samples (greedy + n)",
+            )
+        if self.dataset is None and self.heldout == 0:
+            raise bad("heldout", "0 problems held out and no eval `dataset`: nothing to evaluate on")
+        if self.dataset is not None and self.heldout != 0:
+            raise bad("heldout", "the eval set is `eval.dataset`: set heldout to 0 (nothing split off)")
+
+
 class RolloutConfig(msgspec.Struct, kw_only=True):
     """What one rollout worker is configured by: its sections of the job spec and the job facts it
     needs (`JobSpec.rollout_config()` builds it)."""
@@ -197,6 +266,24 @@ class RolloutConfig(msgspec.Struct, kw_only=True):
     response_budget: int = 0
     """Response tokens a sample may have (sampling.max_new_tokens, or agent.max_total_tokens): the Lmax of
     the overlong penalty; 0 = the rollout section's max_new_tokens."""
+    eval: EvalSpec | None = None
+    """The job's evaluation: its held-out problems are kept out of rollouts."""
+
+
+class EvalConfig(msgspec.Struct, kw_only=True):
+    """What the evaluator is configured by (`JobSpec.eval_config()` builds it)."""
+
+    name: str
+    output_dir: str
+    model: ModelSpec
+    dataset: DatasetSpec
+    """The job's dataset (the held-out split's source)."""
+    reward: RewardSpec
+    eval: EvalSpec
+    max_new_tokens: int
+    """Response budget of an eval answer (eval.max_new_tokens, else the rollout's)."""
+    total_steps: int
+    """The job's last version: always evaluated."""
 
 
 def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOptions:

@@ -16,6 +16,7 @@ from generator_fleet import metrics
 from generator_fleet.client import EngineClient, EngineError, GenerateResult
 from generator_fleet.config import RolloutConfig
 from generator_fleet.tasks import build_task
+from generator_fleet.tasks.heldout import training_task
 from generator_fleet.workflow import build_workflow
 from replay_buffer import BufferProducer, Sample, make_group
 from replay_buffer.client import connect_async
@@ -86,7 +87,7 @@ class RolloutWorker:
 
         cfg = self.config
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.task = build_task(cfg.dataset)
+        self.task = training_task(build_task(cfg.dataset), cfg.eval)
         self.workflow = build_workflow(cfg, self.tokenizer, self.task)
         self.engines = EnginePool(self.engine_urls, self.api_key)
         r = connect_async(self.redis_url)

@@ -9,6 +9,7 @@ from common.config import MAX_COUNT, MAX_DEPTH, MAX_POOL, MAX_SPEC_BYTES, MAX_TI
 from generator_fleet.config import (
     AgentSpec,
     DatasetSpec,
+    EvalSpec,
     GeneratorsSpec,
     RewardSpec,
     RolloutSpec,
@@ -35,6 +36,7 @@ __all__ = [
     "BufferSpec",
     "BusSpec",
     "DatasetSpec",
+    "EvalSpec",
     "GeneratorsSpec",
     "JobSpec",
     "JobSpecError",

@@ -17,6 +17,8 @@ from common.net import is_local
 from generator_fleet.config import (
     AgentSpec,
     DatasetSpec,
+    EvalConfig,
+    EvalSpec,
     GeneratorsSpec,
     RewardSpec,
     RolloutConfig,
@@ -53,6 +55,8 @@ class JobSpec(Spec):
     trainer: TrainerSpec = msgspec.field(default_factory=TrainerSpec)
     bus: BusSpec = msgspec.field(default_factory=BusSpec)
     redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
+    eval: EvalSpec | None = None
+    """Evaluation on a held-out set during training; null = none."""
 
     @property
     def response_budget(self) -> int:
@@ -87,6 +91,22 @@ class JobSpec(Spec):
             buffer=self.buffer,
             groups_per_step=self.algorithm.groups_per_step,
             response_budget=self.response_budget,
+            eval=self.eval,
+        )
+
+    def eval_config(self) -> EvalConfig | None:
+        """What the evaluator uses; None when the job has no `eval` section."""
+        if self.eval is None:
+            return None
+        return EvalConfig(
+            name=self.name,
+            output_dir=self.output_dir,
+            model=self.model,
+            dataset=self.dataset,
+            reward=self.reward,
+            eval=self.eval,
+            max_new_tokens=self.eval.max_new_tokens or self.rollout.sampling.max_new_tokens,
+            total_steps=self.algorithm.total_steps,
         )
 
     def __post_init__(self) -> None:
@@ -113,6 +133,8 @@ class JobSpec(Spec):
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.backend == "ipc":
             check_ipc_engines(self.generators)
+        if self.eval is not None:
+            self._check_eval(self.eval)
         if self.bus.update_every - 1 > self.buffer.max_staleness:
             # engines lag the trainer by up to update_every - 1 versions; data they make would be too stale
             raise bad(
@@ -120,6 +142,30 @@ class JobSpec(Spec):
                 f"{self.bus.update_every} needs buffer.max_staleness >= {self.bus.update_every - 1} "
                 f"(it is {self.buffer.max_staleness}): engines lag up to update_every - 1 versions",
             )
+
+    def _check_eval(self, ev: EvalSpec) -> None:
+        if self.agent is not None:
+            raise bad("eval", "evaluation scores single-turn answers; agent episodes are not evaluated")
+        size = known_size(self.dataset)
+        if ev.dataset is None and size is not None and ev.heldout >= size:
+            raise bad(
+                "eval.heldout",
+                f"{ev.heldout} held-out problems leave none of the dataset's {size} to train on",
+            )
+
+
+def eval_task(spec: JobSpec) -> str | None:
+    """The task name of the spec's own eval dataset (`eval.dataset.name`), if it has one."""
+    return spec.eval.dataset.name if spec.eval is not None and spec.eval.dataset is not None else None
+
+
+def known_size(ds: DatasetSpec) -> int | None:
+    """Problems a generated task has (`arith`, `word_problems`); None where only reading the data tells."""
+    if ds.name == "arith":
+        return (ds.max_operand + 1) ** 2
+    if ds.name == "word_problems":
+        return ds.num_problems
+    return None
 
 
 def check_ipc_engines(gen: GeneratorsSpec) -> None:
@@ -174,9 +220,15 @@ def resolve_paths(spec: JobSpec, base: str | Path) -> JobSpec:
         ref_model_path=rel(s.algorithm.ref_model_path),
         critic_model_path=rel(s.algorithm.critic_model_path),
     )
+    ev = s.eval
+    if ev is not None and ev.dataset is not None:
+        ev = msgspec.structs.replace(
+            ev, dataset=msgspec.structs.replace(ev.dataset, path=rel(ev.dataset.path))
+        )
     return msgspec.structs.replace(
         s,
         model=model,
+        eval=ev,
         dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)),
         algorithm=alg,
         trainer=tr,

@@ -228,9 +228,11 @@ class ReplayBuffer:
         those steps are lost and will be trained again); returns how many were dropped."""
         drop = []
         for entry_id, fields in self.r.xrevrange(self.keys.progress, count=10_000):
-            if json.loads(fields[b"j"])["version"] <= version:
+            rec = json.loads(fields[b"j"])
+            if rec["version"] > version:
+                drop.append(entry_id)
+            elif rec.get("kind") != "eval":  # evaluations trail the steps: only a step's record ends the scan
                 break
-            drop.append(entry_id)
         if drop:
             pipe = self.r.pipeline(transaction=True)
             pipe.xdel(self.keys.progress, *drop)

@@ -67,6 +67,8 @@ class GenerateReqIn(msgspec.Struct, kw_only=True):
     video_data: Any = None
     audio_data: Any = None
     lora_path: Any = None
+    priority: int | None = None
+    """Queue priority (SGLang's, with its default order): a larger value is admitted first; null = 0."""
 
 
 class PauseGeneration(msgspec.Struct, kw_only=True):

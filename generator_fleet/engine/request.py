@@ -111,8 +111,12 @@ class Request:
         return_logprob: bool = False,
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
+        self.priority = priority
+        """Queue order: a larger value is admitted before a smaller one, FIFO among equals (SGLang's
+        `priority` with its default order). Evaluation requests take a lower one than rollouts."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.return_logprob = return_logprob

@@ -186,9 +186,21 @@ class Runner:
             elif self._stopping:
                 self._finish(req, _abort_reason("Engine is shutting down"))
             else:
-                self._queue.append(req)
+                self._enqueue(req)
                 self._cv.notify_all()
         return req.future
+
+    def _enqueue(self, req: Request) -> None:
+        """Queue `req` behind every queued request of its priority or higher (caller holds _cv). Requests
+        of one priority (the usual case) append in O(1); a lower-priority one waits for all others."""
+        q = self._queue
+        if not q or q[-1].priority >= req.priority:
+            q.append(req)
+            return
+        i = len(q)
+        while i > 0 and q[i - 1].priority < req.priority:
+            i -= 1
+        q.insert(i, req)
 
     def abort(self, rid: str = "", abort_all: bool = False, message: str = "Aborted by abort_request") -> int:
         """Abort requests whose rid starts with `rid` (SGLang matches by prefix), or all; returns how many.
@@ -433,7 +445,8 @@ class Runner:
             self._finish(r, _abort_reason(r.abort_message))
 
     def _admit(self) -> list[Request]:
-        """Move queued requests into the running set for one prefill step (caller holds _cv): FIFO, while
+        """Move queued requests into the running set for one prefill step (caller holds _cv): in queue order
+        (priority, then FIFO), while
         the batch has room, the padded prefill fits the token budget and the pool has blocks for the
         prompt plus the first decoded token. Prefill and decode steps alternate while both have work."""
         if not self._queue or (self._last_was_prefill and self._running):

@@ -155,6 +155,7 @@ def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list
                 return_logprob=return_logprob,
                 logprob_start_len=start,
                 top_logprobs_num=top_k,
+                priority=body.priority or 0,
             )
             items.append(Item(req, sp))
     return items, is_batch

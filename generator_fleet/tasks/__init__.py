@@ -53,13 +53,17 @@ def check_import_paths(
     reward_name: str | None,
     allowed: Sequence[str] | None,
     path: Sequence[str] | None = None,
+    eval_dataset_name: str | None = None,
 ) -> str | None:
     """The first problem of a task or reward named by import path, as "message - at `$.key`", else None:
     the module must be allowed (the operator's allow-list of custom tools) and its source and the named
-    attribute must be found (read, not run)."""
+    attribute must be found (read, not run). `eval_dataset_name`: the task of `eval.dataset`, if any."""
     from generator_fleet.tools.impl_check import check_callable
 
-    for key, name, registry in (("dataset.name", dataset_name, TASKS), ("reward.name", reward_name, REWARDS)):
+    checks = [("dataset.name", dataset_name, TASKS), ("reward.name", reward_name, REWARDS)]
+    if eval_dataset_name is not None:
+        checks.append(("eval.dataset.name", eval_dataset_name, TASKS))
+    for key, name, registry in checks:
         if name is not None and name not in registry and (why := check_callable(name, allowed, path)):
             return f"{why} - at `$.{key}`"
     return None

@@ -110,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from generator_fleet.tasks import check_import_paths
     from generator_fleet.tools.impl_check import check_tools
+    from jobspec.spec import eval_task
 
     # Reads the sources of custom tools, tasks and rewards; runs none of them.
-    if why := check_tools(spec.tools) or check_import_paths(spec.dataset.name, spec.reward.name, None):
+    if why := check_tools(spec.tools) or check_import_paths(
+        spec.dataset.name, spec.reward.name, None, eval_dataset_name=eval_task(spec)
+    ):
         print(f"slipstream: invalid job spec: {why}", file=sys.stderr)
         return 2
     if args.cmd == "validate":

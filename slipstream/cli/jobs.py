@@ -213,6 +213,15 @@ def render_status(st: dict):
         ("output", str(st.get("output_dir", "-"))),
         ("run", f"{st.get('run_id', '-')} (attempt {st.get('attempt', '-')})"),
     ]  # fmt: skip
+    if ev := st.get("eval"):  # the last evaluation on the held-out set (a spec with `eval`)
+        scores = "  ".join(
+            f"{k} {_fmt(v)}"
+            for k, v in ev.items()
+            if k in ("accuracy", "greedy_reward") or k.startswith("pass@")
+        )
+        rows.insert(
+            2, ("eval", f"version {ev.get('version', '-')}: {scores} ({_fmt(ev.get('duration_s'), '.1f')} s)")
+        )
     if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
         rows.insert(0, ("phase", st["phase"]))
     if any((restarts := st.get("restarts") or {}).values()):

@@ -23,6 +23,7 @@ import jobspec
 from common.logtext import plain
 from generator_fleet.tasks import check_import_paths
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
+from jobspec.spec import eval_task
 from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
 from slipstream.cluster.job_store import (
@@ -221,7 +222,9 @@ class JobControl:
         if why := check_tools(spec.tools, self.tool_modules):
             raise ControlError(422, f"invalid job spec: {why}")
         # A task or reward named by import path: the same allow-list, its source read, not run.
-        if why := check_import_paths(spec.dataset.name, spec.reward.name, self.tool_modules):
+        if why := check_import_paths(
+            spec.dataset.name, spec.reward.name, self.tool_modules, eval_dataset_name=eval_task(spec)
+        ):
             raise ControlError(422, f"invalid job spec: {why}")
         if (
             self.store.exists(spec.name)
@@ -307,11 +310,13 @@ class JobControl:
         """The job's progress records of its current run (one per optimizer step, as ProgressReader yields
         them: with the cumulative `tokens_per_s`, `samples_per_s`) after the first `since`; `next` is the
         `since` of the next call. `run` names the run, its attempt and its progress trims: when it
-        changes, the records a client holds are not a prefix of these any more (read from 0 again)."""
+        changes, the records a client holds are not a prefix of these any more (read from 0 again). `evals`:
+        every evaluation's record of the run (a spec with `eval`)."""
         self._job(name)
         if since < 0:
             raise ControlError(422, f"since must be >= 0, got {since}")
-        records = ProgressReader(self.r, name).read_all()
+        reader = ProgressReader(self.r, name)
+        records = reader.read_all()
         run = ReplayBuffer(self.r, name).run_info()
         run_tag = f"{run['run_id']}.{run['attempt']}.{run['trims']}" if run else None
         return {
@@ -320,6 +325,7 @@ class JobControl:
             "since": since,
             "next": len(records),
             "records": records[since:],
+            "evals": reader.evals,
         }
 
     def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:

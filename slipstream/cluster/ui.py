@@ -1,6 +1,6 @@
 """The control API's built-in web page, for users without Grafana: /ui lists the jobs, /ui/jobs/NAME
-charts one job's reward, staleness and throughput per version, refreshed every 2 s. Plain HTML + JS + SVG,
-nothing fetched from elsewhere (works offline).
+charts one job's reward, staleness, throughput and evaluations per version, refreshed every 2 s. Plain
+HTML + JS + SVG, nothing fetched from elsewhere (works offline).
 
 Auth: the HTML and JS are served without a token (they hold no data); the script calls the API's JSON
 routes with `Authorization: Bearer <token>`, the token pasted once into the page and kept in the tab's
@@ -72,6 +72,8 @@ JOB_HTML = _SHELL.format(
     '<div class="chart"><h2>Step time (s)</h2><div id="c-step"></div></div>'
     '<div class="chart"><h2>Staleness of every consumed group (groups per versions behind)</h2>'
     '<div id="c-hist"></div></div>'
+    '<div class="chart"><h2>Evaluation on the held-out set (a spec with <code>eval</code>)</h2>'
+    '<div id="c-eval"></div></div>'
     "</div>",
 )
 
@@ -246,6 +248,12 @@ async function tickJob() {
   }));
   for (const [id, series] of CHARTS) lineChart($(id), state.records, series);
   barChart($("c-hist"), b.staleness);
+  // evaluations: one record per version, its scores a flat dict (accuracy, greedy_reward, pass@k)
+  const evals = (pr.evals || []).map((e) => ({ version: e.version, ...(e.eval || {}) }));
+  const scores = [...new Set(evals.flatMap((e) => Object.keys(e)))]
+    .filter((k) => k === "accuracy" || k === "greedy_reward" || k.startsWith("pass@")).sort();
+  const colors = ["#2a7", "#36c", "#d62", "#999"];
+  lineChart($("c-eval"), evals, scores.map((k, i) => ({ key: k, label: k, color: colors[i % colors.length] })));
 }
 
 async function tick() {

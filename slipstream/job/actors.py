@@ -15,7 +15,7 @@ import msgspec
 import ray
 
 from common.logtext import PlainFormatter
-from generator_fleet.config import GeneratorsSpec, RolloutConfig
+from generator_fleet.config import EvalConfig, GeneratorsSpec, RolloutConfig
 from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
 from replay_buffer.client import connect
@@ -36,7 +36,7 @@ def job_ref(spec: JobSpec) -> JobRef:
 
 
 def _setup_process(
-    job: JobRef | TrainerConfig | RolloutConfig, name: str, redis_url: str, threads: int
+    job: JobRef | TrainerConfig | RolloutConfig | EvalConfig, name: str, redis_url: str, threads: int
 ) -> None:
     """Logging, threads and metrics of this actor's process, for the job `job` names."""
     import torch
@@ -243,6 +243,35 @@ class RolloutActor:
 
     async def pid(self) -> int:
         return os.getpid()
+
+
+@ray.remote(num_cpus=0)
+class EvalActor:
+    """The job's evaluator (generator_fleet/evaluation.py), beside its rollout workers."""
+
+    def __init__(
+        self,
+        config: EvalConfig,
+        redis_url: str,
+        engine_urls: list[str],
+        api_key: str,
+        priority: int | None,
+        index: int = 0,
+    ) -> None:
+        from generator_fleet.evaluation import Evaluator
+
+        _setup_process(config, f"evaluator-{index}", redis_url, 1)
+        self.evaluator = Evaluator(config, redis_url, engine_urls, api_key, priority)
+
+    async def run(self) -> dict:
+        return await self.evaluator.run()
+
+    async def evaluate_now(self, timeout_s: float | None = None) -> dict | None:
+        return await self.evaluator.evaluate_now(timeout_s)
+
+    async def stop(self) -> None:
+        self.evaluator.stop()
+        await asyncio.sleep(0)
 
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through

@@ -1,7 +1,8 @@
 """The job driver: runs one submitted job on the cluster's Ray, as a Ray job (`slipstream submit` starts
 `python -m slipstream.job.driver --home HOME --job NAME` through Ray's job API). Its loop reads what the
 user wants, as the control API recorded it in Redis (slipstream/cluster/job_store.py), reconciles the
-job's two pools with it, and reports the job's state and progress there for `slipstream status`:
+job's two pools with it, and reports the job's state and progress (and its last evaluation) there for
+`slipstream status`:
 
 - generators N: the generator pool (slipstream/job/generators.py) adds or removes engines and their
   rollout workers while training goes on;
@@ -36,7 +37,7 @@ from replay_buffer.client import connect
 from slipstream.cluster.job_store import JobStore, check_name
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.prepare import RUN_FILES
-from slipstream.job.progress import ProgressReader
+from slipstream.job.progress import ProgressReader, format_eval
 from slipstream.job.supervise import POLL_S, Restarts
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
 
@@ -77,6 +78,8 @@ class JobDriver:
         )
         self.version = 0
         self.last: dict = {}
+        self.last_eval: dict = {}
+        """The newest eval record of this attempt (its version and scores go into the status)."""
         self.run_info: dict = {}  # run_id, attempt (ReplayBuffer.begin_run)
         self._closed = False
 
@@ -99,6 +102,7 @@ class JobDriver:
                 break
             if restarted | self.generators.check_workers() | self.generators.check_engines():
                 self.report()
+            self.generators.check_evaluator()
             self.read_progress(block_ms=int(POLL_S * 1000))
             want = self.store.desired(self.job)
             if want["stop"] and (not stopping or (want["stop_checkpoint"] and not stop_checkpoint)):
@@ -116,6 +120,11 @@ class JobDriver:
             if self.progress.this_attempt(rec):
                 self.last, self.version = rec, rec["version"]
         self.version = result["version"]
+        if self.generators.evaluator is not None:
+            # the engines hold the final policy (the trainer publishes its last version): score it
+            self.report(phase=f"evaluating the final version {self.version}")
+            self.generators.evaluate_now()
+            self.read_progress(block_ms=0)
         return result
 
     def start(self, desired: dict) -> None:
@@ -134,6 +143,12 @@ class JobDriver:
         n = desired.get("generators", self.spec.generators.num_engines)
         self.report(phase=f"starting {n} generator(s) and their rollout workers")
         self.generators.start(n)
+        self.generators.start_evaluator()
+        if self.generators.evaluator is not None and self.r.get(self.buffer.keys.version) in (b"0", "0"):
+            # version 0 before the first step: the engines keep it until the trainer's first publish, so
+            # the trainer starts after this evaluation (rollouts fill the buffer meanwhile)
+            self.report(phase="evaluating version 0 before the first step")
+            self.generators.evaluate_now()
         m = desired.get("trainers", self.spec.trainer.num_trainers)
         self.report(phase=f"starting {m} trainer rank(s)")
         self.trainers.start(m)
@@ -232,6 +247,8 @@ class JobDriver:
             },
             **extra,
         }
+        if self.last_eval:
+            fields["eval"] = {"version": self.last_eval["version"], **self.last_eval["eval"]}
         try:
             fields["buffer"] = self.buffer.stats()
         except redis.RedisError as e:
@@ -260,6 +277,15 @@ class JobDriver:
                 rec["staleness_mean"],
                 rec["tokens_per_s"],
             )
+            self.report()
+        evals, self.progress.new_evals = self.progress.new_evals, []
+        for rec in evals:
+            if not self.progress.this_attempt(rec):
+                continue
+            self.last_eval = rec
+            if self.on_progress:
+                self.on_progress(rec)
+            log.log(logging.DEBUG if self.on_progress else logging.INFO, "%s", format_eval(rec))
             self.report()
 
     def close(self) -> None:
@@ -406,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         driver.close()  # the final state is reported once every actor is gone
         from slipstream.job.report import write_report_logged
 
-        write_report_logged(driver.records, out)  # PNG plots; logs and swallows any failure
+        # PNG plots (the steps' and the evaluations'); logs and swallows any failure
+        write_report_logged(driver.records + driver.progress.evals, out)
         driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code

@@ -11,6 +11,10 @@ workers, and their supervision.
   stuck in a weight update that the bus gave up on), is killed and replaced by a new one that joins
   through the weight bus before it takes traffic; its requests are retried on the other engines meanwhile.
 
+- Evaluation (a job spec's `eval`): one evaluator actor beside the rollout workers
+  (generator_fleet/evaluation.py) scores the engines at the versions due; one that dies is replaced (at
+  most MAX_EVAL_RESTARTS times, then evaluation stops with an error in the log: it never fails the job).
+
 `generators_only` runs the pool alone, filling a job's buffer with no trainer consuming it.
 """
 
@@ -42,6 +46,8 @@ EARLY_DEATH_S = 20.0
 CRASH_LOOP = 3
 """CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
 reward that cannot load) fail the job at once with the last one's error, instead of after MAX_RESTARTS."""
+MAX_EVAL_RESTARTS = 5
+"""Evaluator replacements before evaluation is given up for the job (logged; training goes on)."""
 
 
 def workers_per_engine(spec: JobSpec) -> int:
@@ -163,6 +169,9 @@ class GeneratorPool:
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
         self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
+        self.evaluator = None  # the EvalActor (a spec with `eval`), and its run() call
+        self.eval_run = None
+        self.eval_restarts = 0
 
     @property
     def size(self) -> int:
@@ -375,6 +384,62 @@ class GeneratorPool:
         self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
         log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)
 
+    # --- evaluation -----------------------------------------------------------------------------------
+    def start_evaluator(self) -> None:
+        """The evaluator of a spec with `eval` (none otherwise), on the rollout URLs. Built-in engines
+        schedule its requests after the rollouts' (SGLang `priority`); other engines get no priority field
+        (SGLang takes it only with --enable-priority-scheduling) and serve both alike."""
+        from generator_fleet.evaluation import EVAL_PRIORITY
+        from slipstream.job.actors import EvalActor
+
+        cfg = self.spec.eval_config()
+        if cfg is None:
+            return
+        priority = EVAL_PRIORITY if self.spec.generators.engine == "builtin" else None
+        self.evaluator = EvalActor.remote(
+            cfg, self.redis_url, self.rollout_urls, self.api_key, priority, self.eval_restarts
+        )
+        self.eval_run = self.evaluator.run.remote()
+
+    def check_evaluator(self) -> bool:
+        """Replace an evaluator that died (at most MAX_EVAL_RESTARTS times). True when one was."""
+        import ray
+
+        if self.eval_run is None or self.closing:
+            return False
+        done, _ = ray.wait([self.eval_run], timeout=0)
+        if not done:
+            return False
+        why = outcome(self.eval_run)
+        kill(self.evaluator)
+        self.evaluator = self.eval_run = None
+        self.eval_restarts += 1
+        if self.eval_restarts > MAX_EVAL_RESTARTS:
+            log.error("evaluator %s; %d replacements already: no more evaluation in this job", why,
+                      MAX_EVAL_RESTARTS)  # fmt: skip
+            return False
+        log.warning("evaluator %s; starting a new one (evaluation never fails the job)", why)
+        self.start_evaluator()
+        return True
+
+    def evaluate_now(self) -> dict | None:
+        """Evaluate the engines' current version now (unless it was), waiting at most eval.timeout_s; its
+        eval record, or None when there is no evaluator or the evaluation failed (logged)."""
+        import ray
+
+        if self.evaluator is None:
+            return None
+        timeout = self.spec.eval.timeout_s
+        ref = self.evaluator.evaluate_now.remote(timeout)
+        if not self._wait([ref], timeout + STOP_TIMEOUT_S):
+            log.error("evaluation asked for gave no answer within %.0f s; going on without it", timeout)
+            return None
+        try:
+            return ray.get(ref)
+        except Exception as e:  # the evaluator died: check_evaluator replaces it
+            log.error("evaluation asked for failed: %s", outcome(ref) or e)
+            return None
+
     def continue_engines(self) -> None:
         """A trainer that died between pause and continue of a weight update left the engines paused."""
         from weight_bus.engine_client import continue_engines
@@ -417,8 +482,12 @@ class GeneratorPool:
     def close(self, others: list | None = None) -> None:
         """Stop the workers, then the engines (politely), then kill all, `others` too (stop_actors)."""
         self.closing = True
+        if self.evaluator is not None:
+            self.evaluator.stop.remote()
         self.stop_workers()
-        stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + (others or []))
+        evaluator = [self.evaluator] if self.evaluator is not None else []
+        stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + evaluator + (others or []))
+        self.evaluator = self.eval_run = None
         self.engines, self.attached, self.engine_urls, self.engine_watch = [], [], [], []
         self.workers = []
 

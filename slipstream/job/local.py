@@ -35,6 +35,8 @@ class JobResult(msgspec.Struct):
     final_model: str
     progress: list[dict]
     buffer: dict
+    evals: list[dict] = []
+    """The evaluations' records (a spec with `eval`), one per version evaluated."""
 
 
 def _raise_interrupt(signum, frame):
@@ -82,12 +84,13 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         result = driver.run()
         driver.close()
         stats = ReplayBuffer(r, spec.name).stats()
-        progress = driver.records
-        (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
+        progress, evals = driver.records, driver.progress.evals
+        (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress + evals))
         from slipstream.job.report import write_report_logged
 
-        write_report_logged(progress, out)  # PNG plots; never fails the job
-        return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
+        write_report_logged(progress + evals, out)  # PNG plots; never fails the job
+        elapsed = time.monotonic() - t0
+        return JobResult(result["version"], elapsed, result["final_model"], progress, stats, evals)
     finally:
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop

@@ -1,5 +1,5 @@
 """A job's trainer progress: the stream's reader (one reader serves the driver's status, the control API
-and the UI) and the one-line rendering `slipstream run` prints per step."""
+and the UI) and the one-line rendering `slipstream run` prints per step (and per evaluation)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from replay_buffer import JobKeys
 
 
 def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
+    if is_eval(r):
+        return format_eval(r)
     line = (
         f"step {r['step']:>4}/{total_steps}  version {r['version']:>4}  reward {r['reward_mean']:.3f}  "
         f"staleness {r['staleness_mean']:.2f} (max {r['staleness_max']})  "
@@ -27,6 +29,19 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
     return line
 
 
+def format_eval(r: dict) -> str:
+    """`eval  version 10  accuracy 0.625  pass@4 0.810  (3.2 s)` of an eval record."""
+    from generator_fleet.evaluation import format_scores
+
+    res = r["eval"]
+    return f"eval  version {r['version']:>4}  {format_scores(res)}  ({res.get('duration_s', 0.0):.1f} s)"
+
+
+def is_eval(rec: dict) -> bool:
+    """An evaluation's record (generator_fleet/evaluation.py), not a trainer step's."""
+    return rec.get("kind") == "eval"
+
+
 class ProgressReader:
     """Follows a job's trainer progress stream: the records of its current run (one JSON record per
     step, a batch; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
@@ -38,7 +53,12 @@ class ProgressReader:
 
     `attempt` (set once the run's attempt is known) is the attempt of the run the reader serves: a
     resumed attempt first reads the records of the earlier ones, up to where they got, before its trainer
-    drops those after the checkpoint it resumes from; `this_attempt` tells them apart."""
+    drops those after the checkpoint it resumes from; `this_attempt` tells them apart.
+
+    The stream also holds the evaluator's records (`kind: "eval"`, one per evaluated version, whose scores
+    are in `eval`, a flat dict of scalars): they go to `evals` (an evaluation repeated at or before a
+    version supersedes the later ones, as steps do) and `new_evals`, never into `records` or `read()`'s
+    answer."""
 
     def __init__(self, r: redis.Redis, job: str, attempt: int | None = None) -> None:
         self.r, self.key = r, JobKeys(job).progress
@@ -48,6 +68,10 @@ class ProgressReader:
         """Every record of the run so far, superseded ones removed."""
         self.tokens = 0
         self.samples = 0
+        self.evals: list[dict] = []
+        """Every eval record of the run so far, superseded ones removed."""
+        self.new_evals: list[dict] = []
+        """Eval records read since the caller last emptied this list."""
 
     def this_attempt(self, rec: dict) -> bool:
         """A record of the reader's attempt of the run (or one that names no attempt)."""
@@ -61,6 +85,12 @@ class ProgressReader:
             for entry_id, fields in entries:
                 self.last_id = entry_id
                 rec = json.loads(fields[b"j"])
+                if is_eval(rec):
+                    while self.evals and self.evals[-1]["version"] >= rec["version"]:
+                        self.evals.pop()
+                    self.evals.append(rec)
+                    self.new_evals.append(rec)
+                    continue
                 while self.records and self.records[-1]["version"] >= rec["version"]:
                     gone = self.records.pop()
                     self.tokens -= gone["response_tokens"]

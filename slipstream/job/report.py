@@ -1,6 +1,7 @@
 """End-of-job report: PNG plots of reward, staleness and throughput from a job's progress records (the
-dicts slipstream.job.progress.ProgressReader yields, one per optimizer step), written next to the job's
-checkpoints (its output_dir). `slipstream run` and the cluster's job driver call it when a job ends.
+dicts slipstream.job.progress.ProgressReader yields, one per optimizer step), and of its evaluations (its
+eval records: scores and duration per version), written next to the job's checkpoints (its output_dir).
+`slipstream run` and the cluster's job driver call it when a job ends.
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ log = logging.getLogger(__name__)
 REWARD_PNG = "report_reward.png"
 STALENESS_PNG = "report_staleness.png"
 THROUGHPUT_PNG = "report_throughput.png"
+EVAL_PNG = "report_eval.png"
+
+
+def _eval_series(evals: list[dict]) -> list[dict]:
+    """Eval records flattened for plotting: version plus the scalars of `eval`."""
+    return [{"version": r.get("version"), **(r.get("eval") or {})} for r in evals]
 
 
 def _series(progress: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
@@ -43,10 +50,13 @@ def _plot_lines(ax, progress: list[dict], x: str, ys: list[tuple[str, str]]) -> 
 
 
 def write_report(progress: list[dict], out_dir: Path) -> list[Path]:
-    """Writes report_reward.png, report_staleness.png and report_throughput.png into `out_dir` and returns
-    their paths; a figure none of whose series has data is not written. No records: nothing, []."""
-    progress = [r for r in progress or [] if isinstance(r, dict)]
-    if not progress:
+    """Writes report_reward.png, report_staleness.png and report_throughput.png into `out_dir`, and
+    report_eval.png when `progress` holds eval records (`kind: "eval"`), and returns their paths; a
+    figure none of whose series has data is not written. No records: nothing, []."""
+    records = [r for r in progress or [] if isinstance(r, dict)]
+    evals = _eval_series([r for r in records if r.get("kind") == "eval"])
+    progress = [r for r in records if r.get("kind") != "eval"]
+    if not records:
         return []
     import matplotlib
 
@@ -114,6 +124,18 @@ def write_report(progress: list[dict], out_dir: Path) -> list[Path]:
     d2 = _plot_lines(a2, progress, "version", [("step_s", "step"), ("wait_s", "wait for data")])
     a2.set(xlabel="version", ylabel="seconds", title="Step time")
     save(fig, THROUGHPUT_PNG, d1 or d2)
+
+    # evaluation scores and duration vs version
+    if evals:
+        metrics = sorted(
+            {k for r in evals for k in r if k in ("accuracy", "greedy_reward") or k.startswith("pass@")}
+        )
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+        d1 = _plot_lines(a1, evals, "version", [(k, k) for k in metrics])
+        a1.set(xlabel="version", ylabel="score", title="Evaluation on the held-out set")
+        d2 = _plot_lines(a2, evals, "version", [("duration_s", "evaluation")])
+        a2.set(xlabel="version", ylabel="seconds", title="Evaluation time")
+        save(fig, EVAL_PNG, d1 or d2)
     return written
 
 

@@ -216,6 +216,8 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
                 "algorithm": {"groups_per_step": 2, "total_steps": MAX_STEPS},
                 "buffer": {"max_staleness": 1},
                 "bus": {"update_every": 1},
+                # the evaluation panels: version 0 is evaluated before the first step
+                "eval": {"every": 50, "heldout": 8, "max_samples": 8},
             }
         )
         stopper = threading.Thread(target=_stop_when_scraped, args=(base, run_dir, stop), daemon=True)

@@ -67,7 +67,10 @@ class FakeControl:
     def progress(self, name: str, since: int = 0) -> dict:
         self.calls.append((name, since))
         self._check(name)
-        return {"name": name, "since": since, "next": len(self.records), "records": self.records[since:]}
+        evals = [{"kind": "eval", "version": v, "eval": {"accuracy": v / 40, "pass@4": v / 30, "duration_s": 1.0}}
+                 for v in (0, 10, 20, 30)]  # fmt: skip
+        return {"name": name, "since": since, "next": len(self.records), "records": self.records[since:],
+                "evals": evals}  # fmt: skip
 
 
 def test_pages_need_no_token_and_hold_no_data() -> None:
@@ -114,7 +117,14 @@ def test_job_control_progress_reads_the_stream(redis_client, job_id) -> None:
         ctl.progress(job_id)
     assert e.value.status == 404
     ctl.store.create(job_id, "{}", 1, 1)
-    assert ctl.progress(job_id) == {"name": job_id, "run": None, "since": 0, "next": 0, "records": []}
+    assert ctl.progress(job_id) == {
+        "name": job_id,
+        "run": None,
+        "since": 0,
+        "next": 0,
+        "records": [],
+        "evals": [],
+    }
     key = JobKeys(job_id).progress
     for v in range(1, 151):  # more than one XREAD page (100)
         rec = {"version": v, "elapsed_s": float(v), "response_tokens": 10, "reward_mean": 0.5}
@@ -190,7 +200,7 @@ setTimeout(() => {
                 fragment: global.location.hash, name: byId("name").textContent, token: store.size,
                 status: byId("status").all().map((n) => n.textContent).join(" | "),
                 jobs: byId("jobs").all().filter((n) => n.tag === "a").map((n) => n.textContent), charts: {} };
-  for (const id of ["c-reward", "c-stale", "c-tps", "c-step", "c-hist"]) {
+  for (const id of ["c-reward", "c-stale", "c-tps", "c-step", "c-hist", "c-eval"]) {
     const lines = byId(id).all().filter((n) => n.tag === "polyline");
     out.charts[id] = { polylines: lines.map((l) => l.attrs.points.split(" ").length), rects: count(id, "rect") };
   }
@@ -224,6 +234,7 @@ def test_page_script_draws_the_charts_from_a_real_server(tmp_path: Path) -> None
         assert page["charts"]["c-tps"]["polylines"] == [30, 30]
         assert page["charts"]["c-step"]["polylines"] == [30, 30]
         assert page["charts"]["c-hist"]["rects"] == 3  # staleness 0, 1, 2
+        assert page["charts"]["c-eval"]["polylines"] == [4, 4]  # accuracy, pass@4 at 4 versions
         assert fake.calls == [("demo", 0)]
         jobs = run_page(base, f"/ui#token={TOKEN}", tmp_path)
         assert jobs["jobs"] == ["demo"] and jobs["msg"] == ""
