@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from trainer import attention
 from trainer.batch import build_samples
 from trainer.logprobs import packed_logprobs
-from trainer.packing import TrainSample, first_fit_decreasing, pack, plan_step
+from trainer.packing import TrainSample, first_fit_decreasing, pack, plan_step, split_minibatches
 
 
 def _sample(ids, mask, behav=None, adv=0.0, w=1.0):
@@ -176,3 +176,17 @@ def test_packed_loss_gradient_equals_padded_batch_gradient(gqa_model):
     assert total == pytest.approx(float(ref.detach()), rel=1e-5)
     for k, p in params.items():
         torch.testing.assert_close(packed_grads[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_minibatches_partition_the_batch_balanced_by_tokens():
+    lengths = [30, 5, 12, 12, 7, 40, 3, 9, 22, 14]
+    assert split_minibatches(lengths, 1) == [list(range(10))]  # one mini-batch: the batch in order
+    parts = split_minibatches(lengths, 3)
+    assert sorted(i for p in parts for i in p) == list(range(10)) and all(p == sorted(p) for p in parts)
+    # longest first, each to the lightest (ties: fewer samples): 40 30 22 open the three; 14 -> 22 (36),
+    # 12 -> 30 (42), 12 -> 36 (48), 9 -> 40 (49), 7 -> 42 (49), 5 -> 48 (53), 3 -> the 49 of 2 samples (52)
+    assert parts == [[5, 6, 7], [0, 2, 4], [1, 3, 8, 9]]
+    assert [sum(lengths[i] for i in p) for p in parts] == [52, 49, 53]
+    assert all(split_minibatches([4, 4, 4], 3))  # at least as many samples as mini-batches: none empty
+    with pytest.raises(ValueError):
+        split_minibatches(lengths, 0)
