@@ -377,7 +377,12 @@ class Trainer:
             "schedule": cfg.schedule,
             "bus_backend": cfg.bus.backend,
             **(
-                {"release_s": self.handoff.release_s, "resume_s": self.handoff.resume_s}
+                {
+                    "release_s": self.handoff.release_s,
+                    "resume_s": self.handoff.resume_s,
+                    "released_engines": self.handoff.released_count,
+                    "resumed_engines": self.handoff.resumed_count,
+                }
                 if self.handoff is not None
                 else {}
             ),

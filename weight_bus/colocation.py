@@ -66,6 +66,9 @@ class MemoryHandoff:
         """The released engines have their weight memory again (step 3 done)."""
         self.release_s = 0.0
         self.resume_s = 0.0
+        self.released_count = 0
+        self.resumed_count = 0
+        """Engines the last release reached, and engines the last resume gave all their memory back."""
 
     def _each(self, urls: list[str], call, what: str) -> list[str]:
         """`call(url)` on every engine at once; the engines where it succeeded (failures logged)."""
@@ -85,6 +88,7 @@ class MemoryHandoff:
         t = time.monotonic()
         self.released = self._each(urls, lambda u: self.client.release_memory_occupation(u), "release")
         self.weights_back, self.resume_s = False, 0.0
+        self.released_count, self.resumed_count = len(self.released), 0
         self.release_s = time.monotonic() - t
         RELEASE_SECONDS.observe(self.release_s)
         RELEASES.inc(len(self.released))
@@ -124,7 +128,7 @@ class MemoryHandoff:
         )
         took = time.monotonic() - t
         self.resume_s += took
-        self.released = []
+        self.released, self.resumed_count = [], len(done)
         RESUME_SECONDS.observe(self.resume_s)
         RELEASED.set(0)
         log.info("engines resumed kv_cache and cuda_graph and generate again: %d in %.3f s", len(done), took)

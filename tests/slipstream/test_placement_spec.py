@@ -139,3 +139,10 @@ def test_submit_refuses_a_bad_colocated_spec_and_scale_refuses_a_colocated_job(c
             control.scale("colo", **kw)
         assert e.value.status == 422
     assert control.store.desired("colo") == before
+
+
+def test_the_colocated_example_loads():
+    from pathlib import Path
+
+    spec = jobspec.load(Path(__file__).resolve().parents[2] / "examples" / "colocated.yaml")
+    assert spec.placement == "colocated" and spec.schedule == "sync" and spec.bus.backend == "ipc"
