@@ -40,11 +40,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weight_bus.config import BUCKET_BYTES, PAUSE_MODES
+from weight_bus.config import BACKENDS, BUCKET_BYTES, PAUSE_MODES
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
-from weight_bus.membership import Membership, Registry
+from weight_bus.ipc_transfer import IpcTransfer
+from weight_bus.membership import IPC, Membership, Registry
 from weight_bus.schema import DEFAULT_GROUP
 from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
 
@@ -95,16 +96,18 @@ class WeightBus:
         `registry`: where engines that join mid-job wait (they are admitted at the next update).
         `rejoin_after_s`: an engine dropped, or one that failed to join, is retried as a joiner after
         this long. `device`: where buckets are packed (default: the current CUDA device for nccl, else
-        CPU). `max_inflight`: see transfer.MAX_INFLIGHT. `repair_in_stream`: after an engine failed
+        CPU; ipc: the current CUDA device when there is one, else CPU shared memory). `max_inflight`: see
+        transfer.MAX_INFLIGHT (ipc: the bus keeps max_inflight + 1 bucket buffers). `repair_in_stream`: after an engine failed
         mid-update, re-send the unconfirmed buckets to the survivors (default: gloo), or park them until
         the next update (default: NCCL; see Transfer.recover)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
         self.backend = backend
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+            cuda = backend == "nccl" or (backend == IPC and torch.cuda.is_available())
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self.client = EngineClient(api_key, timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bus-http")
         self.members = Membership(
@@ -119,7 +122,7 @@ class WeightBus:
             registry=registry,
             rejoin_after_s=rejoin_after_s,
         )
-        self.transfer = Transfer(
+        self.transfer = (IpcTransfer if backend == IPC else Transfer)(
             self.members,
             self.client,
             self.pool,
