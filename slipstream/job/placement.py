@@ -61,7 +61,10 @@ class Colocation:
                 f"(engines share them), but the largest node has {per_node:g} "
                 "(trainer.num_trainers, generators.num_engines)"
             )
-        self.pg = placement_group([{"GPU": 1} for _ in range(self.slots)], strategy="STRICT_PACK")
+        bundle = {"GPU": 1}
+        if cpus := self.spec.generators.cpus_per_engine:  # the engine's CPUs come out of its bundle
+            bundle["CPU"] = cpus
+        self.pg = placement_group([dict(bundle) for _ in range(self.slots)], strategy="STRICT_PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=READY_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(self.pg)
