@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard
-from generator_fleet.engine import generate_routes, info_routes, weight_routes
+from generator_fleet.engine import generate_routes, info_routes, memory_routes, weight_routes
 from generator_fleet.engine.api_types import (
     AbortRequest,
     BadRequest,
@@ -35,7 +35,12 @@ from generator_fleet.engine.info_routes import VERSION
 from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.runner import Runner
 from generator_fleet.engine.state import EngineState
-from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus.schema import (
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    MemoryOccupation,
+    UpdateWeightsFromDistributed,
+)
 
 PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
@@ -64,6 +69,8 @@ _BODIES: dict[str, type] = {
     "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
     "/update_weights_from_disk": UpdateWeightsFromDisk,
     "/update_weight_version": UpdateWeightVersion,
+    "/release_memory_occupation": MemoryOccupation,
+    "/resume_memory_occupation": MemoryOccupation,
 }
 """The body each route decodes: its handler reads the raw body (msgspec), so FastAPI cannot see it."""
 
@@ -136,7 +143,7 @@ def build_app(
     app.add_exception_handler(EngineUnhealthy, _on_unhealthy)
     app.add_exception_handler(Exception, _on_error)
 
-    for group in (generate_routes, weight_routes, info_routes):
+    for group in (generate_routes, weight_routes, memory_routes, info_routes):
         _add_routes(app, group.router)
     return app
 
