@@ -146,3 +146,19 @@ def test_the_colocated_example_loads():
 
     spec = jobspec.load(Path(__file__).resolve().parents[2] / "examples" / "colocated.yaml")
     assert spec.placement == "colocated" and spec.schedule == "sync" and spec.bus.backend == "ipc"
+
+
+def test_status_shows_the_colocated_schedule_and_the_release_resume_times():
+    from rich.console import Console
+
+    from slipstream.cli.jobs import render_status
+
+    def text(st: dict) -> str:
+        console = Console(width=200, record=True)
+        console.print(render_status({"name": "j", "state": "running", **st}))
+        return console.export_text()
+
+    out = text({"schedule": "sync", "release_s": 0.0123, "resume_s": 0.0456})
+    assert "colocated, sync schedule, engines release 0.012 s / resume 0.046 s per step" in out
+    assert "colocated, async schedule" in text({"schedule": "async"})
+    assert "colocated" not in text({"schedule": None})  # disaggregated: no placement line
