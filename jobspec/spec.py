@@ -128,11 +128,6 @@ class JobSpec(Spec):
         if self.placement != "colocated":
             if co != ColocationSpec():
                 raise bad("colocation", "only with `placement: colocated`")
-            if self.bus.backend == "ipc":
-                raise bad(
-                    "bus.backend",
-                    "ipc hands weights over on the trainer's own device: only with `placement: colocated`",
-                )
             return
         if g.engine == "external":
             raise bad(

@@ -62,7 +62,6 @@ def test_override_sets_colocated_placement(tmp_path):
     [
         ({"placement": "nearby"}, "$.placement", "nearby"),
         ({"colocation": {"schedule": "sync"}}, "$.colocation", "only with `placement: colocated`"),
-        ({"bus": {"backend": "ipc"}}, "$.bus.backend", "only with `placement: colocated`"),
         ({"placement": "colocated", "bus": {"backend": "gloo"}}, "$.bus.backend", "not gloo"),
         ({"placement": "colocated", "bus": {"backend": "nccl"}}, "$.bus.backend", "not nccl"),
         (
