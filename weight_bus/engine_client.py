@@ -89,13 +89,6 @@ class EngineClient:
         except httpx.HTTPError:
             return False
 
-    def pause_generation(self, url: str, mode: str) -> dict:
-        """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
-        return self.post(url, "/pause_generation", {"mode": mode})
-
-    def continue_generation(self, url: str) -> dict:
-        return self.post(url, "/continue_generation", {})
-
     def release_memory_occupation(
         self, url: str, tags: list[str] | None = None, timeout: float | None = None
     ) -> dict:
@@ -110,6 +103,13 @@ class EngineClient:
         """POST /resume_memory_occupation: take back the memory of `tags` (None = all); the colocated
         order is ["weights"], then the weight update, then ["kv_cache", "cuda_graph"]."""
         return self.post(url, "/resume_memory_occupation", MemoryOccupation(tags=tags), timeout) or {}
+
+    def pause_generation(self, url: str, mode: str) -> dict:
+        """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
+        return self.post(url, "/pause_generation", {"mode": mode})
+
+    def continue_generation(self, url: str) -> dict:
+        return self.post(url, "/continue_generation", {})
 
     def channel(self, url: str) -> EngineChannel:
         """A pipelined connection to one engine, with this client's API key."""

@@ -35,12 +35,7 @@ from generator_fleet.engine.info_routes import VERSION
 from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.runner import Runner
 from generator_fleet.engine.state import EngineState
-from weight_bus.schema import (
-    DestroyWeightsUpdateGroup,
-    InitWeightsUpdateGroup,
-    MemoryOccupation,
-    UpdateWeightsFromDistributed,
-)
+from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
 
 PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
@@ -69,8 +64,7 @@ _BODIES: dict[str, type] = {
     "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
     "/update_weights_from_disk": UpdateWeightsFromDisk,
     "/update_weight_version": UpdateWeightVersion,
-    "/release_memory_occupation": MemoryOccupation,
-    "/resume_memory_occupation": MemoryOccupation,
+    **memory_routes.BODIES,
 }
 """The body each route decodes: its handler reads the raw body (msgspec), so FastAPI cannot see it."""
 
