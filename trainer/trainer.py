@@ -102,6 +102,10 @@ class Trainer:
                 timeout_s=cfg.bus.timeout_s,
                 registry=EngineRegistry(connect(redis_url), cfg.name),
                 master_address=cfg.bus.master_address or master_address_for(engine_urls),
+                # ipc: buckets are packed where the trainer's weights are (Ray gives each rank its GPU as 0)
+                device=("cuda:0" if cfg.trainer.device == "cuda" else "cpu")
+                if cfg.bus.backend == "ipc"
+                else None,
             )
         self.learner: Learner | None = None
         self.tokenizer = None
