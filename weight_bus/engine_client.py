@@ -90,6 +90,18 @@ class EngineClient:
         except httpx.HTTPError:
             return False
 
+    def pause_generation(self, url: str, mode: str) -> dict:
+        """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
+        return self.post(url, "/pause_generation", {"mode": mode})
+
+    def continue_generation(self, url: str) -> dict:
+        return self.post(url, "/continue_generation", {})
+
+    def update_weights_from_tensor(self, url: str, body: UpdateWeightsFromTensor) -> dict:
+        """POST /update_weights_from_tensor: the engine loads the tensors `body` shares (weight_bus.ipc)
+        and answers once it copied them (the sender may then reuse that memory)."""
+        return self.post(url, "/update_weights_from_tensor", body)
+
     def release_memory_occupation(
         self, url: str, tags: list[str] | None = None, timeout: float | None = None
     ) -> dict:
@@ -104,18 +116,6 @@ class EngineClient:
         """POST /resume_memory_occupation: take back the memory of `tags` (None = all); the colocated
         order is ["weights"], then the weight update, then ["kv_cache", "cuda_graph"]."""
         return self.post(url, "/resume_memory_occupation", MemoryOccupation(tags=tags), timeout) or {}
-
-    def pause_generation(self, url: str, mode: str) -> dict:
-        """mode: "in_place" (requests keep their KV cache), "retract" or "abort"."""
-        return self.post(url, "/pause_generation", {"mode": mode})
-
-    def continue_generation(self, url: str) -> dict:
-        return self.post(url, "/continue_generation", {})
-
-    def update_weights_from_tensor(self, url: str, body: UpdateWeightsFromTensor) -> dict:
-        """POST /update_weights_from_tensor: the engine loads the tensors `body` shares (weight_bus.ipc)
-        and answers once it copied them (the sender may then reuse that memory)."""
-        return self.post(url, "/update_weights_from_tensor", body)
 
     def channel(self, url: str) -> EngineChannel:
         """A pipelined connection to one engine, with this client's API key."""

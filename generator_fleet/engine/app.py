@@ -38,6 +38,7 @@ from generator_fleet.engine.state import EngineState
 from weight_bus.schema import (
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
+    MemoryOccupation,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
 )
@@ -70,7 +71,8 @@ _BODIES: dict[str, type] = {
     "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
     "/update_weights_from_disk": UpdateWeightsFromDisk,
     "/update_weight_version": UpdateWeightVersion,
-    **memory_routes.BODIES,
+    "/release_memory_occupation": MemoryOccupation,
+    "/resume_memory_occupation": MemoryOccupation,
 }
 """The body each route decodes: its handler reads the raw body (msgspec), so FastAPI cannot see it."""
 

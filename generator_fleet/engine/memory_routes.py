@@ -22,9 +22,6 @@ log = logging.getLogger(__name__)
 
 router = APIRouter()
 
-BODIES = {"/release_memory_occupation": MemoryOccupation, "/resume_memory_occupation": MemoryOccupation}
-"""The body each route decodes (for the app's OpenAPI schema)."""
-
 
 async def release_memory_occupation(request: Request) -> Response:
     state = engine_state(request)
