@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from common.config import Spec, bad
+from common.net import is_local
 from generator_fleet.config import (
     AgentSpec,
     DatasetSpec,
@@ -113,6 +114,8 @@ class JobSpec(Spec):
             )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
+        if self.bus.backend == "ipc":
+            check_ipc_engines(self.generators)
         if self.bus.update_every - 1 > self.buffer.max_staleness:
             # engines lag the trainer by up to update_every - 1 versions; data they make would be too stale
             raise bad(
@@ -170,6 +173,24 @@ class JobSpec(Spec):
                 f"ahead: it needs buffer.max_staleness 0 (it is {self.buffer.max_staleness}); "
                 "use async for staleness > 0",
             )
+
+
+def check_ipc_engines(gen: GeneratorsSpec) -> None:
+    """`bus.backend: ipc` hands weights over on the trainer's host: engines given by URL must be on it
+    (the bus checks again, where the trainer runs)."""
+    if gen.engine != "external":
+        return
+    if not gen.urls:
+        raise bad(
+            "bus.backend", "ipc needs the engines' `generators.urls` (a router's workers may be remote)"
+        )
+    remote = [u for u in gen.urls if not is_local(u)]
+    if remote:
+        raise bad(
+            "bus.backend",
+            f"ipc hands weights over through CUDA IPC / shared memory on one host; {remote} are not on "
+            "this host (use gloo or nccl for remote engines)",
+        )
 
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"

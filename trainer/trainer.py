@@ -103,6 +103,10 @@ class Trainer:
                 timeout_s=cfg.bus.timeout_s,
                 registry=EngineRegistry(connect(redis_url), cfg.name),
                 master_address=cfg.bus.master_address or master_address_for(engine_urls),
+                # ipc: buckets are packed where the trainer's weights are (Ray gives each rank its GPU as 0)
+                device=("cuda:0" if cfg.trainer.device == "cuda" else "cpu")
+                if cfg.bus.backend == "ipc"
+                else None,
             )
         self.handoff: MemoryHandoff | None = None
         """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""

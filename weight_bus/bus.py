@@ -1,4 +1,5 @@
-"""Trainer side of the weight bus: one process group {trainer rank 0, every engine}, bucketed broadcasts.
+"""Trainer side of the weight bus: one process group {trainer rank 0, every engine}, bucketed broadcasts
+(or, backend ipc, buckets handed to engines on the same host by CUDA IPC / shared memory).
 
 One update (`WeightBus.publish`):
 
@@ -22,6 +23,15 @@ could, and the engine would receive bucket k+1's bytes as bucket k).
 
 Where it lives: weight_bus/membership.py (step 1, and the group), weight_bus/packing.py (step 2),
 weight_bus/transfer.py (steps 3-5 and recovery), weight_bus/engine_client.py (the HTTP calls).
+
+Backend ipc (colocated: engines on the trainer's host; weight_bus/ipc_transfer.py): the same five steps
+without a group. Step 1 only probes (a joiner is admitted as it is; an engine off this host is refused);
+in step 4 each bucket is packed into one of max_inflight + 1 buffers the bus keeps (CUDA: on the
+trainer's device; CPU: shared memory), serialized once as a handle to that buffer (weight_bus/ipc.py:
+SGLang's MultiprocessingSerializer payload, load_format flattened_bucket) and POSTed to every engine's
+/update_weights_from_tensor, pipelined as above; an engine answers once it copied the bytes into its
+weights, and a buffer is packed again only after every engine answered for the bucket in it. An engine
+that dies or times out is dropped and the others go on with no re-send; a refusal is BusError.
 
 Failure: every HTTP call and every collective is bounded (`timeout_s`). An engine that dies, or does
 not answer in time, during an update is dropped; rank 0 leaves the group, builds a new one (new name,
@@ -146,10 +156,10 @@ class WeightBus:
         with self._lock:
             self.members.connect()
             log.info(
-                "weight bus connected: %d engines, %s, group %s",
+                "weight bus connected: %d engines, %s, %s",
                 len(self.members.engines),
                 self.backend,
-                self.members.name,
+                "no group (handles on this host)" if self.backend == IPC else f"group {self.members.name}",
             )
 
     def joiners_waiting(self) -> list[str]:

@@ -53,6 +53,8 @@ LOAD_FORMATS = (None, "direct", FLATTENED_BUCKET)
 """What /update_weights_from_tensor loads (None and "direct": a list of (name, tensor))."""
 TENSOR_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 PATCH_TORCH_MODULE = "sglang.srt.utils.patch_torch"
+OLD_PATCH_TORCH_MODULE = "sglang.srt.patch_torch"
+"""Where SGLang kept it before `sglang.srt.utils` became a package (accepted when loading)."""
 _DEVICE_ARG = 6
 """Index of the device in the arguments of torch's CUDA tensor rebuild (SGLang's patch swaps it too)."""
 
@@ -70,6 +72,14 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
+
+
+@dataclasses.dataclass
+class LocalSerializedTensor:
+    """A tensor wrapped once more, one payload per TP rank (SGLang's LocalSerializedTensor, which some
+    senders put in a direct payload instead of the tensor)."""
+
+    values: list
 
 
 def _rebuild_cuda_tensor_modified(*args):
@@ -232,8 +242,10 @@ class _Unpickler(pickle.Unpickler):
                     "a CPU tensor shared by file descriptor cannot reach another process over HTTP: the "
                     'sender must share CPU tensors with torch\'s "file_system" strategy'
                 )
-        if module == PATCH_TORCH_MODULE and name == "_rebuild_cuda_tensor_modified":
+        if module in (PATCH_TORCH_MODULE, OLD_PATCH_TORCH_MODULE) and name == "_rebuild_cuda_tensor_modified":
             return _rebuild_cuda_tensor_modified
+        if module.startswith("sglang.srt.") and name == "LocalSerializedTensor":
+            return LocalSerializedTensor
         if module == TENSOR_BUCKET_MODULE and name == "FlattenedTensorMetadata":
             return FlattenedTensorMetadata
         if module == "torch":
@@ -293,6 +305,8 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
         obj = list(obj.items())
     named = []
     for item in obj:
+        if isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], LocalSerializedTensor):
+            item = (item[0], deserialize(item[1].values[0]))  # this engine is TP rank 0
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError("a direct payload is a list of (name, tensor) pairs")
         named.append((str(item[0]), item[1]))

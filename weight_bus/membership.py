@@ -11,14 +11,13 @@ adding it to the list.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import torch
 
+from common.net import is_local
 from weight_bus import metrics
 from weight_bus.engine_client import PROBE_TIMEOUT_S, EngineClient
 from weight_bus.errors import BusError, Refused
@@ -40,26 +39,6 @@ IPC = "ipc"
 """The backend without a group: tensors handed over by CUDA IPC / shared memory (weight_bus/ipc.py)."""
 BUILTIN_ENGINE = "slipstream-builtin"
 """`version` in the built-in engine's /get_server_info: it takes InitWeightsUpdateGroup.timeout_s."""
-
-
-def is_local(url: str) -> bool:
-    """Whether the engine at `url` runs on this host: its address is one this host can bind to."""
-    host = urlsplit(url).hostname
-    if host is None:
-        return False
-    try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
-    except OSError:
-        return False
-    for addr in addrs:
-        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.bind((addr, 0))
-            return True
-        except OSError:
-            continue
-    return False
 
 
 class Registry(Protocol):
@@ -189,14 +168,14 @@ class Membership:
 
     # --- probing -----------------------------------------------------------------------------------
     def info(self, url: str) -> dict:
-        info = self.client.server_info(url)
-        # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
-        if int(info.get("pp_size", 1)) != 1:
-            raise Refused(f"{url}: pipeline-parallel engines (pp_size {info['pp_size']}) are unsupported")
         if self.backend == IPC and not is_local(url):
             raise Refused(
                 f"{url}: bus backend ipc hands weights over on this host only; the engine is not on it"
             )
+        info = self.client.server_info(url)
+        # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
+        if int(info.get("pp_size", 1)) != 1:
+            raise Refused(f"{url}: pipeline-parallel engines (pp_size {info['pp_size']}) are unsupported")
         return info
 
     def probe(self, urls: list[str]) -> dict[str, dict | BaseException]:

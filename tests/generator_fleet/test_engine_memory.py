@@ -27,10 +27,11 @@ from tiny_engine_model import build_noisy_model, greedy_reference
 
 from common.net import free_port
 from generator_fleet.engine.memory import TAGS, resolve_tags
+from weight_bus import ipc
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import Refused
 from weight_bus.group import broadcast, new_group, shutdown_group
-from weight_bus.schema import MemoryOccupation
+from weight_bus.schema import MemoryOccupation, UpdateWeightsFromTensor
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "memory-key"
@@ -266,6 +267,24 @@ def test_a_broadcast_update_while_released_is_refused_and_the_group_stays_usable
             shutdown_group(group)
     out = generate(url, 24)
     assert out["output_ids"] == reference["b"] and out["meta_info"]["weight_version"] == "9"
+
+
+def test_a_tensor_handoff_while_released_is_refused_then_lands_after_the_weights_resume(
+    url, client, models, reference
+):
+    """The colocated publish (/update_weights_from_tensor, shared memory on CPU): refused while the
+    weights are released, loaded once they are back and the KV pool is still released."""
+    _, model_b = models["b"]
+    named = [(n, p.detach().clone()) for n, p in model_b.named_parameters()]
+    body = UpdateWeightsFromTensor(serialized_named_tensors=[ipc.serialize(named)], weight_version="11")
+    client.release_memory_occupation(url)
+    with pytest.raises(Refused, match="released"):
+        client.update_weights_from_tensor(url, body)
+    client.resume_memory_occupation(url, ["weights"])
+    client.update_weights_from_tensor(url, body)
+    client.resume_memory_occupation(url, ["kv_cache", "cuda_graph"])
+    out = generate(url, 24)
+    assert out["output_ids"] == reference["b"] and out["meta_info"]["weight_version"] == "11"
 
 
 def test_release_and_resume_are_idempotent(url, client):

@@ -74,3 +74,19 @@ def test_bus_update_every_needs_matching_staleness():
     assert (
         jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 2}}).bus.update_every == 3
     )
+
+
+def test_bus_ipc_needs_engines_on_this_host():
+    """bus.backend ipc hands weights over by CUDA IPC / shared memory: external engines must be local."""
+    ext = {"engine": "external"}
+    with pytest.raises(jobspec.JobSpecError, match=r"not on this host.*at `\$\.bus\.backend`"):
+        jobspec.from_dict(
+            {"bus": {"backend": "ipc"}, "generators": {**ext, "urls": ["http://192.0.2.1:30000"]}}
+        )
+    with pytest.raises(jobspec.JobSpecError, match=r"generators.urls.*at `\$\.bus\.backend`"):
+        jobspec.from_dict(
+            {"bus": {"backend": "ipc"}, "generators": {**ext, "router_url": "http://127.0.0.1:30000"}}
+        )
+    local = {"bus": {"backend": "ipc"}, "generators": {**ext, "urls": ["http://127.0.0.1:30000"]}}
+    assert jobspec.from_dict(local).bus.backend == "ipc"
+    assert jobspec.from_dict({"bus": {"backend": "ipc"}}).bus.backend == "ipc"  # launched engines

@@ -21,8 +21,9 @@ import msgspec
 import pytest
 import torch
 from bus_engines import AUTH, KEY, ROOT, noisy_model, version
+from metrics_text import sample
 
-from weight_bus import BusError, EngineClient, WeightBus, ipc
+from weight_bus import BusError, EngineClient, WeightBus, ipc, metrics
 from weight_bus.errors import Refused
 from weight_bus.ipc_transfer import BucketRing
 from weight_bus.schema import UpdateWeightsFromTensor
@@ -35,10 +36,10 @@ class IpcEngine:
     """A built-in engine in its own process (tests/weight_bus/ipc_engine.py) whose weights the test can
     read back (`weights()`), and which can really die (`kill()`)."""
 
-    def __init__(self, model_dir: Path, tmp: Path) -> None:
+    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu") -> None:
         self.tmp = tmp
         self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY],
+            [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY, device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -57,7 +58,7 @@ class IpcEngine:
         self.proc.stdin.write(f"dump {path}\n")
         self.proc.stdin.flush()
         assert self.proc.stdout.readline().strip() == "dumped"
-        return torch.load(path)
+        return torch.load(path, map_location="cpu")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -119,6 +120,12 @@ def test_publish_over_ipc_bit_for_bit_and_ring_reused(engines, tmp_path):
         for e in engines:
             _assert_holds(e.weights(), named)
             assert version(e.url) == "14"
+            text = httpx.get(e.url + "/metrics").text  # the engine observes each bucket's phases
+            assert sample(text, "slipstream_engine_weight_updates_total") >= 4 * len(named)
+            for phase in ("wait", "receive", "load"):
+                n = sample(text, "slipstream_engine_weight_bucket_seconds_count", phase=phase)
+                assert n >= 4 * len(named), phase
+        assert metrics.UPDATES.labels("ipc")._value.get() >= 4
     finally:
         bus.close()
 
@@ -325,13 +332,24 @@ class FlattenedTensorMetadata:
     start_idx: int
     end_idx: int
     numel: int
+
+
+@dataclass
+class LocalSerializedTensor:  # SGLang keeps it elsewhere under sglang.srt; loaders match it by name
+    values: list
 """
 
 SGLANG_SIDE = """
 import base64, io, pickle, sys
 from multiprocessing.reduction import ForkingPickler
 import torch, torch.multiprocessing
-from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata, LocalSerializedTensor
+
+
+def dumps(obj):
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
 
 if sys.argv[1] == "load":  # what SGLang's deserializer does with our payload (its allowlist admits these)
     obj = pickle.loads(base64.b64decode(sys.stdin.read()))
@@ -344,9 +362,9 @@ else:  # what an SGLang sender (slime) writes, CPU tensors shared by the file_sy
     t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
     flat = t.reshape(-1).view(torch.uint8).clone()
     meta = [FlattenedTensorMetadata("model.norm.weight", t.shape, t.dtype, 0, 24, 24)]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump({"flattened_tensor": flat, "metadata": meta})
-    print(base64.b64encode(buf.getvalue()).decode(), flush=True)
+    print(base64.b64encode(dumps({"flattened_tensor": flat, "metadata": meta})).decode(), flush=True)
+    wrapped = [("model.norm.weight", LocalSerializedTensor(values=[dumps(t * 2)]))]  # verl's direct form
+    print(base64.b64encode(dumps(wrapped)).decode(), flush=True)
     sys.stdin.read()  # keep the shared memory alive until the reader is done
 """
 
@@ -389,6 +407,9 @@ def test_payloads_cross_between_sglang_and_ours(tmp_path):
         [(name, got)] = ipc.load_payload(theirs, ipc.FLATTENED_BUCKET)
         assert name == "model.norm.weight"
         assert torch.equal(got, torch.arange(6, dtype=torch.float32).reshape(2, 3))
+        [(name, got)] = ipc.load_payload(sender.stdout.readline().strip(), None)
+        assert name == "model.norm.weight"
+        assert torch.equal(got, 2 * torch.arange(6, dtype=torch.float32).reshape(2, 3))
     finally:
         sender.communicate("", timeout=60)
 
@@ -400,6 +421,15 @@ def test_deserialize_refuses_descriptors_and_foreign_classes():
         )
     with pytest.raises(Exception, match="builtins.eval is not allowed"):
         ipc.deserialize(base64.b64encode(b"cbuiltins\neval\n.").decode())
+
+
+def test_ipc_refuses_an_engine_on_another_host():
+    bus = WeightBus(["http://192.0.2.1:30000"], api_key=KEY, backend="ipc")  # TEST-NET-1: never this host
+    try:
+        with pytest.raises(BusError, match="on this host only"):
+            bus.connect()
+    finally:
+        bus.close()
 
 
 def test_engine_client_refused_is_refused(engines):
@@ -425,3 +455,30 @@ def test_cuda_ipc_handles_cross_processes(tmp_path):
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["w", "cuda", str(float(t.sum())), "12345.0"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path):
+    """Colocated: trainer weights on the GPU, the engine on the same GPU; the buckets live in the bus's
+    CUDA ring and reach the engine (bf16) as CUDA-IPC handles, bit for bit, in every update."""
+    engine = IpcEngine(model_dir, tmp_path, device="cuda")
+    named = {n: t.to("cuda") for n, t in noisy_model(tmp_path / "g", 8).state_dict().items()}
+    bus = WeightBus([engine.url], api_key=KEY, backend="ipc", bucket_bytes=64 * 1024)
+    bus.connect()
+    try:
+        for v in (51, 52):
+            with torch.no_grad():
+                for t in named.values():
+                    t.add_(0.25)
+            stats = bus.publish(named.items(), version=v)
+            assert stats.engines == [engine.url] and stats.buckets > 1
+            assert all(s is None or s.is_cuda for s in bus.transfer.ring.slots)
+            got = engine.weights()
+            for n, t in named.items():
+                assert got[n].dtype == torch.bfloat16, n  # the engine's dtype on CUDA: the wire's too
+                assert torch.equal(got[n], t.to(torch.bfloat16).cpu()), n
+        assert version(engine.url) == "52"
+    finally:
+        bus.close()
+        engine.kill()
