@@ -1,4 +1,5 @@
-"""Weight bus: trainer rank 0 broadcasts new weights to every engine over one process group.
+"""Weight bus: trainer rank 0 broadcasts new weights to every engine over one process group (backend
+ipc: hands them to engines on its host by CUDA IPC / shared memory).
 
 Importing the package is cheap (no torch): its names load from their modules on first use."""
 
