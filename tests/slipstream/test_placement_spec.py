@@ -65,7 +65,7 @@ def test_override_sets_colocated_placement(tmp_path):
         ({"placement": "colocated", "bus": {"backend": "gloo"}}, "$.bus.backend", "not gloo"),
         ({"placement": "colocated", "bus": {"backend": "nccl"}}, "$.bus.backend", "not nccl"),
         (
-            {"placement": "colocated", "generators": {"engine": "external", "urls": ["http://h:1"]}},
+            {"placement": "colocated", "generators": {"engine": "external", "urls": ["http://127.0.0.1:1"]}},
             "$.generators.engine",
             "not `external`",
         ),
