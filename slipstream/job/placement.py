@@ -2,11 +2,12 @@
 device, and every one of them is on one host, so the weight bus hands weights over in place (CUDA IPC
 handles, shared memory on CPU) instead of through a group.
 
-- cuda: one Ray placement group of `num_trainers` bundles of {"GPU": 1}, STRICT_PACK (one node: rank 0's
-  CUDA IPC handles reach every engine). Trainer rank i and engine i each take half of bundle i's GPU
-  (`num_gpus=0.5`, slime and verl's way), so Ray never puts them on different GPUs and sets the same
-  CUDA_VISIBLE_DEVICES for both. A replacement engine goes into its predecessor's bundle, a restarted
-  trainer rank into its own.
+- cuda: one Ray placement group of one {"GPU": 1} bundle per trainer rank, STRICT_PACK (one node).
+  Trainer rank i and engine i each take half of bundle i's GPU (`num_gpus=0.5`, slime and verl's way),
+  so Ray never puts them on different GPUs and sets the same CUDA_VISIBLE_DEVICES for both. A
+  replacement engine goes into its predecessor's bundle, a restarted trainer rank into its own. (The job
+  spec allows one trainer rank on cuda: rank 0 hands every engine its weights through CUDA IPC, and an
+  engine sees only its own GPU; the placement itself takes any number of slots.)
 - cpu: no GPU resources; every actor is pinned to the driver's node (shared memory is per host).
 
 A disaggregated job has no `Colocation`: the pools reserve whole GPUs per actor as before.
@@ -32,10 +33,12 @@ class Colocation:
     """A colocated job's reservation: `engine(i)` and `trainer(i)` are the Ray actor options that put
     engine i and trainer rank i on device slot i. Nothing is reserved before `reserve`."""
 
-    def __init__(self, spec: JobSpec) -> None:
-        self.spec = spec
-        self.cuda = spec.trainer.device == "cuda"
-        self.slots = spec.trainer.num_trainers if self.cuda else 1
+    def __init__(self, cuda: bool, slots: int = 1, cpus_per_engine: float = 0) -> None:
+        """`cuda`: one GPU per slot (`slots` of them), else the driver's host; `cpus_per_engine`: the
+        CPUs each engine reserves, held in its slot's bundle."""
+        self.cuda = cuda
+        self.slots = slots if cuda else 1
+        self.cpus_per_engine = cpus_per_engine
         self.pg = None
         self.node_id: str | None = None
 
@@ -62,7 +65,7 @@ class Colocation:
                 "(trainer.num_trainers, generators.num_engines)"
             )
         bundle = {"GPU": 1}
-        if cpus := self.spec.generators.cpus_per_engine:  # the engine's CPUs come out of its bundle
+        if cpus := self.cpus_per_engine:  # the engine's CPUs come out of its bundle
             bundle["CPU"] = cpus
         self.pg = placement_group([dict(bundle) for _ in range(self.slots)], strategy="STRICT_PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=READY_TIMEOUT_S)
@@ -138,5 +141,9 @@ def engine_spec(spec: JobSpec) -> JobSpec:
 
 
 def colocation(spec: JobSpec) -> Colocation | None:
-    """The job's Colocation if its placement is colocated, else None."""
-    return Colocation(spec) if spec.placement == "colocated" else None
+    """The job's Colocation if its placement is colocated, else None: one slot per trainer rank."""
+    if spec.placement != "colocated":
+        return None
+    return Colocation(
+        spec.trainer.device == "cuda", spec.trainer.num_trainers, spec.generators.cpus_per_engine
+    )

@@ -13,11 +13,7 @@ import ray
 import jobspec
 from slipstream.job.placement import Colocation, colocation, engine_spec
 
-CUDA = {
-    "placement": "colocated",
-    "trainer": {"device": "cuda", "num_trainers": 2},
-    "generators": {"num_engines": 2, "gpus_per_engine": 1},
-}
+CUDA = {"placement": "colocated", "trainer": {"device": "cuda"}, "generators": {"gpus_per_engine": 1}}
 
 
 @ray.remote(num_cpus=0)
@@ -46,8 +42,9 @@ def _where(options: dict) -> tuple[str, list, str | None]:
 
 
 def test_engine_and_trainer_rank_share_their_gpu(ray_with_two_gpus):
-    place = colocation(jobspec.from_dict(CUDA))
-    assert isinstance(place, Colocation)
+    one = colocation(jobspec.from_dict(CUDA))  # a job's: one slot per trainer rank
+    assert isinstance(one, Colocation) and one.cuda and one.slots == 1
+    place = Colocation(cuda=True, slots=2)  # two slots, as two ranks would have
     try:
         place.reserve()
         assert place.engine(0)["num_gpus"] == place.trainer(0)["num_gpus"] == 0.5
@@ -71,15 +68,8 @@ def test_engine_and_trainer_rank_share_their_gpu(ray_with_two_gpus):
 
 
 def test_more_trainer_gpus_than_a_node_has_fail_naming_them(ray_with_two_gpus):
-    spec = jobspec.from_dict(
-        {
-            **CUDA,
-            "trainer": {"device": "cuda", "num_trainers": 3},
-            "generators": {"num_engines": 3, "gpus_per_engine": 1},
-        }
-    )
     with pytest.raises(RuntimeError, match=r"3 trainer ranks need 3 GPUs on one node .* has 2"):
-        Colocation(spec).reserve()
+        Colocation(cuda=True, slots=3).reserve()
 
 
 def test_on_cpu_every_actor_is_pinned_to_the_driver_node(ray_with_two_gpus):

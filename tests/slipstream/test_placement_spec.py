@@ -10,10 +10,7 @@ from cluster_helpers import control_without_ray
 import jobspec
 from slipstream.cluster.control import ControlError
 
-CUDA = {
-    "trainer": {"device": "cuda", "num_trainers": 2},
-    "generators": {"num_engines": 2, "gpus_per_engine": 1},
-}
+CUDA = {"trainer": {"device": "cuda"}, "generators": {"gpus_per_engine": 1}}
 
 
 def test_disaggregated_is_the_default_and_unchanged():
@@ -45,7 +42,7 @@ def test_colocated_defaults_to_the_ipc_bus_and_the_schedule_follows_staleness():
 
 def test_colocated_on_cuda_one_engine_per_trainer_gpu():
     spec = jobspec.from_dict({"placement": "colocated", **CUDA, "buffer": {"max_staleness": 0}})
-    assert spec.schedule == "sync" and spec.generators.num_engines == spec.trainer.num_trainers == 2
+    assert spec.schedule == "sync" and spec.generators.num_engines == spec.trainer.num_trainers == 1
     sg = {"engine": "sglang", "num_engines": 1}
     assert jobspec.from_dict({"placement": "colocated", "trainer": {"device": "cuda"}, "generators": sg})
 
@@ -81,12 +78,21 @@ def test_override_sets_colocated_placement(tmp_path):
             "engines run on the CPU too",
         ),
         (
-            {"placement": "colocated", **CUDA, "generators": {"num_engines": 1, "gpus_per_engine": 1}},
+            {"placement": "colocated", **CUDA, "generators": {"num_engines": 2, "gpus_per_engine": 1}},
             "$.generators.num_engines",
             "one engine per trainer rank's GPU",
         ),
         (
-            {"placement": "colocated", **CUDA, "generators": {"num_engines": 2}},
+            {
+                "placement": "colocated",
+                "trainer": {"device": "cuda", "num_trainers": 2},
+                "generators": {"num_engines": 2, "gpus_per_engine": 1},
+            },
+            "$.trainer.num_trainers",
+            "an engine sees only its own GPU",
+        ),
+        (
+            {"placement": "colocated", **CUDA, "generators": {"num_engines": 1}},
             "$.generators.gpus_per_engine",
             "shares one trainer GPU",
         ),
