@@ -142,6 +142,10 @@ class GeneratorsSpec(Spec):
     cpus_per_engine: NonNeg = 0
     """CPUs Ray reserves for each engine (and each rollout worker takes none: they wait on I/O)."""
     torch_threads: Pos = 1
+    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
+    """`builtin` on CUDA: share of the GPU's total memory for the engine's weights and KV pool (SGLang's
+    --mem-fraction-static; `sglang` engines take `sglang.mem_fraction_static`), so a colocated trainer
+    keeps the rest; null = the pool takes half the memory free after loading the model."""
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     urls: list[str] = msgspec.field(default_factory=list)
     """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or
@@ -163,6 +167,17 @@ class GeneratorsSpec(Spec):
                     raise bad(key, f"only for engine `external` (engine is `{self.engine}`)")
         elif self.num_engines != 1:
             raise bad("num_engines", "engine `external`: the engines are the `urls`")
+        if self.engine != "builtin" and self.mem_fraction_static is not None:
+            raise bad(
+                "mem_fraction_static",
+                f"only for engine `builtin` (engine is `{self.engine}`; SGLang servers take "
+                "`sglang.mem_fraction_static`)",
+            )
+        if self.sglang.enable_weights_cpu_backup and not self.sglang.enable_memory_saver:
+            raise bad(
+                "sglang.enable_weights_cpu_backup",
+                "backs up the weights on a memory release: needs `sglang.enable_memory_saver`",
+            )
         if self.engine != "sglang" and self.sglang != SGLangSpec():
             raise bad("sglang", f"only for engine `sglang` (engine is `{self.engine}`)")
         if self.router_url is not None and self.engine == "builtin":
@@ -293,5 +308,6 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
         model_path=model.path,
         max_batch_size=generators.max_batch_size,
         torch_threads=generators.torch_threads,
+        mem_fraction_static=generators.mem_fraction_static,
         device="cuda" if generators.gpus_per_engine > 0 else "cpu",
     )

@@ -88,6 +88,10 @@ def sglang_command(
         cmd.append("--skip-server-warmup")
     if sg.enable_metrics:
         cmd.append("--enable-metrics")
+    if sg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
+    if sg.enable_weights_cpu_backup:
+        cmd.append("--enable-weights-cpu-backup")
     return cmd + list(sg.extra_args)
 
 

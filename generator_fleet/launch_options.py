@@ -28,6 +28,12 @@ class SGLangOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """--tp-size: tensor-parallel GPUs per engine; each one is a rank of the weight-update group."""
     mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
     """--mem-fraction-static: share of GPU memory for weights + KV cache; null = SGLang picks."""
+    enable_memory_saver: bool = False
+    """--enable-memory-saver: lets /release_memory_occupation free the KV cache, weights and CUDA graphs
+    (needs the torch_memory_saver package where SGLang runs); a colocated engine needs it."""
+    enable_weights_cpu_backup: bool = False
+    """--enable-weights-cpu-backup: a release copies the weights to host memory and the resume restores
+    them; without it the resumed weights are undefined until the next weight update."""
     context_length: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     """--context-length (tokens); null = the model config's."""
     served_model_name: str | None = None

@@ -136,7 +136,21 @@ _UNKNOWN = re.compile(r"Object contains unknown field `(?P<key>[^`]+)`(?: - at `
 _NESTED = re.compile(r"(?P<msg>.*) - at `(?P<key>\.[^`]+)`(?: - at `(?P<at>[^`]+)`)?", re.S)
 
 
+def _placement_defaults(raw: Any) -> Any:
+    """`placement: colocated` sets `bus.backend: ipc` unless the spec gives a backend (a gloo or nccl one
+    given is then refused, at its path)."""
+    if not isinstance(raw, dict) or raw.get("placement") != "colocated":
+        return raw
+    bus = raw.get("bus")
+    if bus is None:
+        return {**raw, "bus": {"backend": "ipc"}}
+    if isinstance(bus, dict) and "backend" not in bus:
+        return {**raw, "bus": {**bus, "backend": "ipc"}}
+    return raw
+
+
 def from_dict(raw: Any) -> JobSpec:
+    raw = _placement_defaults(raw)
     try:
         # strict=False: YAML 1.1 reads `1e-4` as a string; numeric strings convert, "fast" still fails.
         spec = msgspec.convert(raw if raw is not None else {}, JobSpec, strict=False)

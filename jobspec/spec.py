@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -28,7 +29,7 @@ from generator_fleet.tools.spec import ToolSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerConfig, TrainerSpec
-from weight_bus.config import BusSpec
+from weight_bus.config import PLACEMENTS, BusSpec, ColocationSpec, colocated_schedule
 
 
 class JobSpecError(ValueError):
@@ -58,6 +59,22 @@ class JobSpec(Spec):
     eval: EvalSpec | None = None
     """Evaluation on a held-out set during training; null = none."""
 
+    placement: Literal[PLACEMENTS] = "disaggregated"
+    """`disaggregated`: engines and trainer ranks on devices of their own, weights sent over the bus's
+    gloo/NCCL group. `colocated`: each engine shares a trainer rank's device (its GPU, through a Ray
+    placement group; on CPU, the trainer's host), weights handed over in place (`bus.backend: ipc`, the
+    default here: CUDA IPC handles, shared memory on CPU); `colocation` says how the two share it."""
+    colocation: ColocationSpec = msgspec.field(default_factory=ColocationSpec)
+    """The colocated schedule and the engines' memory share (only with `placement: colocated`)."""
+
+    @property
+    def schedule(self) -> str | None:
+        """A colocated job's schedule (`sync` or `async`: weight_bus.config.colocated_schedule); None
+        when disaggregated."""
+        if self.placement != "colocated":
+            return None
+        return colocated_schedule(self.colocation, self.buffer.max_staleness)
+
     @property
     def response_budget(self) -> int:
         """Response tokens one sample may have."""
@@ -75,6 +92,7 @@ class JobSpec(Spec):
             buffer=self.buffer,
             bus=self.bus,
             response_budget=budget,
+            schedule=self.schedule,
         )
 
     def rollout_config(self) -> RolloutConfig:
@@ -141,6 +159,65 @@ class JobSpec(Spec):
                 "bus.update_every",
                 f"{self.bus.update_every} needs buffer.max_staleness >= {self.bus.update_every - 1} "
                 f"(it is {self.buffer.max_staleness}): engines lag up to update_every - 1 versions",
+            )
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        """Colocated: launched engines, one per trainer device, the ipc bus, a schedule that fits."""
+        g, tr, co = self.generators, self.trainer, self.colocation
+        if self.placement != "colocated":
+            if co != ColocationSpec():
+                raise bad("colocation", "only with `placement: colocated`")
+            return
+        if g.engine == "external":
+            raise bad(
+                "generators.engine",
+                "placement colocated: the job launches its engines beside its trainer ranks "
+                "(`builtin` or `sglang`), not `external` ones",
+            )
+        if self.bus.backend != "ipc":
+            raise bad(
+                "bus.backend",
+                f"placement colocated hands weights over through `ipc` (CUDA IPC, shared memory on CPU), "
+                f"not {self.bus.backend}: leave bus.backend out or set it to ipc",
+            )
+        gpus = g.sglang.gpus_per_engine if g.engine == "sglang" else g.gpus_per_engine
+        if g.engine == "sglang" and gpus is None:
+            gpus = g.sglang.tp_size
+        key = "generators.sglang.gpus_per_engine" if g.engine == "sglang" else "generators.gpus_per_engine"
+        if tr.device == "cuda":
+            if g.engine == "sglang" and g.sglang.tp_size != 1:
+                raise bad(
+                    "generators.sglang.tp_size",
+                    "placement colocated: an engine shares one trainer rank's GPU (tp_size 1)",
+                )
+            if gpus != 1:
+                raise bad(
+                    key, f"placement colocated on cuda: each engine shares one trainer GPU (1, not {gpus})"
+                )
+            if tr.num_trainers != 1:
+                # rank 0 publishes to every engine, and Ray shows each engine only its own GPU: a CUDA IPC
+                # handle of rank 0's GPU cannot be opened on another one
+                raise bad(
+                    "trainer.num_trainers",
+                    "placement colocated on cuda runs one trainer rank and its engine on one GPU: trainer "
+                    "rank 0 hands every engine its weights through CUDA IPC, and an engine sees only its "
+                    "own GPU (use placement disaggregated for more ranks)",
+                )
+            if g.num_engines != tr.num_trainers:
+                raise bad(
+                    "generators.num_engines",
+                    f"placement colocated on cuda: one engine per trainer rank's GPU "
+                    f"({tr.num_trainers} trainer ranks, {g.num_engines} engines)",
+                )
+        elif gpus:
+            raise bad(key, "placement colocated with trainer.device cpu: engines run on the CPU too (0)")
+        if co.schedule == "sync" and self.buffer.max_staleness != 0:
+            raise bad(
+                "colocation.schedule",
+                f"sync releases the engines' memory while the trainer trains, so nothing is generated "
+                f"ahead: it needs buffer.max_staleness 0 (it is {self.buffer.max_staleness}); "
+                "use async for staleness > 0",
             )
 
     def _check_eval(self, ev: EvalSpec) -> None:

@@ -202,3 +202,6 @@ class TrainerConfig(msgspec.Struct, kw_only=True):
     """Most response tokens of one sample (agent.max_total_tokens with an agent, else
     rollout.sampling.max_new_tokens): `seq-mean-token-sum-norm`'s constant when
     `algorithm.loss_scale_factor` is null."""
+    schedule: str | None = None
+    """A colocated job's schedule (`sync`: rank 0 has the engines release their memory for each optimizer
+    step and resume it for the publish; `async`: both stay resident); None when disaggregated."""

@@ -32,6 +32,7 @@ from trainer.distributed import DistInfo, Pool, host_store
 from trainer.flops import peak_flops
 from trainer.learner import Learner
 from weight_bus import BusError, WeightBus, update_due
+from weight_bus.colocation import MemoryHandoff
 from weight_bus.group import master_address_for
 from weight_bus.registry import EngineRegistry
 
@@ -108,6 +109,10 @@ class Trainer:
                 if cfg.bus.backend == "ipc"
                 else None,
             )
+        self.handoff: MemoryHandoff | None = None
+        """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""
+        if rank == 0 and cfg.schedule == "sync":
+            self.handoff = MemoryHandoff(self.bus.client, self.bus.pool)
         self.learner: Learner | None = None
         self.tokenizer = None
         self._stop = False
@@ -166,6 +171,10 @@ class Trainer:
             self.bus.connect()
         if tr.resume_from:
             self._resume(checkpoint.resolve(tr.resume_from, self.checkpoint_dir))
+        elif self.config.schedule == "sync":
+            # colocated sync: engines a previous pool left released hold undefined weights; this pool's
+            # own go to them before any rollout (a handover in place costs little)
+            self.publish(self.buffer.version() if self.is_main else 0)
         if self.is_main:
             log.info(
                 "trainer ready: %s, %d ranks, %d params, version %d",
@@ -252,6 +261,10 @@ class Trainer:
                 len(pub.engines),
             )
 
+    def _release(self) -> None:
+        """Rank 0, sync schedule: the engines in the update group release their memory for the step."""
+        self.handoff.release(self.bus.urls)
+
     def publish(self, version: int):
         """Gather full weights (every rank: each gather is a collective) and send them to the engines
         (rank 0). The gather is lazy: the bus packs and sends bucket k while later tensors are gathered,
@@ -288,6 +301,8 @@ class Trainer:
                 on_policy = (
                     not sync and bool(entries) and all(e.group.min_version == version for e in entries)
                 )
+                if entries and not sync and self.handoff is not None:
+                    self._release()  # before any rank trains: the device is the trainer's for the step
                 header = self.pool.broadcast(
                     {"version": version, "sync": sync, "checkpoint": ckpt, "on_policy": on_policy}
                     if entries
@@ -306,15 +321,23 @@ class Trainer:
                 if self.is_main
                 else None
             )
-            stats = self.learner.train_step(self.learner.distribute(samples), on_policy=header["on_policy"])
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            t_step = time.monotonic()
-            if self.is_main:
-                self.buffer.commit(entries, version, cfg.buffer.max_staleness)
-            # every bus.update_every versions, and the last one, so engines end on the final policy
-            due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
-            pub = self.publish(version + 1) if due else None
+            try:
+                stats = self.learner.train_step(
+                    self.learner.distribute(samples), on_policy=header["on_policy"]
+                )
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t_step = time.monotonic()
+                if self.is_main:
+                    self.buffer.commit(entries, version, cfg.buffer.max_staleness)
+                # every bus.update_every versions, and the last one, so engines end on the final policy
+                due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
+                if due and self.handoff is not None:
+                    self.handoff.resume_weights()  # resident again before they are written
+                pub = self.publish(version + 1) if due else None
+            finally:
+                if self.handoff is not None:
+                    self.handoff.finish()  # kv_cache + cuda_graph back: the engines generate again
             t_pub = time.monotonic()
             version += 1
             if self.is_main:
@@ -343,6 +366,7 @@ class Trainer:
         }
 
     def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub) -> None:
+        cfg = self.config
         samples = [s for g in groups for s in g.samples]
         stale = [version - 1 - g.min_version for g in groups]
         step_s = t_step - t_data
@@ -359,7 +383,7 @@ class Trainer:
             "staleness_mean": sum(stale) / len(stale),
             "staleness_max": max(stale),
             "response_tokens": sum(len(s) for s in samples),
-            "wait_s": t_data - t0,
+            "wait_s": t_data - t0 - (self.handoff.release_s if self.handoff else 0.0),
             "step_s": step_s,
             "train_tokens_per_s": seq_tokens / max(step_s, 1e-9),
             "mfu": stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
@@ -368,6 +392,19 @@ class Trainer:
             # the whole publish as the trainer waits on it: buffer commit, gather, pause, transfer, continue
             "publish_call_s": t_pub - t_step,
             "elapsed_s": time.monotonic() - t_start,
+            "placement": "colocated" if cfg.schedule else "disaggregated",
+            "schedule": cfg.schedule,
+            "bus_backend": cfg.bus.backend,
+            **(
+                {
+                    "release_s": self.handoff.release_s,
+                    "resume_s": self.handoff.resume_s,
+                    "released_engines": self.handoff.released_count,
+                    "resumed_engines": self.handoff.resumed_count,
+                }
+                if self.handoff is not None
+                else {}
+            ),
             **episode_stats(groups),
             **stats,
         }

@@ -46,3 +46,32 @@ class BusSpec(Spec):
     """When the trainer has waited this long for a batch while engines wait to join (new ones, or ones
     dropped and due for a retry), it publishes its current weights to admit them now instead of at its
     next step: with every engine gone or joining, no rollout comes and that step never would."""
+
+
+PLACEMENTS = ("disaggregated", "colocated")
+"""Where a job's engines run relative to its trainer ranks (the job spec's top-level `placement`)."""
+SCHEDULES = ("sync", "async")
+"""How colocated engines and trainer ranks share their devices (`colocation.schedule`)."""
+
+
+class ColocationSpec(Spec):
+    """How colocated engines and trainer ranks share a device (`placement: colocated`)."""
+
+    schedule: Literal[SCHEDULES] | None = None
+    """`sync` (verl's hybrid engine): once the trainer has its batch, the engines release their memory
+    (KV cache, weights, CUDA graphs) for the optimizer step and get it back, weights first, for the
+    publish; `async`: both stay resident and overlap, the engine's weights and KV pool held to
+    `generators.mem_fraction_static` (`generators.sglang.mem_fraction_static`; null here =
+    ASYNC_MEM_FRACTION) so the trainer's peak fits beside them. null = `sync` with buffer.max_staleness
+    0, else `async`."""
+
+
+ASYNC_MEM_FRACTION = 0.3
+"""The engines' share of a GPU on the async colocated schedule when the spec leaves it null."""
+
+
+def colocated_schedule(colocation: ColocationSpec, max_staleness: int) -> str:
+    """The schedule a colocated job runs: `colocation.schedule`, else sync with max_staleness 0."""
+    if colocation.schedule is not None:
+        return colocation.schedule
+    return "sync" if max_staleness == 0 else "async"

@@ -23,6 +23,7 @@ from weight_bus.pipeline import Pipeline
 from weight_bus.schema import (
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
+    MemoryOccupation,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
 )
@@ -100,6 +101,21 @@ class EngineClient:
         """POST /update_weights_from_tensor: the engine loads the tensors `body` shares (weight_bus.ipc)
         and answers once it copied them (the sender may then reuse that memory)."""
         return self.post(url, "/update_weights_from_tensor", body)
+
+    def release_memory_occupation(
+        self, url: str, tags: list[str] | None = None, timeout: float | None = None
+    ) -> dict:
+        """POST /release_memory_occupation: free the engine's device memory of `tags` ("kv_cache",
+        "weights", "cuda_graph"; None = all). SGLang needs --enable-memory-saver and answers an empty
+        200; the built-in engine answers what is released now and the bytes freed."""
+        return self.post(url, "/release_memory_occupation", MemoryOccupation(tags=tags), timeout) or {}
+
+    def resume_memory_occupation(
+        self, url: str, tags: list[str] | None = None, timeout: float | None = None
+    ) -> dict:
+        """POST /resume_memory_occupation: take back the memory of `tags` (None = all); the colocated
+        order is ["weights"], then the weight update, then ["kv_cache", "cuda_graph"]."""
+        return self.post(url, "/resume_memory_occupation", MemoryOccupation(tags=tags), timeout) or {}
 
     def channel(self, url: str) -> EngineChannel:
         """A pipelined connection to one engine, with this client's API key."""

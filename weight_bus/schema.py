@@ -51,3 +51,11 @@ class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):
 
 class DestroyWeightsUpdateGroup(msgspec.Struct, kw_only=True):
     group_name: str = DEFAULT_GROUP
+
+
+class MemoryOccupation(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """POST /release_memory_occupation and /resume_memory_occupation (SGLang's
+    ReleaseMemoryOccupationReqInput / ResumeMemoryOccupationReqInput): which device memory to release or
+    take back: any of "kv_cache", "weights", "cuda_graph"; None (or empty) = all of them."""
+
+    tags: list[str] | None = None

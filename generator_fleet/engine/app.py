@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard
-from generator_fleet.engine import generate_routes, info_routes, weight_routes
+from generator_fleet.engine import generate_routes, info_routes, memory_routes, weight_routes
 from generator_fleet.engine.api_types import (
     AbortRequest,
     BadRequest,
@@ -38,6 +38,7 @@ from generator_fleet.engine.state import EngineState
 from weight_bus.schema import (
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
+    MemoryOccupation,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
 )
@@ -70,6 +71,8 @@ _BODIES: dict[str, type] = {
     "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
     "/update_weights_from_disk": UpdateWeightsFromDisk,
     "/update_weight_version": UpdateWeightVersion,
+    "/release_memory_occupation": MemoryOccupation,
+    "/resume_memory_occupation": MemoryOccupation,
 }
 """The body each route decodes: its handler reads the raw body (msgspec), so FastAPI cannot see it."""
 
@@ -142,7 +145,7 @@ def build_app(
     app.add_exception_handler(EngineUnhealthy, _on_unhealthy)
     app.add_exception_handler(Exception, _on_error)
 
-    for group in (generate_routes, weight_routes, info_routes):
+    for group in (generate_routes, weight_routes, memory_routes, info_routes):
         _add_routes(app, group.router)
     return app
 

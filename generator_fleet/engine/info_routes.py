@@ -36,6 +36,8 @@ async def health_generate(request: Request) -> Response:
     runner = engine_state(request).runner
     if runner.paused:
         return http_error(503, "generation is paused")
+    if runner.released:
+        return http_error(503, f"memory is released ({', '.join(runner.released)})")
     req = GenRequest(
         f"HEALTH_CHECK_{uuid.uuid4().hex}", [0], SamplingParams(max_new_tokens=1, temperature=0.0)
     )
@@ -86,6 +88,7 @@ def server_info(state: EngineState) -> dict[str, Any]:
         "dp_size": 1,
         "pp_size": 1,
         "weight_update_groups": sorted(state.receiver.groups),
+        "memory_released": snap["memory_released"],
         "internal_states": [{**snap, "num_queue_reqs": snap["num_queue_reqs"] + state.waiting}],
         "version": VERSION,
     }

@@ -39,15 +39,48 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.device = device
         self.scratch_block = 0
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate_pool()
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low block ids first
         self.bytes = 2 * num_layers * self.k[0].numel() * self.k[0].element_size()
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    # ---- the pool's memory (release_memory_occupation) -----------------------------------------------
+
+    @property
+    def allocated(self) -> bool:
+        """Whether the pool tensors exist (False between free_pool and allocate_pool)."""
+        return bool(self.k)
+
+    def allocate_pool(self) -> None:
+        """(Re)create the K and V pools at their one size, zeroed; no-op while they exist."""
+        if self.k:
+            return
+        self.k = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+        self.v = [
+            torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)
+        ]
+
+    def free_pool(self) -> int:
+        """Drop the K and V pools (every block must be free: the cached K/V is lost); returns the bytes
+        dropped (0 when already dropped). The block bookkeeping stays, so the pool comes back as it was."""
+        if not self.k:
+            return 0
+        if len(self._free) != self.capacity_blocks:
+            raise RuntimeError(
+                f"the KV pool is freed with {self.capacity_blocks - len(self._free)} blocks still held"
+            )
+        self.k, self.v = [], []
+        return self.bytes
 
     # ---- allocation (the scheduler's thread only) --------------------------------------------------
 

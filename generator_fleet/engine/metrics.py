@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from generator_fleet.engine.memory import TAGS
 from generator_fleet.engine.request import RunnerStats
 from generator_fleet.engine.runner import Runner
 
@@ -69,6 +70,16 @@ class _SchedulerCollector(Collector):
             labels=["model_name"],
         )
         g.add_metric([self.model_name], 0.0 if self.runner.fatal is not None else 1.0)
+        yield g
+        g = GaugeMetricFamily(
+            "slipstream_engine_memory_released",
+            "1 while this memory (tag: kv_cache, weights, cuda_graph) is released by "
+            "/release_memory_occupation; generation waits while any is.",
+            labels=["model_name", "tag"],
+        )
+        released = self.runner.released
+        for tag in TAGS:
+            g.add_metric([self.model_name, tag], 1.0 if tag in released else 0.0)
         yield g
         counters = {
             "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
@@ -135,6 +146,31 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.bucket_phase = {ph: phase.labels(model_name, ph) for ph in ("wait", "receive", "load")}
+
+        releases = Counter(
+            "slipstream_engine_memory_releases",
+            "Releases of device memory by /release_memory_occupation, per tag (kv_cache, weights, cuda_graph).",
+            labelnames=["model_name", "tag"],
+            registry=self.registry,
+        )
+        freed = Counter(
+            "slipstream_engine_memory_freed_bytes",
+            "Device bytes freed by /release_memory_occupation, per tag (cuda_graph: the allocator's drop "
+            "when the graphs went; 0 on CPU).",
+            labelnames=["model_name", "tag"],
+            registry=self.registry,
+        )
+        self.memory_releases = {t: releases.labels(model_name, t) for t in TAGS}
+        self.memory_freed_bytes = {t: freed.labels(model_name, t) for t in TAGS}
+        seconds = Histogram(
+            "slipstream_engine_memory_seconds",
+            "Time of a /release_memory_occupation (op=release: retract, drop graphs, free the KV pool, "
+            "copy the weights to host) or /resume_memory_occupation (op=resume) that changed something.",
+            labelnames=["model_name", "op"],
+            buckets=PAUSE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.memory_seconds = {op: seconds.labels(model_name, op) for op in ("release", "resume")}
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

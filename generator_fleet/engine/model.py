@@ -213,6 +213,17 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
+    def drop(self) -> int:
+        """Forget every captured graph (release_memory_occupation: they hold the addresses of the KV pool
+        and the weights, and their pool's memory); each bucket is captured again on its next use, into a
+        fresh pool. The caller holds `capture_lock`. Returns how many graphs were dropped."""
+        n = len(self.graphs)
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
+        if n:
+            log.info("dropped %d decode graphs (captured again on use)", n)
+        return n
+
     def _view(self, b: int, mb: int) -> DecodeInputs:
         x = self.inputs[:b]
         return DecodeInputs(x[:, 0], x[:, 1], x[:, 2], x[:, self.COLS : self.COLS + mb], x[:, 3])

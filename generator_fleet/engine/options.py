@@ -49,6 +49,10 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Model name in responses and the `model_name` metrics label; null = the model path."""
     kv_cache_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """KV pool size (tokens); null = from free memory on CUDA, 2 GiB worth on CPU."""
+    mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
+    """SGLang's --mem-fraction-static (CUDA): share of the GPU's total memory for the weights and the KV
+    pool together; the pool gets it minus the weights, so a trainer on the same GPU keeps the rest.
+    null = the pool takes half the memory free after loading; kv_cache_tokens wins over both."""
     disable_cuda_graph: bool = False
     """Decode without CUDA graphs (SGLang's flag); graphs are only ever captured on CUDA."""
     load_format: Literal["auto", "dummy"] = "auto"

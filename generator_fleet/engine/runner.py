@@ -1,12 +1,13 @@
-# Long module: Runner is one scheduler state machine (queue, rows, KV blocks, pause, weight swaps).
+# Long module: Runner is one scheduler state machine (queue, rows, KV blocks, pause, weight swaps,
+# memory release).
 """Generation core of the built-in engine: continuous batching over a paged KV cache.
 
 One thread runs the scheduler. Every step it either prefills newly admitted requests (batched, up to a
 token budget) or decodes one token for every running request; requests join after any step and leave the
 moment they finish, freeing their KV blocks. When the pool runs out of blocks the newest request is
 retracted (its blocks freed, it goes back to the front of the queue and is re-prefilled from its prompt
-and the tokens it already has). Pause, abort and weight swaps take effect at step boundaries; a token
-carries the weight version of the step that produced it.
+and the tokens it already has). Pause, abort, weight swaps and memory release take effect at step
+boundaries; a token carries the weight version of the step that produced it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
+from generator_fleet.engine.memory import (
+    CUDA_GRAPH,
+    KV_CACHE,
+    TAGS,
+    WEIGHTS,
+    WeightsBackup,
+    WeightsReleased,
+    device_used_bytes,
+    empty_cache,
+)
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.sampler import Choice, sample
@@ -59,9 +70,13 @@ class Runner:
         cuda_graphs: bool = True,
         mem_fraction: float = 0.5,
         load_format: str | None = None,
+        mem_fraction_static: float | None = None,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
+        `mem_fraction_static` (CUDA, SGLang's meaning): the share of the GPU's total memory for the weights
+        and the KV pool together, so the pool gets that share minus the weights, whatever else (a
+        colocated trainer) holds memory at the time; `kv_cache_tokens` wins over it.
         `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU).
         `load_format`: None loads the weights; "dummy" (SGLang's name) initialises them randomly from the
         config on the device, for benchmarks of models that would take minutes to save and load."""
@@ -88,7 +103,8 @@ class Runner:
         # weight update is an in-place copy_ and never re-allocates what the forward pass (and the
         # captured CUDA graphs) use.
         self._named_tensors = self.model.state_dict()
-        self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction)
+        self._weights = WeightsBackup(self.model)
+        self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
         max_blocks = blocks_for(self.context_length + 1, block_size)
@@ -125,6 +141,8 @@ class Runner:
         self._updating = False
         self._stopping = False
         self._last_was_prefill = False
+        self._released: set[str] = set()
+        """Memory tags released (release_memory): no step runs while any is."""
         self._update_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.fatal: str | None = None
@@ -133,7 +151,9 @@ class Runner:
         """Called once (from the thread that hit the error) when the engine turns unhealthy."""
         self._fault = os.environ.get(FAULT_ENV) or None
 
-    def _build_cache(self, tokens: int | None, block_size: int, mem_fraction: float) -> PagedKVCache:
+    def _build_cache(
+        self, tokens: int | None, block_size: int, mem_fraction: float, mem_fraction_static: float | None
+    ) -> PagedKVCache:
         cfg = self.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         per_token = PagedKVCache.bytes_per_token(
@@ -141,10 +161,22 @@ class Runner:
         )
         useful = self.max_batch_size * (self.context_length + 1)
         if tokens is None:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and mem_fraction_static is not None:
+                _, total = torch.cuda.mem_get_info(self.device)
+                budget = static_kv_budget(total, mem_fraction_static, self.weights_bytes())
+                if budget < per_token * (self.context_length + 1):
+                    raise ValueError(
+                        f"mem_fraction_static {mem_fraction_static}: {mem_fraction_static} of the GPU's "
+                        f"{total / 2**30:.2f} GiB minus the weights' {self.weights_bytes() / 2**30:.2f} GiB "
+                        f"leaves {max(budget, 0) / 2**30:.3f} GiB for the KV pool, less than one "
+                        f"{self.context_length + 1}-token sequence needs ({per_token * (self.context_length + 1) / 2**30:.3f} GiB)"
+                    )
+            elif self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
                 budget = int(free * mem_fraction)
             else:
+                if mem_fraction_static is not None:
+                    log.warning("mem_fraction_static applies to CUDA devices; the CPU pool is 2 GiB worth")
                 budget = 2 * 2**30
             tokens = min(useful, max(budget // per_token, self.context_length + 1))
         num_blocks = blocks_for(tokens, block_size) + 1  # + the scratch block
@@ -157,6 +189,16 @@ class Runner:
             dtype=self.dtype,
             device=self.device,
         )
+
+    def weights_bytes(self) -> int:
+        """Bytes of the model's parameters and buffers (tied weights once)."""
+        seen: set[int] = set()
+        total = 0
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+        return total
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -287,7 +329,9 @@ class Runner:
         self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
     ) -> None:
         """Copy tensors into the parameters of the same HF name at a step boundary; all names and shapes
-        are checked first, so a bad request changes nothing."""
+        are checked first, so a bad request changes nothing. WeightsReleased while the weights are
+        released (release_memory): SGLang's weights are not there to load into either."""
+        self._check_weights_present()
         unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
         if unknown:
             raise ValueError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
@@ -298,6 +342,7 @@ class Runner:
                 )
 
         def apply() -> None:
+            self._check_weights_present()  # a release may have come between the checks and this step
             with torch.no_grad():
                 for name, t in named_tensors:
                     self._named_tensors[name].copy_(t)
@@ -306,9 +351,100 @@ class Runner:
 
         self.at_step_boundary(apply)
 
+    def _check_weights_present(self) -> None:
+        if WEIGHTS in self._released:
+            raise WeightsReleased(
+                "the engine's weights are released (release_memory_occupation); resume_memory_occupation "
+                'with tags ["weights"] before updating them'
+            )
+
     def load_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        self._check_weights_present()  # before reading a checkpoint it could not load
         fresh = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.load_weights(list(fresh.state_dict().items()), weight_version)
+
+    # ---- memory occupation -----------------------------------------------------------------------
+
+    @property
+    def released(self) -> list[str]:
+        """Memory tags released now, in memory.TAGS order (kv_cache, weights, cuda_graph)."""
+        with self._cv:  # an RLock: callers may hold it already
+            return [t for t in TAGS if t in self._released]
+
+    def release_memory(self, tags: list[str]) -> dict[str, int]:
+        """Release the device memory of `tags` (memory.resolve_tags' names; SGLang's
+        release_memory_occupation). Generation stops at the next step boundary and stays stopped until
+        every tag is resumed: running requests are retracted (their KV freed; they are re-prefilled
+        after the resume and go on), queued and new ones wait. Dropping the KV pool or the weights also
+        drops the captured graphs (they hold those addresses). Tags already released are skipped.
+        Returns the bytes freed per tag this call released."""
+        with self._update_lock:
+            with self._cv:
+                new = [t for t in tags if t not in self._released]
+                if not new:
+                    log.info("release_memory %s: already released, nothing to do", tags)
+                    return {}
+                self._released.update(new)  # from here no step starts
+                self._cv.notify_all()
+                while self._in_step:
+                    self._cv.wait()
+                running = len(self._running)
+                for r in reversed(list(self._running)):
+                    self._retract(r)
+            t0 = time.monotonic()
+            freed = dict.fromkeys(new, 0)
+            with self.gpu_lock:  # a graph capture never overlaps (DecodeGraphs' discipline)
+                if self.graphs is not None:
+                    before = device_used_bytes(self.device)
+                    self.graphs.drop()
+                    empty_cache(self.device)
+                    if CUDA_GRAPH in new:
+                        freed[CUDA_GRAPH] = max(before - device_used_bytes(self.device), 0)
+                if KV_CACHE in new:
+                    freed[KV_CACHE] = self.cache.free_pool()
+                if WEIGHTS in new:
+                    self._named_tensors = {}  # its views would keep the device copies alive
+                    freed[WEIGHTS] = self._weights.offload()
+                empty_cache(self.device)
+            log.info(
+                "released memory %s in %.3f s: %s (%d running requests retracted; released now: %s)",
+                new,
+                time.monotonic() - t0,
+                ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in freed.items()),
+                running,
+                self.released,
+            )
+            return freed
+
+    def resume_memory(self, tags: list[str]) -> list[str]:
+        """Take back the memory of `tags` (SGLang's resume_memory_occupation): the KV pool at its size,
+        the weights exactly as they were, graphs captured again on use. Generation goes on once nothing
+        is released any more. Tags not released are skipped. Returns the tags resumed."""
+        with self._update_lock:
+            with self._cv:
+                todo = [t for t in tags if t in self._released]
+            if not todo:
+                log.info("resume_memory %s: not released, nothing to do", tags)
+                return []
+            t0 = time.monotonic()
+            with self.gpu_lock:
+                if WEIGHTS in todo:
+                    self._weights.restore()
+                    self._named_tensors = self.model.state_dict()
+                if KV_CACHE in todo:
+                    self.cache.allocate_pool()
+            with self._cv:
+                self._released.difference_update(todo)
+                self._cv.notify_all()
+                left = self.released
+            log.info(
+                "resumed memory %s in %.3f s (released now: %s%s)",
+                todo,
+                time.monotonic() - t0,
+                left or "none",
+                "" if left else "; generation goes on",
+            )
+            return todo
 
     # ---- introspection ---------------------------------------------------------------------------
 
@@ -323,6 +459,7 @@ class Runner:
                 "num_paused_reqs": running if self._paused else 0,
                 "paused": self._paused,
                 "pause_mode": self._pause_mode,
+                "memory_released": self.released,
                 "weight_version": self._weight_version,
                 "last_gen_throughput": self.stats.gen_throughput,
                 "generation_tokens_total": self.stats.generation_tokens_total,
@@ -350,7 +487,9 @@ class Runner:
                             self._abort_matching(lambda r: True, "Engine is shutting down")
                             self._reap_aborted()
                             return
-                        if not (self._paused or self._updating) and (self._running or self._queue):
+                        if not (self._paused or self._updating or self._released) and (
+                            self._running or self._queue
+                        ):
                             break
                         self.stats.gen_throughput = 0.0
                         self._cv.wait()
@@ -713,3 +852,9 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
         elif isinstance(src, list | tuple):
             ids.update(int(t) for t in src)
     return ids
+
+
+def static_kv_budget(total: int, fraction: float, weights: int) -> int:
+    """Bytes for the KV pool under SGLang's mem_fraction_static: `fraction` of the device's `total`
+    memory holds the weights and the pool."""
+    return int(total * fraction) - weights

@@ -79,6 +79,7 @@ class EngineServer:
             context_length=o.context_length,
             dtype=getattr(torch, o.dtype) if o.dtype else None,
             kv_cache_tokens=o.kv_cache_tokens,
+            mem_fraction_static=o.mem_fraction_static,
             cuda_graphs=not o.disable_cuda_graph,
             load_format=o.load_format,
         )

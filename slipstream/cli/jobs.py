@@ -226,6 +226,13 @@ def render_status(st: dict):
         rows.insert(0, ("phase", st["phase"]))
     if any((restarts := st.get("restarts") or {}).values()):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
+    if st.get("schedule"):  # placement colocated: how engines and trainer share the devices
+        handoff = (
+            f", engines release {_fmt(st.get('release_s'))} s / resume {_fmt(st.get('resume_s'))} s per step"
+            if st.get("release_s") is not None
+            else ""
+        )
+        rows.append(("placement", f"colocated, {st['schedule']} schedule{handoff}"))
     if st.get("scaling"):
         rows.append(("scaling", st["scaling"]))
     if st.get("note"):

@@ -382,6 +382,12 @@ class JobControl:
                 "generators of a job with external engines or a router are not launched by Slipstream: "
                 "add engines to the router or the urls instead",
             )
+        if spec.placement == "colocated":
+            raise ControlError(
+                422,
+                "a job with placement colocated keeps one engine per trainer rank's device: its pools "
+                "are not scaled (resubmit it with other counts)",
+            )
         self._check_scale(name, raw, spec, generators, trainers)
         self.store.set_desired(name, generators=generators, trainers=trainers)
         log.info("job %s: desired generators=%s trainers=%s", name, generators, trainers)

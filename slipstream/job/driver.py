@@ -36,6 +36,7 @@ from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.cluster.job_store import JobStore, check_name
 from slipstream.job.generators import GeneratorPool
+from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import ProgressReader, format_eval
 from slipstream.job.supervise import POLL_S, Restarts
@@ -67,7 +68,8 @@ class JobDriver:
         self.progress = ProgressReader(self.r, self.job)
         self.restarts = Restarts()
         between = lambda: self.read_progress(block_ms=0)  # noqa: E731
-        self.generators = GeneratorPool(spec, redis_url, self.restarts, between)
+        self.placement = colocation(spec)
+        self.generators = GeneratorPool(spec, redis_url, self.restarts, between, placement=self.placement)
         self.trainers = TrainerPool(
             spec,
             redis_url,
@@ -75,7 +77,9 @@ class JobDriver:
             restarts=self.restarts,
             between=between,
             before_restart=self.generators.continue_engines,
+            placement=self.placement,
         )
+        self._refused_scale: tuple | None = None
         self.version = 0
         self.last: dict = {}
         self.last_eval: dict = {}
@@ -172,6 +176,9 @@ class JobDriver:
         """Pool sizes brought to the desired ones. Returns the trainer pool's result if it finished the
         job before a rescale could stop it."""
         n, m = len(self.generators.engines), len(self.trainers.ranks)
+        if self.placement is not None:
+            self._refuse_colocated_scale(want, n, m)
+            return None
         if self.generators.scalable and want.get("generators", n) != n:
             self.report("scaling", scaling=f"generators {n} -> {want['generators']}")
             self.generators.scale(want["generators"])
@@ -182,6 +189,20 @@ class JobDriver:
                 return ended
             self.report("running", scaling=None)
         return None
+
+    def _refuse_colocated_scale(self, want: dict, n: int, m: int) -> None:
+        """A colocated job keeps one engine per trainer rank's device: a scale request is reported in the
+        status and logged once, and nothing changes."""
+        asked = (want.get("generators", n), want.get("trainers", m))
+        if asked == (n, m) or asked == self._refused_scale:
+            return
+        self._refused_scale = asked
+        why = (
+            f"refused: placement colocated keeps {n} generators and {m} trainers (one engine per trainer "
+            "rank's device); resubmit with other counts"
+        )
+        log.warning("scale to generators %d, trainers %d %s", *asked, why)
+        self.report(scaling=why)
 
     def begin_run(self) -> None:
         """A new run of the job (fresh run_id; the previous run's Redis state and per-run output files
@@ -242,6 +263,9 @@ class JobDriver:
                     "ratio_min",
                     "ratio_max",
                     "prox_source",
+                    "schedule",
+                    "release_s",
+                    "resume_s",
                 )
                 if k in self.last
             },
@@ -296,6 +320,8 @@ class JobDriver:
         self.generators.closing = self.trainers.closing = True  # what stops now is no failure to repair
         self.generators.close(others=self.trainers.ranks)
         self.trainers.close()
+        if self.placement is not None:
+            self.placement.close()
 
 
 def error_text(e: BaseException) -> str:

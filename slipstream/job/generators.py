@@ -31,6 +31,7 @@ from typing import NamedTuple
 from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
+from slipstream.job.placement import Colocation, engine_spec
 from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, kill, outcome, wait_all
 from weight_bus.registry import EngineRegistry, engines_key, joining_key
 
@@ -64,32 +65,51 @@ class EngineURLs(NamedTuple):
     """The key every engine (and router) takes."""
 
 
-def engine_actor(spec: JobSpec):
-    """(actor class with the Ray resources of one launched engine, its GPUs): `builtin` or `sglang`."""
+def engine_actor(spec: JobSpec, placement: Colocation | None = None, slot: int = 0):
+    """(actor class with the Ray resources of one launched engine, its GPUs): `builtin` or `sglang`.
+    With a colocated `placement`, the engine takes its share of device slot `slot` instead."""
     from slipstream.job.actors import EngineActor, SGLangEngineActor
 
     g = spec.generators
+    cls = SGLangEngineActor if g.engine == "sglang" else EngineActor
+    if placement is not None:
+        opts = placement.engine(slot)
+        return cls.options(num_cpus=g.cpus_per_engine, **opts), opts["num_gpus"]
     if g.engine == "sglang":
         gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
-        return SGLangEngineActor.options(num_gpus=gpus, num_cpus=g.cpus_per_engine), gpus
-    return EngineActor.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
+        return cls.options(num_gpus=gpus, num_cpus=g.cpus_per_engine), gpus
+    return cls.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
 
 
-def launch_engine(spec: JobSpec, redis_url: str, api_key: str, index: int, joining: bool = False):
+def launch_engine(
+    spec: JobSpec,
+    redis_url: str,
+    api_key: str,
+    index: int,
+    joining: bool = False,
+    placement: Colocation | None = None,
+    slot: int = 0,
+):
     """The actor of launched engine `index` (`builtin` or `sglang`), not started yet. `joining`: a
-    built-in engine started mid-job waits in the registry's joining set until the bus gave it weights."""
+    built-in engine started mid-job waits in the registry's joining set until the bus gave it weights.
+    `placement`, `slot`: a colocated engine shares device slot `slot` with trainer rank `slot`."""
     from slipstream.job.actors import job_ref
 
-    cls, _ = engine_actor(spec)
+    if placement is not None:
+        spec = engine_spec(spec)
+    cls, _ = engine_actor(spec, placement, slot)
     if spec.generators.engine == "builtin":
         return cls.remote(job_ref(spec), engine_options(spec), redis_url, api_key, index, joining=joining)
     return cls.remote(job_ref(spec), spec.model.path, spec.generators, redis_url, api_key, index)
 
 
-def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: list) -> EngineURLs:
+def start_engines(
+    spec: JobSpec, redis_url: str, api_key: str, engine_actors: list, placement: Colocation | None = None
+) -> EngineURLs:
     """Start (`builtin`, `sglang`) or attach to (`external`) the job's engines, appending each actor to
     `engine_actors` as soon as it exists so that teardown reaches it even when a start fails. Launched
-    engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`."""
+    engines take the job's fresh `api_key`; external ones the key in `generators.api_key_env`. With a
+    colocated `placement`, engine i shares device slot i with trainer rank i."""
     import ray
 
     from slipstream.job.actors import ExternalEnginesActor, job_ref
@@ -105,14 +125,20 @@ def start_engines(spec: JobSpec, redis_url: str, api_key: str, engine_actors: li
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
-        _, gpus = engine_actor(spec)
-        have = ray.cluster_resources().get("GPU", 0)
-        if gpus * g.num_engines > have:  # Ray would wait for them forever
-            raise RuntimeError(
-                f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
-                "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
-            )
-        started = [launch_engine(spec, redis_url, api_key, i) for i in range(g.num_engines)]
+        if placement is not None:
+            placement.reserve()  # fails naming what Ray lacks, instead of waiting forever
+        else:
+            _, gpus = engine_actor(spec)
+            have = ray.cluster_resources().get("GPU", 0)
+            if gpus * g.num_engines > have:  # Ray would wait for them forever
+                raise RuntimeError(
+                    f"engine {g.engine}: {g.num_engines} engines x {gpus} GPUs, but Ray sees {have:g} GPUs "
+                    "(generators.gpus_per_engine, or generators.sglang.gpus_per_engine: 0 for a CPU build)"
+                )
+        started = [
+            launch_engine(spec, redis_url, api_key, i, placement=placement, slot=i)
+            for i in range(g.num_engines)
+        ]
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])
         if g.router_url:  # the engines joined the router; the router joins the registry
@@ -149,8 +175,10 @@ class GeneratorPool:
         redis_url: str,
         restarts: Restarts | None = None,
         between: Callable[[], None] | None = None,
+        placement: Colocation | None = None,
     ) -> None:
         self.spec, self.redis_url, self.job = spec, redis_url, spec.name
+        self.placement = placement
         self.r = connect(redis_url)
         self.restarts = restarts if restarts is not None else Restarts()
         self.between = between
@@ -180,8 +208,9 @@ class GeneratorPool:
 
     @property
     def scalable(self) -> bool:
-        """Launched engines (attached external ones are not scaled)."""
-        return bool(self.engines)
+        """Launched engines (attached external ones are not scaled), not colocated (one engine per
+        trainer rank's device)."""
+        return bool(self.engines) and self.placement is None
 
     def _wait(self, refs: list, timeout_s: float | None = None) -> list:
         return wait_all(refs, timeout_s, self.between)
@@ -201,7 +230,7 @@ class GeneratorPool:
         spec = msgspec.structs.replace(self.spec, generators=g)
         started: list = []
         try:
-            urls = start_engines(spec, self.redis_url, self.api_key, started)
+            urls = start_engines(spec, self.redis_url, self.api_key, started, self.placement)
         finally:  # teardown reaches what started, even when a start failed
             self.attached = started
         self.engine_urls, self.rollout_urls = urls.workers, urls.rollout
@@ -362,7 +391,15 @@ class GeneratorPool:
         for key in (engines_key(self.job), joining_key(self.job)):
             self.r.zrem(key, url)  # rollout workers stop routing to it at their next refresh
         self._lapsed_since.pop(url, None)
-        new = launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
+        new = launch_engine(
+            self.spec,
+            self.redis_url,
+            self.api_key,
+            self._next_engine,
+            joining=True,
+            placement=self.placement,
+            slot=i,
+        )
         self._next_engine += 1
         self.engines[i], self.engine_watch[i] = new, new.start.remote()
         self._starting[i] = url
@@ -441,9 +478,15 @@ class GeneratorPool:
             return None
 
     def continue_engines(self) -> None:
-        """A trainer that died between pause and continue of a weight update left the engines paused."""
+        """A trainer that died between pause and continue of a weight update left the engines paused; one
+        that died mid-step on the colocated sync schedule left them released (their memory is resumed,
+        and the new pool publishes its weights to them at its start)."""
+        from weight_bus.colocation import resume_engines
         from weight_bus.engine_client import continue_engines
 
+        if self.spec.schedule == "sync":
+            for url, e in resume_engines(self.engine_urls, self.api_key, timeout_s=10.0).items():
+                log.info("engine %s: resume after the trainer's death: %s (it was not released)", url, e)
         for url, e in continue_engines(self.engine_urls, self.api_key, timeout_s=10.0).items():
             log.warning("engine %s: continue after the trainer's death failed: %s", url, e)
 

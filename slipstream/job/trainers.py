@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from jobspec import JobSpec
+from slipstream.job.placement import Colocation
 from slipstream.job.supervise import Restarts, kill, outcome, wait_all
 
 log = logging.getLogger("slipstream.job.trainers")
@@ -57,8 +58,11 @@ class TrainerPool:
         restarts: Restarts | None = None,
         between: Callable[[], None] | None = None,
         before_restart: Callable[[], None] | None = None,
+        placement: Colocation | None = None,
     ) -> None:
         self.spec, self.redis_url = spec, redis_url
+        self.placement = placement
+        """Colocated: rank i shares device slot i with engine i (slipstream/job/placement.py)."""
         self.endpoints, self.between, self.before_restart = endpoints, between, before_restart
         self.restarts = restarts if restarts is not None else Restarts()
         self.run_id: str | None = None
@@ -86,13 +90,23 @@ class TrainerPool:
             self.spec, trainer=msgspec.structs.replace(self.spec.trainer, **trainer)
         )
         engine_urls, api_key = self.endpoints()
-        rank_cls = TrainerActor.options(num_gpus=1 if spec.trainer.device == "cuda" else 0)
         config = spec.trainer_config()
-        self.ranks = [rank_cls.remote(config, self.redis_url, engine_urls, api_key, r, m) for r in range(m)]
+        self.ranks = [
+            TrainerActor.options(**self._resources(r)).remote(
+                config, self.redis_url, engine_urls, api_key, r, m
+            )
+            for r in range(m)
+        ]
         master = self._get([self.ranks[0].rendezvous.remote()])[0] if m > 1 else None
         self._get([t.setup.remote(master) for t in self.ranks])
         self.runs = [t.run.remote() for t in self.ranks]
         log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+
+    def _resources(self, rank: int) -> dict:
+        """Ray options of rank `rank`: a whole GPU each on cuda, or its colocated device slot's share."""
+        if self.placement is not None:
+            return self.placement.trainer(rank)
+        return {"num_gpus": 1 if self.spec.trainer.device == "cuda" else 0}
 
     def stop(self, checkpoint: bool) -> None:
         """The pool ends after its current step (with a checkpoint there if `checkpoint`)."""

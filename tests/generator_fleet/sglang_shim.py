@@ -30,6 +30,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--skip-server-warmup", action="store_true")
     p.add_argument("--enable-metrics", action="store_true")
+    p.add_argument("--enable-memory-saver", action="store_true")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true")
     args = p.parse_args(argv)
     if args.tp_size != 1:
         p.error("the shim serves one built-in engine: --tp-size must be 1")
@@ -51,6 +53,7 @@ def main() -> None:
         weight_version=args.weight_version,
         context_length=args.context_length,
         served_model_name=args.served_model_name,
+        mem_fraction_static=args.mem_fraction_static,
     ).start()
 
     def shutdown(signum, frame) -> None:

@@ -6,7 +6,8 @@ on every route, and one regression test per bug the fuzzer found.
 
 What the fuzzer is kept from: schema-valid POST /init_weights_update_group (a valid request is a real
 rendezvous that waits for its peers up to the group timeout; its input checks are fuzzed with invalid
-bodies and tested below). A pause it sends is undone after each request so /generate keeps answering.
+bodies and tested below). A pause or memory release it sends is undone after each request so /generate
+keeps answering.
 The engine's context is its tiny model's 64 positions, so any generation the fuzzer asks for is short."""
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def test_fuzz_every_route(engine, schema):
     def after_call(method: str, path: str) -> None:
         if path == "/pause_generation":
             post(engine, "/continue_generation")
+        if path == "/release_memory_occupation":
+            post(engine, "/resume_memory_occupation")
 
     run = fuzz(schema, engine.url, AUTH, EXAMPLES, skip=skip, after_call=after_call)
     print(f"fuzz: {run.cases} cases, {len(run.server_errors)} 5xx; by status {sorted(run.by_status.items())}")

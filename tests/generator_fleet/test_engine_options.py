@@ -83,3 +83,28 @@ def test_a_job_spec_maps_its_generators_section_onto_engine_options():
     assert cpu.max_batch_size == EngineOptions(model_path="x").max_batch_size
     with pytest.raises(jobspec.JobSpecError, match="max_batch_size"):
         jobspec.loads("generators: {max_batch_size: 0}\n")
+
+
+def test_mem_fraction_static_is_sglangs_flag_and_a_builtin_generators_key():
+    opts = from_args(_parser().parse_args(["--model", "/m", "--mem-fraction-static", "0.4"]))
+    assert opts.mem_fraction_static == 0.4
+    assert EngineOptions(model_path="/m").mem_fraction_static is None  # null: the pool as before
+    for bad in ("0", "1", "1.5"):
+        with pytest.raises(ValueError, match="mem_fraction_static"):
+            from_args(_parser().parse_args(["--model", "/m", "--mem-fraction-static", bad]))
+    spec = jobspec.loads("model: {path: /p}\ngenerators: {mem_fraction_static: 0.3, gpus_per_engine: 1}\n")
+    assert jobspec.engine_options(spec).mem_fraction_static == 0.3
+    # SGLang servers take theirs in the sglang section; the error names the key's path.
+    with pytest.raises(
+        jobspec.JobSpecError, match=r"sglang\.mem_fraction_static.*at `\$\.generators\.mem_fraction_static`"
+    ):
+        jobspec.loads("generators: {engine: sglang, mem_fraction_static: 0.3}\n")
+    with pytest.raises(
+        jobspec.JobSpecError,
+        match=r"enable_memory_saver.*at `\$\.generators\.sglang\.enable_weights_cpu_backup`",
+    ):
+        jobspec.loads("generators: {engine: sglang, sglang: {enable_weights_cpu_backup: true}}\n")
+    spec = jobspec.loads(
+        "generators: {engine: sglang, sglang: {enable_memory_saver: true, enable_weights_cpu_backup: true}}\n"
+    )
+    assert spec.generators.sglang.enable_memory_saver and spec.generators.sglang.enable_weights_cpu_backup

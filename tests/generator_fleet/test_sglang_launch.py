@@ -73,6 +73,8 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         context_length=8192,
         served_model_name="policy",
         skip_server_warmup=True,
+        enable_memory_saver=True,
+        enable_weights_cpu_backup=True,
         extra_args=["--attention-backend", "triton"],
     )
     cmd = sglang_command("/models/qwen", 31000, sg, api_key="s3cret")
@@ -102,9 +104,19 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "policy",
         "--skip-server-warmup",
         "--enable-metrics",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
         "--attention-backend",
         "triton",
     ]
+    # A colocated engine's flags parse under SGLang's names (the shim's copy of its parser).
+    colocated = SGLangSpec(mem_fraction_static=0.5, enable_memory_saver=True, enable_weights_cpu_backup=True)
+    args = shim_parse(sglang_command("/m", 30000, colocated)[3:])
+    assert (args.mem_fraction_static, args.enable_memory_saver, args.enable_weights_cpu_backup) == (
+        0.5,
+        True,
+        True,
+    )
     assert "s3cret" not in redact(cmd) and redact(cmd)[redact(cmd).index("--api-key") + 1] == "***"
     # Options left null are left to SGLang; defaults give a command SGLang's parser accepts as meant.
     minimal = sglang_command("/m", 30000, SGLangSpec())
@@ -118,6 +130,7 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "0",
     )
     assert args.enable_metrics and not args.skip_server_warmup and args.mem_fraction_static is None
+    assert not args.enable_memory_saver and not args.enable_weights_cpu_backup
     with pytest.raises(SystemExit):  # the shim rejects unknown flags, as SGLang's argparse does
         shim_parse([*minimal[3:], "--no-such-flag"])
 
@@ -166,6 +179,8 @@ def test_launched_server_serves_registers_and_stops(
                 "weight_version": "0",
                 "skip_server_warmup": True,
                 "enable_metrics": True,
+                "enable_memory_saver": False,
+                "enable_weights_cpu_backup": False,
             }
 
         pgid = server.proc.pid
