@@ -58,7 +58,7 @@ PARTS = ("publish", "schedules", "trl")
 DEFAULTS = {
     "shapes": "qwen2.5-0.5b-shape,qwen2.5-1.5b-shape",
     "repeats": 5,
-    "bucket_mb": 512,
+    "bucket_mb": "512,4096",
     "steps": 8,
     "warmup": 2,
     "groups_per_step": 16,
@@ -68,7 +68,7 @@ DEFAULTS = {
 QUICK = {
     "shapes": "tiny",
     "repeats": 2,
-    "bucket_mb": 4,
+    "bucket_mb": "4",
     "steps": 3,
     "warmup": 1,
     "groups_per_step": 4,
@@ -104,7 +104,7 @@ def d2d_copy_s(nbytes: int, device, repeats: int) -> list[float]:
     return out
 
 
-def measure_publish(args, shape: str, tmp: Path) -> dict[str, Any]:
+def measure_publish(args, shape: str, tmp: Path, bucket_mb: int) -> dict[str, Any]:
     import torch
 
     from benchmarks import weight_bus as wb
@@ -122,7 +122,7 @@ def measure_publish(args, shape: str, tmp: Path) -> dict[str, Any]:
         [engine.url],
         api_key=wb.API_KEY,
         backend="ipc",
-        bucket_bytes=args.bucket_mb * 2**20,
+        bucket_bytes=bucket_mb * 2**20,
         timeout_s=120.0,
         device=device,
     )
@@ -157,6 +157,7 @@ def measure_publish(args, shape: str, tmp: Path) -> dict[str, Any]:
         ).json()
         m["engine_weight_version"] = version
         m["timeline_last"] = stats.timeline
+        m["engine_bucket_phase_ms"] = wb.engine_phases(engine.url)  # host ms per bucket: wait/receive/load
     finally:
         bus.close()
         engine.stop()
@@ -411,18 +412,21 @@ def run(args, argv: list[str]) -> dict:
             if "publish" in args.parts:
                 result["metrics"]["publish"] = {}
                 for shape in args.shapes.split(","):
-                    m = measure_publish(args, shape, work)
-                    result["metrics"]["publish"][shape] = m
-                    result["ratios"]["publish_vs_d2d_copy"] = m["publish_vs_d2d_copy"]  # largest shape last
-                    result["metrics"]["pause_ms"], result["metrics"]["transfer_ms"] = (
-                        m["pause_ms"],
-                        m["transfer_ms"],
-                    )
-                    log(
-                        f"{shape}: publish {m['publish_ms']:.1f} ms vs d2d copy {m['d2d_copy_ms']:.2f} ms: "
-                        f"ratio {m['publish_vs_d2d_copy']:.3f} (pause {m['pause_ms']:.1f}, transfer {m['transfer_ms']:.1f})"
-                    )
-                    save()
+                    for i, mb in enumerate(int(x) for x in str(args.bucket_mb).split(",")):
+                        m = measure_publish(args, shape, work, mb)
+                        m["bucket_mb"] = mb
+                        result["metrics"]["publish"][shape if i == 0 else f"{shape}-bucket{mb}mb"] = m
+                        log(
+                            f"{shape}, {mb} MiB buckets: publish {m['publish_ms']:.1f} ms vs d2d copy "
+                            f"{m['d2d_copy_ms']:.2f} ms: ratio {m['publish_vs_d2d_copy']:.3f} (pause "
+                            f"{m['pause_ms']:.1f}, transfer {m['transfer_ms']:.1f}); engine per bucket "
+                            f"{m['engine_bucket_phase_ms']}"
+                        )
+                        if i == 0:  # the headline: the first (default) bucket size, the largest shape
+                            result["ratios"]["publish_vs_d2d_copy"] = m["publish_vs_d2d_copy"]
+                            result["metrics"]["pause_ms"] = m["pause_ms"]
+                            result["metrics"]["transfer_ms"] = m["transfer_ms"]
+                        save()
             model = build_model(args, work) if {"schedules", "trl"} & set(args.parts) else None
             best_staleness = 2
             if "schedules" in args.parts:
@@ -496,7 +500,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
     p.add_argument("--shapes", help="publish: benchmarks/shapes.py shapes, smallest first")
     p.add_argument("--repeats", type=int)
-    p.add_argument("--bucket-mb", type=int)
+    p.add_argument(
+        "--bucket-mb", help="publish: bucket sizes (MiB, comma-separated; the first is the headline)"
+    )
     p.add_argument("--model-shape", default="qwen2.5-0.5b-shape", help="schedules/trl: the job's model shape")
     p.add_argument("--steps", type=int, help="timed optimizer steps per job")
     p.add_argument("--warmup", type=int, help="untimed first steps per job")
