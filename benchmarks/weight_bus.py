@@ -9,6 +9,8 @@ CUDA_VISIBLE_DEVICES = the i-th of `--engine-gpus` (default: `--engine-gpu`, 1, 
 N). The trainer's weights are random bf16 tensors with the model's real HF names and shapes, already on
 the trainer GPU, handed to the bus as a lazy iterator (a trainer with FSDP would gather each one there).
 On CPU every engine and peer is a CPU process and both sides run over gloo (`--quick`: a tiny shape).
+`--bus-backend ipc`: the bus hands its buckets to the engines by CUDA IPC (CPU: shared memory) through
+/update_weights_from_tensor instead of broadcasting them; the raw side stays a broadcast.
 
   nvidia-h200-x2, one engine:   python benchmarks/weight_bus.py
   nvidia-h200-x4, two engines:  python benchmarks/weight_bus.py --engines 2 --engine-gpus 1,2 --label 2engines
@@ -363,7 +365,7 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
     bus = WeightBus(
         urls,
         api_key=API_KEY,
-        backend=raw.backend,
+        backend=args.bus_backend,
         bucket_bytes=args.bucket_mb * 2**20,
         timeout_s=args.timeout_s,
         device=device,
@@ -463,7 +465,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "shapes": {s: SHAPES[s] for s in models},
             "dtype": "bfloat16",
             "device": args.device,
-            "backend": "nccl" if args.device == "cuda" else "gloo",
+            "backend": args.bus_backend,
+            "raw_backend": "nccl" if args.device == "cuda" else "gloo",
             "trainer_gpu": args.trainer_gpu if args.device == "cuda" else None,
             "engines": args.engines,
             "engine_gpu": args.engine_gpus[0] if args.device == "cuda" and args.engines == 1 else None,
@@ -561,6 +564,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
     p.add_argument(
+        "--bus-backend",
+        choices=["gloo", "nccl", "ipc"],
+        help="the bus's backend (default: nccl on cuda, gloo on cpu; ipc: buckets handed over by CUDA IPC / "
+        "shared memory, the engines on this host)",
+    )
+    p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"]
     )
     p.add_argument("--engines", type=int, default=1, help="engines the bus publishes to (and raw peers)")
@@ -584,6 +593,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.bus_backend is None:
+        args.bus_backend = "nccl" if args.device == "cuda" else "gloo"
     unknown = set(args.models.split(",")) - set(SHAPES)
     if unknown:
         p.error(f"unknown models {sorted(unknown)}")

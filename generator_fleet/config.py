@@ -84,6 +84,9 @@ class SamplingSpec(Spec):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Prob = 1.0
     max_new_tokens: Pos = 8
+    ignore_eos: bool = False
+    """Generate exactly max_new_tokens, past EOS (SGLang's `ignore_eos`): fixed response lengths for
+    benchmarks and throughput comparisons. Single-turn rollouts only (an agent's turns end at EOS)."""
 
 
 class DynamicSamplingSpec(Spec):

@@ -114,6 +114,7 @@ class SingleTurn:
                     "temperature": sp.temperature,
                     "top_p": sp.top_p,
                     "max_new_tokens": sp.max_new_tokens - len(ids[i]),
+                    **({"ignore_eos": True} if sp.ignore_eos else {}),
                 }
                 for i in todo
             ]

@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 
 from common.config import Spec, bad
+from common.net import is_local
 from generator_fleet.config import (
     AgentSpec,
     DatasetSpec,
@@ -109,13 +110,29 @@ class JobSpec(Spec):
         )
 
     def __post_init__(self) -> None:
+        samples = self.algorithm.groups_per_step * self.rollout.group_size
+        per_rank = samples // self.trainer.num_trainers
+        if self.algorithm.ppo_minibatches > max(per_rank, 1):
+            raise bad(
+                "algorithm.ppo_minibatches",
+                f"{self.algorithm.ppo_minibatches} mini-batches exceed the {per_rank} samples per trainer rank "
+                f"(groups_per_step {self.algorithm.groups_per_step} x rollout.group_size "
+                f"{self.rollout.group_size} / trainer.num_trainers {self.trainer.num_trainers})",
+            )
         if self.reward.overlong_buffer_len > self.response_budget:
             raise bad(
                 "reward.overlong_buffer_len",
                 f"{self.reward.overlong_buffer_len} exceeds the response budget {self.response_budget}",
             )
+        if self.rollout.sampling.ignore_eos and self.agent is not None:
+            raise bad(
+                "rollout.sampling.ignore_eos",
+                "single-turn rollouts only: an agent's turns end at EOS (unset it or remove `agent:`)",
+            )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
+        if self.bus.backend == "ipc":
+            check_ipc_engines(self.generators)
         if self.eval is not None:
             self._check_eval(self.eval)
         if self.bus.update_every - 1 > self.buffer.max_staleness:
@@ -149,6 +166,24 @@ def known_size(ds: DatasetSpec) -> int | None:
     if ds.name == "word_problems":
         return ds.num_problems
     return None
+
+
+def check_ipc_engines(gen: GeneratorsSpec) -> None:
+    """`bus.backend: ipc` hands weights over on the trainer's host: engines given by URL must be on it
+    (the bus checks again, where the trainer runs)."""
+    if gen.engine != "external":
+        return
+    if not gen.urls:
+        raise bad(
+            "bus.backend", "ipc needs the engines' `generators.urls` (a router's workers may be remote)"
+        )
+    remote = [u for u in gen.urls if not is_local(u)]
+    if remote:
+        raise bad(
+            "bus.backend",
+            f"ipc hands weights over through CUDA IPC / shared memory on one host; {remote} are not on "
+            "this host (use gloo or nccl for remote engines)",
+        )
 
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"

@@ -167,8 +167,69 @@ def policy_stats(t: PolicyTerms, mask: torch.Tensor) -> dict[str, float]:
 
 # --- trainer/lr_schedule.py ------------------------------------------------------------------------------
 def lr_at(step: int, alg) -> float:
-    """The policy learning rate of optimizer step `step` under an AlgorithmSpec."""
-    return alg.lr * lr_factor(step, alg.total_steps, alg.lr_schedule, alg.lr_warmup_steps, alg.min_lr_ratio)
+    """The policy learning rate of optimizer step `step` under an AlgorithmSpec: the schedule spans every
+    optimizer step of the job, total_steps batches x ppo_minibatches x ppo_epochs."""
+    total = alg.total_steps * alg.ppo_minibatches * alg.ppo_epochs
+    return alg.lr * lr_factor(step, total, alg.lr_schedule, alg.lr_warmup_steps, alg.min_lr_ratio)
+
+
+# --- trainer/learner.py: mini-batch PPO over one padded batch ---------------------------------------------
+def minibatch_loss(model, batch: TrainBatch, rows: list[int], prox: torch.Tensor, alg) -> dict:
+    """One mini-batch's policy loss at `model`'s current weights (an HF causal LM; no reference model,
+    critic or entropy bonus), aggregated over its own rows' tokens / sequences, against pi_prox `prox`
+    ([B, T-1] logprobs of the whole batch). Returns loss, clip_fraction, grads (every parameter's, in
+    model.parameters() order, before clipping); the model's .grad are left set."""
+    r = torch.tensor(rows)
+    logp = token_logprobs(model, batch.input_ids[r], batch.attention_mask[r])
+    loss, stats = policy_loss(
+        logp,
+        prox[r],
+        batch.behav_logprobs[r].to(logp.dtype),
+        batch.advantages[r].to(logp.dtype),
+        batch.loss_mask[r],
+        alg.loss,
+        alg.clip_eps,
+        alg.is_cap,
+        alg.loss_agg,
+        alg.dual_clip_c,
+        clip_eps_low=alg.clip_eps_low,
+        clip_eps_high=alg.clip_eps_high,
+    )
+    loss.backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    return {"loss": float(loss.detach()), "clip_fraction": stats["clip_fraction"], "grads": grads}
+
+
+def minibatch_ppo(
+    model,
+    batch: TrainBatch,
+    parts: list[list[int]],
+    alg,
+    first_step: int = 0,
+    prox: torch.Tensor | None = None,
+) -> list[dict]:
+    """verl's / AReaL's mini-batch PPO update on one batch, in place on `model`: pi_prox is the model's
+    logprobs before the first update (or `prox`), then ppo_epochs passes over the mini-batches `parts` (row
+    indices of `batch`), each one AdamW step on `minibatch_loss`, gradients clipped to max_grad_norm, lr
+    by the schedule at optimizer step first_step + u. Returns minibatch_loss's dict per optimizer step,
+    with grad_norm (before clipping) and lr."""
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=alg.lr, weight_decay=alg.weight_decay)
+    if prox is None:
+        with torch.no_grad():
+            prox = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    out = []
+    for _ in range(alg.ppo_epochs):
+        for rows in parts:
+            step = minibatch_loss(model, batch, rows, prox, alg)
+            step["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, alg.max_grad_norm))
+            step["lr"] = lr_at(first_step + len(out), alg)
+            for g in opt.param_groups:
+                g["lr"] = step["lr"]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            out.append(step)
+    return out
 
 
 # --- replay_buffer/stream.py's admission script ----------------------------------------------------------

@@ -9,6 +9,7 @@ len(prompt) + j - 1, so every per-token array here is aligned with the next-toke
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import torch
 
@@ -69,3 +70,12 @@ def build_samples(
             )
         )
     return out
+
+
+def reweight(samples: list[TrainSample], loss_agg: str, loss_scale_factor: float | None) -> list[TrainSample]:
+    """The samples of one mini-batch with aggregation weights over that mini-batch alone (`agg_weights`
+    on its samples): each optimizer step's loss is its mini-batch's own token / sequence mean, as verl's
+    and AReaL's mini-batch updates normalise it."""
+    counts = [int(s.loss_mask.sum()) for s in samples]
+    weights = agg_weights(counts, loss_agg, loss_scale_factor)
+    return [msgspec.structs.replace(s, weight=w) for s, w in zip(samples, weights, strict=True)]

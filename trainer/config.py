@@ -97,9 +97,10 @@ class AlgorithmSpec(Spec):
     response budget: agent.max_total_tokens with an agent, else rollout.sampling.max_new_tokens."""
     lr: Annotated[float, msgspec.Meta(gt=0.0)] = 1e-4
     """Peak learning rate of the policy (and `critic_lr` of the critic), scaled per optimizer step by the
-    schedule below."""
+    schedule below (total_steps x ppo_minibatches x ppo_epochs optimizer steps in all)."""
     lr_schedule: Literal[SCHEDULES] = "constant"
-    """After warmup: constant, or cosine / linear decay to lr * min_lr_ratio at total_steps (verl
+    """After warmup: constant, or cosine / linear decay to lr * min_lr_ratio at the last optimizer step,
+    total_steps x ppo_minibatches x ppo_epochs (verl
     `lr_scheduler_type` / AReaL `lr_scheduler_type`). The step count is in every checkpoint: a resumed
     job continues the schedule."""
     lr_warmup_steps: NonNeg = 0
@@ -110,10 +111,19 @@ class AlgorithmSpec(Spec):
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     max_grad_norm: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     groups_per_step: Pos = 16
-    """Groups (prompts) consumed per optimizer step."""
+    """Groups (prompts) consumed per step (one batch, one weight version)."""
     total_steps: Pos = 50
-    """Optimizer steps; the job ends after the last one is published. Like every count in a spec, at
-    most MAX_COUNT (10**9)."""
+    """Steps (batches, weight versions); the job ends after the last one is published. Each step takes
+    ppo_minibatches x ppo_epochs optimizer steps. Like every count in a spec, at most MAX_COUNT (10**9)."""
+    ppo_minibatches: Pos = 1
+    """Optimizer steps per pass over a batch: the batch is split into this many mini-batches balanced by
+    tokens, each its own optimizer step with its loss aggregated over its own tokens / sequences (verl
+    `ppo_mini_batch_size` = train_batch_size / ppo_minibatches; AReaL `ppo_n_minibatches`). Past the
+    first, the policy has moved from pi_prox (the policy at batch time), so the PPO clip acts. At most
+    the samples per trainer rank (groups_per_step x rollout.group_size / trainer.num_trainers)."""
+    ppo_epochs: Pos = 1
+    """Passes over the batch's mini-batches (verl `ppo_epochs`); advantages and pi_prox are computed
+    once per batch."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -154,7 +164,7 @@ class TrainerSpec(Spec):
     logits); 0 = one unchunked log-softmax over all of them."""
     checkpoint_every: NonNeg = 0
     """Write a checkpoint (torch.distributed.checkpoint: weights, optimizer, version) every this many
-    optimizer steps and after the last; 0 = never."""
+    steps (weight versions) and after the last; 0 = never."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; null = <output_dir>/checkpoints, a relative path is under output_dir (for
     a submitted job it must stay inside the job's directory)."""

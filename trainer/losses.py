@@ -167,8 +167,10 @@ def policy_loss_terms(
     cispo (verl compute_policy_loss_cispo, MiniMax-M1): -sg[clip(r, 1 - low, 1 + high)] * A * log pi_theta
         with r = pi_theta / pi_behav: every token keeps a policy gradient, scaled by the clipped,
         stop-gradient IS weight (reported as the token's is_weight).
-    gspo and cispo anchor on pi_behav, like ppo: with one optimizer step per batch pi_prox is the
-    current policy itself, so a ratio to it would always be 1 (verl's old_log_prob in bypass mode).
+    gspo and cispo anchor on pi_behav, like ppo (verl's old_log_prob in bypass mode). pi_prox is the
+    policy at batch time: with one optimizer step per batch it is the current policy itself (every
+    ratio to it is 1); with mini-batches (algorithm.ppo_minibatches, ppo_epochs) the policy moves away
+    from it after the batch's first optimizer step, and decoupled_ppo's clip acts.
     dual_clip_c (> 1, ppo / decoupled_ppo): for A < 0 the clipped loss is further bounded by -A * c
         (Ye et al. 2020; verl clip_ratio_c, on by default there at 3), so a token whose ratio exploded
         cannot dominate the step. Without it the log-ratio clamp still bounds such a token to e^20 |A|.

@@ -10,12 +10,25 @@ IDLE_PUBLISHES = Counter(
     "slipstream_trainer_idle_publishes_total",
     "Publishes of the current weights without a step, to admit engines waiting to join (bus.idle_sync_s)",
 )
-STEPS = Counter("slipstream_trainer_steps_total", "Optimizer steps committed")
+STEPS = Counter("slipstream_trainer_steps_total", "Steps (batches, weight versions) committed")
+OPTIMIZER_STEPS = Counter(
+    "slipstream_trainer_optimizer_steps_total",
+    "Optimizer steps taken (algorithm.ppo_minibatches x ppo_epochs per committed step)",
+)
 TOKENS = Counter("slipstream_trainer_tokens_total", "Response tokens trained on")
 LOSS = Gauge("slipstream_trainer_loss", "Policy loss of the last step")
 REWARD = Gauge("slipstream_trainer_reward_mean", "Mean reward of the last batch")
 VERSION = Gauge("slipstream_trainer_weight_version", "Policy version after the last published step")
-CLIP = Gauge("slipstream_trainer_clip_fraction", "Fraction of tokens whose PPO ratio was clipped")
+CLIP = Gauge(
+    "slipstream_trainer_clip_fraction",
+    "Fraction of tokens whose PPO ratio was clipped, over every optimizer step of the last batch",
+)
+RATIO = Gauge(
+    "slipstream_trainer_ratio",
+    "pi_theta / pi_prox on the last batch's tokens over its optimizer steps (stat: mean, min, max); "
+    "1 with one optimizer step per batch",
+    ["stat"],
+)
 KL = Gauge(
     "slipstream_trainer_behav_kl",
     "KL(pi_behav || pi_trainer) on the batch's tokens (k3 with r = pi_trainer/pi_behav: unbiased, >= 0)",
@@ -46,6 +59,9 @@ def observe_step(r: dict) -> None:
     STEP_SECONDS.observe(r["step_s"])
     WAIT_SECONDS.observe(r["wait_s"])
     STEPS.inc()
+    OPTIMIZER_STEPS.inc(r["optimizer_steps"])
+    for stat in ("mean", "min", "max"):
+        RATIO.labels(stat).set(r[f"ratio_{stat}"])
     TOKENS.inc(r["response_tokens"])
     LOSS.set(r["loss"])
     REWARD.set(r["reward_mean"])

@@ -12,6 +12,10 @@ Layout of a packed micro-batch of samples of lengths L_1..L_n (T = sum L_i):
 
 Every per-position array of a `TrainSample` already uses that alignment (entry p is about predicting
 token p + 1), so packing is concatenation.
+
+A step's batch is first split into mini-batches (one optimizer step each, `split_minibatches`), the same
+way whatever the number of ranks; each mini-batch is then split across ranks and micro-batches
+(`plan_step`), so every rank takes the same number of optimizer steps.
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ class MicroBatch(msgspec.Struct):
     the graph). Computed here on the CPU: finding them on the GPU would stall the host every micro-batch."""
     temperature: float = 1.0
     """Sampling temperature of every sample in it (TrainSample.temperature)."""
+    minibatch: int = 0
+    """Index of the mini-batch (optimizer step of a pass over the batch) it belongs to."""
 
     @property
     def num_tokens(self) -> int:
@@ -186,3 +192,14 @@ def plan_step(lengths: list[int], world: int, budget: int) -> list[list[list[int
         local = plan_micro_batches([lengths[i] for i in share], budget, count)
         plan.append([[share[j] for j in mb] for mb in local])
     return plan
+
+
+def split_minibatches(lengths: list[int], count: int) -> list[list[int]]:
+    """Sample indices of the batch in `count` mini-batches of near-equal token sums (`balance`; each
+    gets at least one sample when there are at least `count`); one mini-batch is the whole batch in
+    order. The split depends on the lengths alone, not on the number of ranks."""
+    if count < 1:
+        raise ValueError("count must be >= 1")
+    if count == 1:
+        return [list(range(len(lengths)))]
+    return balance(lengths, count)

@@ -2,7 +2,8 @@
 
 Each step, in order (the order is the durability contract, docs/design.md §3):
   1. take_batch   — groups read from the stream, still pending (unacked)            (rank 0)
-  2. optimizer step over packed micro-batches, split across the trainer ranks        (every rank)
+  2. optimizer steps (ppo_minibatches x ppo_epochs) over packed micro-batches, split
+     across the trainer ranks                                                         (every rank)
   3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
   4. publish      — full weights gathered from the FSDP shards, sent over the bus to every engine;
                     only when all acknowledged:
@@ -102,6 +103,10 @@ class Trainer:
                 timeout_s=cfg.bus.timeout_s,
                 registry=EngineRegistry(connect(redis_url), cfg.name),
                 master_address=cfg.bus.master_address or master_address_for(engine_urls),
+                # ipc: buckets are packed where the trainer's weights are (Ray gives each rank its GPU as 0)
+                device=("cuda:0" if cfg.trainer.device == "cuda" else "cpu")
+                if cfg.bus.backend == "ipc"
+                else None,
             )
         self.learner: Learner | None = None
         self.tokenizer = None
@@ -143,7 +148,13 @@ class Trainer:
             master = ("127.0.0.1", store.port)
         addr, port = master or ("127.0.0.1", 0)
         self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device, store)
-        self.learner = Learner(self.config.model, self.config.algorithm, tr, self.pool)
+        self.learner = Learner(
+            self.config.model,
+            self.config.algorithm,
+            tr,
+            self.pool,
+            response_budget=self.config.response_budget,
+        )
         self.learner.setup()
         self.peak_flops = (
             peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
@@ -273,8 +284,14 @@ class Trainer:
                 ckpt = False
                 if not sync:
                     ckpt, self._checkpoint_requested = self._checkpoint_requested, False
+                # fully on-policy: every token was sampled with the weights about to be trained
+                on_policy = (
+                    not sync and bool(entries) and all(e.group.min_version == version for e in entries)
+                )
                 header = self.pool.broadcast(
-                    {"version": version, "sync": sync, "checkpoint": ckpt} if entries else None
+                    {"version": version, "sync": sync, "checkpoint": ckpt, "on_policy": on_policy}
+                    if entries
+                    else None
                 )
                 if header is None or not header["sync"]:
                     break
@@ -289,7 +306,7 @@ class Trainer:
                 if self.is_main
                 else None
             )
-            stats = self.learner.train_step(self.learner.distribute(samples))
+            stats = self.learner.train_step(self.learner.distribute(samples), on_policy=header["on_policy"])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             t_step = time.monotonic()

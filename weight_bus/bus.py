@@ -1,4 +1,5 @@
-"""Trainer side of the weight bus: one process group {trainer rank 0, every engine}, bucketed broadcasts.
+"""Trainer side of the weight bus: one process group {trainer rank 0, every engine}, bucketed broadcasts
+(or, backend ipc, buckets handed to engines on the same host by CUDA IPC / shared memory).
 
 One update (`WeightBus.publish`):
 
@@ -23,6 +24,15 @@ could, and the engine would receive bucket k+1's bytes as bucket k).
 Where it lives: weight_bus/membership.py (step 1, and the group), weight_bus/packing.py (step 2),
 weight_bus/transfer.py (steps 3-5 and recovery), weight_bus/engine_client.py (the HTTP calls).
 
+Backend ipc (colocated: engines on the trainer's host; weight_bus/ipc_transfer.py): the same five steps
+without a group. Step 1 only probes (a joiner is admitted as it is; an engine off this host is refused);
+in step 4 each bucket is packed into one of max_inflight + 1 buffers the bus keeps (CUDA: on the
+trainer's device; CPU: shared memory), serialized once as a handle to that buffer (weight_bus/ipc.py:
+SGLang's MultiprocessingSerializer payload, load_format flattened_bucket) and POSTed to every engine's
+/update_weights_from_tensor, pipelined as above; an engine answers once it copied the bytes into its
+weights, and a buffer is packed again only after every engine answered for the bucket in it. An engine
+that dies or times out is dropped and the others go on with no re-send; a refusal is BusError.
+
 Failure: every HTTP call and every collective is bounded (`timeout_s`). An engine that dies, or does
 not answer in time, during an update is dropped; rank 0 leaves the group, builds a new one (new name,
 new port) with the survivors, and re-sends every bucket they have not confirmed, so the same update
@@ -40,11 +50,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weight_bus.config import BUCKET_BYTES, PAUSE_MODES
+from weight_bus.config import BACKENDS, BUCKET_BYTES, PAUSE_MODES
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
-from weight_bus.membership import Membership, Registry
+from weight_bus.ipc_transfer import IpcTransfer
+from weight_bus.membership import IPC, Membership, Registry
 from weight_bus.schema import DEFAULT_GROUP
 from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
 
@@ -95,16 +106,18 @@ class WeightBus:
         `registry`: where engines that join mid-job wait (they are admitted at the next update).
         `rejoin_after_s`: an engine dropped, or one that failed to join, is retried as a joiner after
         this long. `device`: where buckets are packed (default: the current CUDA device for nccl, else
-        CPU). `max_inflight`: see transfer.MAX_INFLIGHT. `repair_in_stream`: after an engine failed
+        CPU; ipc: the current CUDA device when there is one, else CPU shared memory). `max_inflight`: see
+        transfer.MAX_INFLIGHT (ipc: the bus keeps max_inflight + 1 bucket buffers). `repair_in_stream`: after an engine failed
         mid-update, re-send the unconfirmed buckets to the survivors (default: gloo), or park them until
         the next update (default: NCCL; see Transfer.recover)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r}: expected one of {BACKENDS}")
         self.backend = backend
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+            cuda = backend == "nccl" or (backend == IPC and torch.cuda.is_available())
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self.client = EngineClient(api_key, timeout_s)
         self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bus-http")
         self.members = Membership(
@@ -119,7 +132,7 @@ class WeightBus:
             registry=registry,
             rejoin_after_s=rejoin_after_s,
         )
-        self.transfer = Transfer(
+        self.transfer = (IpcTransfer if backend == IPC else Transfer)(
             self.members,
             self.client,
             self.pool,
@@ -143,10 +156,10 @@ class WeightBus:
         with self._lock:
             self.members.connect()
             log.info(
-                "weight bus connected: %d engines, %s, group %s",
+                "weight bus connected: %d engines, %s, %s",
                 len(self.members.engines),
                 self.backend,
-                self.members.name,
+                "no group (handles on this host)" if self.backend == IPC else f"group {self.members.name}",
             )
 
     def joiners_waiting(self) -> list[str]:

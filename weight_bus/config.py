@@ -9,8 +9,9 @@ import msgspec
 
 from common.config import Pos, Seconds, Spec
 
-BACKENDS = ("gloo", "nccl")
-"""torch.distributed backends of the update group."""
+BACKENDS = ("gloo", "nccl", "ipc")
+"""How weights reach the engines: a torch.distributed group's broadcast (gloo, nccl), or handles to the
+trainer's memory (ipc: CUDA IPC, on CPU shared memory) for engines on the trainer's host."""
 PAUSE_MODES = ("in_place", "retract", "abort")
 """How engines pause for a weight swap (`bus.pause_mode`)."""
 DTYPES = ("bfloat16", "float16", "float32")
@@ -21,6 +22,9 @@ BUCKET_BYTES = 512 * 1024 * 1024
 
 class BusSpec(Spec):
     backend: Literal[BACKENDS] = "gloo"
+    """gloo or nccl: one process group {trainer rank 0, every engine}, one broadcast per bucket. ipc:
+    engines on the trainer's host (colocated) load each bucket straight from the trainer's memory (CUDA
+    IPC; shared memory on CPU) through SGLang's /update_weights_from_tensor."""
     bucket_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)] = BUCKET_BYTES
     """Parameters are flattened into buckets of at most this many bytes, one broadcast each."""
     pause_mode: Literal[PAUSE_MODES] = "in_place"

@@ -1,7 +1,7 @@
 """The engines' control routes over HTTP (SGLang's native API, docs/sglang_api.md §3): pause and
-continue generation, join and leave weight-update groups, announce buckets, read server info. The one
-synchronous client for them, used by the weight bus and the job driver; generation has its own async
-client (generator_fleet.client).
+continue generation, join and leave weight-update groups, announce buckets, hand over tensors by CUDA
+IPC / shared memory, read server info. The one synchronous client for them, used by the weight bus and
+the job driver; generation has its own async client (generator_fleet.client).
 
 Two ways to call: `EngineClient` sends one request and waits for its answer (pooled connections, safe to
 share between threads); `EngineChannel` writes requests in order on one pipelined connection to one
@@ -20,7 +20,12 @@ import msgspec
 
 from weight_bus.errors import Refused
 from weight_bus.pipeline import Pipeline
-from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus.schema import (
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
 
 PROBE_TIMEOUT_S = 5.0
 """GET /get_server_info bound (it never waits on a collective), and a channel's connect timeout."""
@@ -91,6 +96,11 @@ class EngineClient:
     def continue_generation(self, url: str) -> dict:
         return self.post(url, "/continue_generation", {})
 
+    def update_weights_from_tensor(self, url: str, body: UpdateWeightsFromTensor) -> dict:
+        """POST /update_weights_from_tensor: the engine loads the tensors `body` shares (weight_bus.ipc)
+        and answers once it copied them (the sender may then reuse that memory)."""
+        return self.post(url, "/update_weights_from_tensor", body)
+
     def channel(self, url: str) -> EngineChannel:
         """A pipelined connection to one engine, with this client's API key."""
         return EngineChannel(url, self.headers)
@@ -132,6 +142,9 @@ class EngineChannel:
 
     def update_weights_from_distributed(self, req: UpdateWeightsFromDistributed) -> Future:
         return self.call("/update_weights_from_distributed", req)
+
+    def update_weights_from_tensor(self, req: UpdateWeightsFromTensor) -> Future:
+        return self.call("/update_weights_from_tensor", req)
 
     def destroy_weights_update_group(self, group_name: str) -> Future:
         return self.call("/destroy_weights_update_group", DestroyWeightsUpdateGroup(group_name=group_name))

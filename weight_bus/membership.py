@@ -4,6 +4,8 @@ dropping the dead (or parking survivors of a failed NCCL update), and building t
 The group is {trainer rank 0, every engine's TP ranks}; every change of membership builds a new one
 (new name, new port): rank 0 hosts a fresh TCPStore, tells each engine to leave its previous groups and
 join this one, and joins itself. An engine that cannot join is dropped and the build retried without it.
+Backend `ipc` has no group: its engines (on this host only) are the members, and admitting one is
+adding it to the list.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any, Protocol
 
 import torch
 
+from common.net import is_local
 from weight_bus import metrics
 from weight_bus.engine_client import PROBE_TIMEOUT_S, EngineClient
 from weight_bus.errors import BusError, Refused
 from weight_bus.group import dtype_from_name, group_on, shutdown_group, tcp_store
 from weight_bus.packing import rank_offsets
-from weight_bus.schema import InitWeightsUpdateGroup
+from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromTensor
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,8 @@ NCCL_BACKSTOP = 3
 """NCCL group timeout, in units of the bus's longest wait (see Membership.nccl_backstop_s)."""
 MAX_REBUILDS = 3
 """Group rebuilds one update may go through before it gives up with BusError."""
+IPC = "ipc"
+"""The backend without a group: tensors handed over by CUDA IPC / shared memory (weight_bus/ipc.py)."""
 BUILTIN_ENGINE = "slipstream-builtin"
 """`version` in the built-in engine's /get_server_info: it takes InitWeightsUpdateGroup.timeout_s."""
 
@@ -68,7 +73,8 @@ class Member:
         ones an earlier trainer process left behind; the built-in engine lists them in its info)."""
 
     def announce(self, body) -> Future:
-        """POST /update_weights_from_distributed after everything sent before. A failed announcement
+        """POST /update_weights_from_distributed (or, for an UpdateWeightsFromTensor body,
+        /update_weights_from_tensor) after everything sent before. A failed announcement
         marks the engine broken: later announcements fail at once instead of being sent (those already
         on the wire fail on the engine's side)."""
         out: Future = Future()
@@ -85,7 +91,10 @@ class Member:
                 self.broken = True
                 out.set_exception(err)
 
-        self.channel.update_weights_from_distributed(body).add_done_callback(done)
+        if isinstance(body, UpdateWeightsFromTensor):
+            self.channel.update_weights_from_tensor(body).add_done_callback(done)
+        else:
+            self.channel.update_weights_from_distributed(body).add_done_callback(done)
         return out
 
     def join(self, req: InitWeightsUpdateGroup) -> Future:
@@ -159,6 +168,10 @@ class Membership:
 
     # --- probing -----------------------------------------------------------------------------------
     def info(self, url: str) -> dict:
+        if self.backend == IPC and not is_local(url):
+            raise Refused(
+                f"{url}: bus backend ipc hands weights over on this host only; the engine is not on it"
+            )
         info = self.client.server_info(url)
         # SGLang joins as rank_offset + tp_rank, whatever its PP rank: PP would need a group per stage.
         if int(info.get("pp_size", 1)) != 1:
@@ -196,6 +209,8 @@ class Membership:
         """Build a new group over self.engines (new name, new port); engines that cannot join are
         dropped and the build retried without them. Raises BusError after MAX_REBUILDS tries, with the
         last try's cause."""
+        if self.backend == IPC:  # no group: every engine in self.engines gets the buckets over HTTP
+            return
         cause = "no try"
         for _ in range(MAX_REBUILDS):
             self.leave_group()

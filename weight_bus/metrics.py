@@ -4,19 +4,25 @@ from prometheus_client import Counter, Gauge, Histogram
 
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 """Seconds: a GPU update of a small model takes milliseconds, a CPU one or a recovery tens of seconds."""
-BYTES = Counter("slipstream_bus_bytes_total", "Weight bytes broadcast to engines")
+BACKEND = ["backend"]
+"""The bus's transport (bus.backend: gloo, nccl, ipc)."""
+BYTES = Counter(
+    "slipstream_bus_bytes_total", "Weight bytes handed to engines (broadcast, or shared over IPC)", BACKEND
+)
 TRANSFER_SECONDS = Histogram(
     "slipstream_bus_transfer_seconds",
     "Time to move all buckets of one update (first announce to the last engine's confirmation)",
+    BACKEND,
     buckets=_BUCKETS,
 )
 PAUSE_SECONDS = Histogram(
     "slipstream_bus_engine_pause_seconds",
     "Engine pause per update: from /pause_generation sent to /continue_generation answered",
+    BACKEND,
     buckets=_BUCKETS,
 )
 VERSION = Gauge("slipstream_bus_published_version", "Last weight version every live engine acknowledged")
-UPDATES = Counter("slipstream_bus_updates_total", "Weight updates published")
+UPDATES = Counter("slipstream_bus_updates_total", "Weight updates published", BACKEND)
 ENGINES = Gauge("slipstream_bus_engines", "Engines in the update group after the last update")
 ENGINE_FAILURES = Counter(
     "slipstream_bus_engine_failures_total", "Engines dropped from the update group (dead, timed out)"

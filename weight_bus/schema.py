@@ -36,5 +36,18 @@ class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):
     """None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast of all tensors' bytes."""
 
 
+class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):
+    """POST /update_weights_from_tensor: load tensors the sender shares through CUDA IPC (on CPU: shared
+    memory); each entry of `serialized_named_tensors` is one TP rank's weight_bus.ipc payload."""
+
+    serialized_named_tensors: list[str]
+    """One entry per TP rank: base64 of a ForkingPickler pickle (SGLang's MultiprocessingSerializer)."""
+    load_format: str | None = None
+    """None or "direct": a list of (name, tensor); "flattened_bucket": {"flattened_tensor", "metadata"}."""
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
 class DestroyWeightsUpdateGroup(msgspec.Struct, kw_only=True):
     group_name: str = DEFAULT_GROUP

@@ -108,6 +108,8 @@ class Transfer:
         self.repair_in_stream = repair_in_stream
         self.timeout_s = members.timeout_s
         self.grace = members.grace
+        self.max_failures = MAX_REBUILDS
+        """Failed buckets one update may recover from before it gives up with BusError."""
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
@@ -124,7 +126,7 @@ class Transfer:
         joined, dropped = m.sync()
         dtype = m.wire_dtype()
         t_gather = time.perf_counter()
-        stream = pack(it, self.bucket_bytes, dtype, self.device)
+        stream = self.pack(it, dtype)
         first = next(stream, None)
         gather_s = time.perf_counter() - t_gather
         if first is None:
@@ -176,11 +178,12 @@ class Transfer:
             rebuilds=m.generation - generation0,
             timeline=timeline,
         )
-        metrics.BYTES.inc(total)
-        metrics.TRANSFER_SECONDS.observe(transfer_s)
-        metrics.PAUSE_SECONDS.observe(pause_s)
+        backend = m.backend
+        metrics.BYTES.labels(backend).inc(total)
+        metrics.TRANSFER_SECONDS.labels(backend).observe(transfer_s)
+        metrics.PAUSE_SECONDS.labels(backend).observe(pause_s)
         metrics.VERSION.set(version)
-        metrics.UPDATES.inc()
+        metrics.UPDATES.labels(backend).inc()
         metrics.ENGINES.set(len(m.engines))
         log.info(
             "published version %d to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
@@ -226,22 +229,34 @@ class Transfer:
                 done = self.confirm(pending[0])
             except UpdateFailed as failure:
                 rebuilds += 1
-                if rebuilds > MAX_REBUILDS:
+                if rebuilds > self.max_failures:
                     m.leave_group()
                     raise BusError(f"update failed {rebuilds} times; last: {failure}") from failure
                 dropped += self.recover(failure, pending, confirmed=count)
                 if not m.engines:
                     log.warning("version %d: every engine was dropped", version)
                     return total, count, pack_s, dropped, timeline
-                for b in pending:
-                    self.launch(b, version)
+                self.resend(pending, version)
                 continue
             pending.popleft()
             total += done.flat.numel()
             count += 1
             timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
-            done.flat = done.work = None
+            self.release(done)
         return total, count, pack_s, dropped, timeline
+
+    def pack(self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[Bucket]:
+        """The buckets of one update, packed lazily (weight_bus.packing.pack)."""
+        return pack(it, self.bucket_bytes, dtype, self.device)
+
+    def resend(self, pending: deque[Bucket], version: int) -> None:
+        """After `recover`: launch the unconfirmed buckets again, over the rebuilt group."""
+        for b in pending:
+            self.launch(b, version)
+
+    def release(self, b: Bucket) -> None:
+        """Bucket b is confirmed by every engine: its buffer may go."""
+        b.flat = b.work = None
 
     def launch(self, b: Bucket, version: int) -> None:
         """Announce bucket b to every engine (the last one tagged with the version), then start its

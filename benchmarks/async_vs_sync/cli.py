@@ -90,8 +90,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 "filled; rate as for the jobs",
             },
             "sample_interval_s": args.sample_interval_s,
+            "placement": args.placement,
             "engine": "built-in engine actor (Ray), 1 torch thread"
             if args.device == "cpu"
+            else f"built-in engine actor on the trainer's GPU {args.trainer_gpu} (colocated)"
+            if args.placement == "colocated"
             else f"built-in engine process on GPU {args.engine_gpu} as an external engine",
             "trainer": "cpu, 1 torch thread"
             if args.device == "cpu"
@@ -266,6 +269,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="nccl",
         help="cuda: the weight bus's backend; gloo (through host memory) lets a smoke run put trainer and "
         "engine on one GPU (--engine-gpu 0), which NCCL refuses",
+    )
+    p.add_argument(
+        "--placement",
+        choices=["disaggregated", "colocated"],
+        default="disaggregated",
+        help="colocated: the job's own engine shares the trainer's device (cuda: --trainer-gpu), weights "
+        "through CUDA IPC / shared memory (bus.backend ipc)",
     )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)

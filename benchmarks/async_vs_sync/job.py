@@ -87,7 +87,16 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
         }
     else:
         raise ValueError(f"task {task!r}: expected arith or tools")
-    if args.device == "cpu":
+    if colocated(args):
+        # engine and trainer on one device (the job's own engine actor; weights handed over through CUDA
+        # IPC / shared memory, the bus's ipc backend)
+        raw["placement"] = "colocated"
+        raw["generators"] = {"engine": "builtin", "num_engines": 1, "num_workers": 1}
+        raw["bus"] = {"backend": "ipc", "pause_mode": "in_place"}
+        if args.device == "cuda":
+            raw["generators"] |= {"gpus_per_engine": 1, "max_batch_size": args.engine_max_batch}
+            raw["trainer"] = {"device": "cuda", "micro_batch_tokens": 16384}
+    elif args.device == "cpu":
         raw["generators"] = {"engine": "builtin", "num_engines": 1, "num_workers": 1}
         raw["bus"] = {"backend": "gloo", "pause_mode": "in_place"}
     else:
@@ -101,6 +110,11 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
     raw["algorithm"]["groups_per_step"] = args.groups_per_step
     raw["trainer"] = {**raw.get("trainer", {}), "export_hf": False}
     return raw
+
+
+def colocated(args: argparse.Namespace) -> bool:
+    """`--placement colocated`: the job's engine shares the trainer's device (`placement: colocated`)."""
+    return getattr(args, "placement", "disaggregated") == "colocated"
 
 
 def make_spec(raw: dict, *, name: str, out: Path, max_staleness: int, total_steps: int, **over):

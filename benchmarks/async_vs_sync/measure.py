@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, ExternalEngine, log, make_spec
+from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, ExternalEngine, colocated, log, make_spec
 
 
 class EngineSampler:
@@ -106,7 +106,7 @@ def rates(progress: list[dict], arrivals: list[float], warmup: int, samples_per_
 
 def slim(progress: list[dict]) -> list[dict]:
     keys = ("step", "reward_mean", "staleness_mean", "staleness_max", "response_tokens", "wait_s", "step_s")
-    keys += ("publish_s", "pause_s", "publish_call_s", "elapsed_s")
+    keys += ("publish_s", "pause_s", "publish_call_s", "release_s", "resume_s", "elapsed_s")
     return [{k: r.get(k) for k in keys} for r in progress]
 
 
@@ -117,7 +117,7 @@ def run_config(args, raw: dict, model: Path, work: Path, label: str, max_stalene
     out = work / label
     spec = make_spec(raw, name=label, out=out, max_staleness=max_staleness, total_steps=steps, **over)
     engine = None
-    if args.device == "cuda":
+    if args.device == "cuda" and not colocated(args):
         engine = ExternalEngine(args, model, work / f"{label}-engine.log", os.environ[ENGINE_KEY_ENV])
         spec = _with_urls(spec, [engine.url])
     sampler = EngineSampler(out, label, args.sample_interval_s, engine.url if engine else None)

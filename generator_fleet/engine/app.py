@@ -35,7 +35,12 @@ from generator_fleet.engine.info_routes import VERSION
 from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.runner import Runner
 from generator_fleet.engine.state import EngineState
-from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus.schema import (
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
 
 PUBLIC_GET_PATHS = frozenset({"/health", "/metrics"})
 """Reachable without the API key (liveness probes and Prometheus scrapes)."""
@@ -61,6 +66,7 @@ _BODIES: dict[str, type] = {
     "/continue_generation": ContinueGeneration,
     "/init_weights_update_group": InitWeightsUpdateGroup,
     "/update_weights_from_distributed": UpdateWeightsFromDistributed,
+    "/update_weights_from_tensor": UpdateWeightsFromTensor,
     "/destroy_weights_update_group": DestroyWeightsUpdateGroup,
     "/update_weights_from_disk": UpdateWeightsFromDisk,
     "/update_weight_version": UpdateWeightVersion,

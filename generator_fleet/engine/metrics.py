@@ -126,9 +126,10 @@ class EngineMetrics:
 
         phase = Histogram(
             "slipstream_engine_weight_bucket_seconds",
-            "Per weight-bus bucket, host time of each phase of /update_weights_from_distributed: wait "
-            "(for the previous weight operation), receive (join the broadcast), load (copy into the "
-            "parameters at a step boundary). On NCCL the GPU work is queued, not waited for.",
+            "Per weight-bus bucket, host time of each phase of /update_weights_from_distributed and "
+            "/update_weights_from_tensor: wait (for the previous weight operation), receive (join the "
+            "broadcast; or map the sender's CUDA-IPC / shared memory), load (copy into the parameters "
+            "at a step boundary). On NCCL the GPU work is queued, not waited for.",
             labelnames=["model_name", "phase"],
             buckets=PAUSE_BUCKETS_S,
             registry=self.registry,

@@ -27,7 +27,13 @@ from generator_fleet.engine.api_types import (
     json_response,
 )
 from generator_fleet.engine.state import EngineState, engine_state
-from weight_bus.schema import DestroyWeightsUpdateGroup, InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus import ipc
+from weight_bus.schema import (
+    DestroyWeightsUpdateGroup,
+    InitWeightsUpdateGroup,
+    UpdateWeightsFromDistributed,
+    UpdateWeightsFromTensor,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +88,40 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
         events.append(trace_event())
         trace_bucket(state, events, body.weight_version is not None)
     return named
+
+
+def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:
+    """One /update_weights_from_tensor call, in the weight thread: map the sender's memory (CUDA IPC or
+    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and wait for the
+    copy to finish before the mapping is dropped and the call answered: the sender reuses that memory
+    for its next bucket once it has the answer. Returns the number of tensors loaded."""
+    phases = state.metrics.bucket_phase
+    cuda = state.runner.device.type == "cuda"
+    with state.receiver.gpu_lock:  # opening IPC handles (and their events) never lands in a graph capture
+        named = ipc.load_payload(body.serialized_named_tensors[0], body.load_format)
+    t2 = time.perf_counter()
+    phases["receive"].observe(t2 - t1)
+    try:
+        state.runner.load_weights(named, body.weight_version)
+        if cuda:
+            torch.cuda.current_stream(state.runner.device).synchronize()
+        return len(named)
+    finally:
+        phases["load"].observe(time.perf_counter() - t2)
+        with state.receiver.gpu_lock:
+            del named  # closes the IPC mappings
+
+
+def tensor_request_problem(body: UpdateWeightsFromTensor) -> str | None:
+    """What is wrong with an /update_weights_from_tensor body before anything is loaded."""
+    if len(body.serialized_named_tensors) != 1:
+        return (
+            f"serialized_named_tensors has {len(body.serialized_named_tensors)} entries; the built-in "
+            "engine is one TP rank (tp_size 1), so it takes exactly one"
+        )
+    if body.load_format not in ipc.LOAD_FORMATS:
+        return f"load_format {body.load_format!r}: expected null, 'direct' or {ipc.FLATTENED_BUCKET!r}"
+    return None
 
 
 def group_problem(req: InitWeightsUpdateGroup) -> str | None:
@@ -177,6 +217,37 @@ async def update_weights_from_distributed(request: Request) -> Response:
         runner.weight_version,
     )
     return control(True, "Succeeded to update parameter online.")
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(request: Request) -> Response:
+    state = engine_state(request)
+    runner = state.runner
+    body = await decode(request, UpdateWeightsFromTensor)
+    if why := tensor_request_problem(body):
+        return control(False, f"Failed to update weights: {why}")
+    t0 = time.perf_counter()
+    async with state.weight_lock:
+        t1 = time.perf_counter()
+        state.metrics.bucket_phase["wait"].observe(t1 - t0)
+        if body.abort_all_requests:
+            runner.abort(abort_all=True)
+        try:
+            n = await state.in_weight_thread(load_from_tensor, state, body, t1)
+        except Exception as e:
+            if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
+                return http_error(503, f"engine unhealthy: {runner.fatal}")
+            log.warning("update_weights_from_tensor failed: %s", e)
+            return control(False, f"Failed to update weights: {e}")
+    state.metrics.weight_updates.inc()
+    log.log(
+        logging.INFO if body.weight_version is not None else logging.DEBUG,
+        "weights updated from tensor (%d tensors, %s) to version %s",
+        n,
+        body.load_format or "direct",
+        runner.weight_version,
+    )
+    return control(True, "Success")
 
 
 @router.post("/destroy_weights_update_group")

@@ -199,8 +199,10 @@ def render_status(st: dict):
         ("staleness", f"mean {_fmt(st.get('staleness_mean'), '.2f')}, max {_fmt(st.get('staleness_max'))}"),
         ("throughput", f"{_fmt(st.get('tokens_per_s'), '.0f')} generated tok/s, "
          f"{_fmt(st.get('samples_per_s'), '.2f')} samples/s, trainer {_fmt(st.get('train_tokens_per_s'), '.0f')} tok/s"),
-        ("step", f"{_fmt(st.get('step_s'), '.2f')} s, loss {_fmt(st.get('loss'), '+.4f')}"),
+        ("step", f"{_fmt(st.get('step_s'), '.2f')} s, loss {_fmt(st.get('loss'), '+.4f')}, "
+         f"{_fmt(st.get('optimizer_steps'))} optimizer steps (pi_prox {_fmt(st.get('prox_source'))})"),
         ("policy", f"lr {_fmt(st.get('lr'), '.3g')}, clipped {_fmt(st.get('clip_fraction'))}, "
+                   f"ratio [{_fmt(st.get('ratio_min'))}, {_fmt(st.get('ratio_max'))}], "
                    f"IS-masked {_fmt(st.get('is_masked_fraction'))}, behav_kl {_fmt(st.get('behav_kl'), '.4f')}"),
         ("generators", f"{pools.get('generators', '-')} (want {want.get('generators', '-')}), "
          f"rollout workers {pools.get('rollout_workers', '-')}"),

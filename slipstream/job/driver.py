@@ -238,6 +238,10 @@ class JobDriver:
                     "behav_kl",
                     "is_masked_fraction",
                     "clip_fraction",
+                    "optimizer_steps",
+                    "ratio_min",
+                    "ratio_max",
+                    "prox_source",
                 )
                 if k in self.last
             },

@@ -19,6 +19,8 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
         f"loss {r['loss']:+.4f}  tok/s {r['tokens_per_s']:.0f}  step {r['step_s'] * 1e3:.0f} ms  "
         f"wait {r['wait_s'] * 1e3:.0f} ms  swap {r['pause_s'] * 1e3:.0f} ms"
     )
+    if r.get("optimizer_steps", 1) > 1:  # mini-batch PPO: the clip acts from the batch's second step on
+        line += f"  clip {r['clip_fraction']:.3f} ({r['optimizer_steps']} optimizer steps)"
     if agent:  # multi-turn jobs: how the episodes went
         line += (
             f"  turns {r['turns_mean']:.2f}  tool calls {r['tool_calls_mean']:.2f} (errors "
@@ -42,7 +44,7 @@ def is_eval(rec: dict) -> bool:
 
 class ProgressReader:
     """Follows a job's trainer progress stream: the records of its current run (one JSON record per
-    optimizer step; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
+    step, a batch; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
     which every trainer pool of the run continues (ReplayBuffer.start_clock). Each record gains
     `tokens_per_s` and `samples_per_s`: response tokens and samples trained so far in the run ÷ its
     elapsed_s. A record whose version is not past the previous one's (the pool restarted from an older

@@ -53,6 +53,16 @@ def test_two_engines_reach_final_version_beside_raw_broadcast_to_two_peers(tmp_p
     assert capsys.readouterr().out.splitlines()[-1].endswith("(model=tiny, engines=2, device=cpu)")
 
 
+def test_ipc_backend_publishes_through_shared_memory(tmp_path):
+    result = main(["--quick", "--device", "cpu", "--bus-backend", "ipc", "--out-dir", str(tmp_path)])
+
+    assert result["errors"] == []
+    cfg, m = result["config"], result["metrics"]
+    assert cfg["backend"] == "ipc" and cfg["raw_backend"] == "gloo"
+    assert m["tiny_engine_weight_versions"] == [str(1 + QUICK["repeats"])]
+    assert m["tiny_buckets"] >= 2 and m["pause_ms"] >= m["transfer_ms"] > 0
+
+
 @pytest.mark.parametrize(
     ("argv", "gpus"),
     [

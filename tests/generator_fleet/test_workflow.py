@@ -109,3 +109,30 @@ def test_spec_refuses_unknown_tasks_and_rewards():
     assert why == "module 'generator_fleet.tasks.arith' defines no 'NoSuchTask' - at `$.dataset.name`"
     assert "cannot find the Python source" in check_import_paths("arith", "no_such_module:f", None)
     assert check_import_paths("generator_fleet.tasks.arith:ArithTask.from_spec", None, None) is None
+
+
+def test_ignore_eos_gives_every_response_exactly_max_new_tokens(engine, tiny_model_dir):
+    """The demo model answers `a+b=` in a few tokens and then ends with EOS; with ignore_eos every sample
+    runs to max_new_tokens (finish_reason length), without it some end earlier."""
+    tok = load_tokenizer(str(tiny_model_dir))
+    lengths = {}
+    for ignore in (False, True):
+        sampling = {"temperature": 1.0, "max_new_tokens": 24, "ignore_eos": ignore}
+        spec = jobspec.from_dict(
+            {"model": {"path": str(tiny_model_dir)}, "rollout": {"group_size": 4, "sampling": sampling}}
+        )
+        _, _, samples = _group(spec, engine, tok)
+        lengths[ignore] = [(len(s.view("response_ids")), s.finish_reason) for s in samples]
+    assert lengths[True] == [(24, "length")] * 4
+    assert any(n < 24 for n, _ in lengths[False])
+
+
+def test_ignore_eos_is_refused_with_an_agent(tiny_model_dir):
+    with pytest.raises(jobspec.JobSpecError, match="rollout.sampling.ignore_eos"):
+        jobspec.from_dict(
+            {
+                "model": {"path": str(tiny_model_dir)},
+                "agent": {},
+                "rollout": {"sampling": {"ignore_eos": True}},
+            }
+        )

@@ -38,3 +38,29 @@ def test_status_shows_the_policy_recipe_metrics_and_the_run():
     text = _text(st)
     assert "lr 0.00025" in text and "clipped 0.125" in text and "IS-masked 0.030" in text
     assert "behav_kl 0.0123" in text and "abc123 (attempt 2)" in text
+
+
+def test_status_shows_the_optimizer_steps_and_ratio_of_minibatch_ppo():
+    st = {
+        "name": "j",
+        "state": "running",
+        "loss": -0.01,
+        "optimizer_steps": 4,
+        "prox_source": "recompute",
+        "ratio_min": 0.875,
+        "ratio_max": 1.25,
+    }
+    text = _text(st)
+    assert "4 optimizer steps (pi_prox recompute)" in text and "ratio [0.875, 1.250]" in text
+
+
+def test_progress_line_shows_the_clip_only_with_several_optimizer_steps():
+    from slipstream.job.progress import format_progress
+
+    record = {
+        "step": 3, "version": 3, "reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0, "loss": 0.1,
+        "tokens_per_s": 10.0, "step_s": 0.2, "wait_s": 0.1, "pause_s": 0.0, "clip_fraction": 0.125,
+    }  # fmt: skip
+    assert "clip" not in format_progress(record | {"optimizer_steps": 1}, 10)
+    assert "clip" not in format_progress(record, 10)  # a record of a trainer without the count
+    assert "clip 0.125 (4 optimizer steps)" in format_progress(record | {"optimizer_steps": 4}, 10)

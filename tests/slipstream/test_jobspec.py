@@ -74,3 +74,30 @@ def test_bus_update_every_needs_matching_staleness():
     assert (
         jobspec.from_dict({"bus": {"update_every": 3}, "buffer": {"max_staleness": 2}}).bus.update_every == 3
     )
+
+
+def test_bus_ipc_needs_engines_on_this_host():
+    """bus.backend ipc hands weights over by CUDA IPC / shared memory: external engines must be local."""
+    ext = {"engine": "external"}
+    with pytest.raises(jobspec.JobSpecError, match=r"not on this host.*at `\$\.bus\.backend`"):
+        jobspec.from_dict(
+            {"bus": {"backend": "ipc"}, "generators": {**ext, "urls": ["http://192.0.2.1:30000"]}}
+        )
+    with pytest.raises(jobspec.JobSpecError, match=r"generators.urls.*at `\$\.bus\.backend`"):
+        jobspec.from_dict(
+            {"bus": {"backend": "ipc"}, "generators": {**ext, "router_url": "http://127.0.0.1:30000"}}
+        )
+    local = {"bus": {"backend": "ipc"}, "generators": {**ext, "urls": ["http://127.0.0.1:30000"]}}
+    assert jobspec.from_dict(local).bus.backend == "ipc"
+    assert jobspec.from_dict({"bus": {"backend": "ipc"}}).bus.backend == "ipc"  # launched engines
+
+
+def test_example_dapo_math_recipe_is_valid_and_takes_any_model_path(tmp_path):
+    spec = jobspec.load("examples/dapo_math.yaml")
+    alg = spec.algorithm
+    assert (alg.clip_eps_low, alg.clip_eps_high, alg.loss_agg) == (0.2, 0.28, "token-mean")
+    assert alg.ppo_minibatches > 1 and spec.rollout.dynamic_sampling.enabled
+    assert 0 < spec.reward.overlong_buffer_len <= spec.response_budget
+    assert spec.model.build == "tiny-tools" and spec.trainer.device == "cpu"
+    other = jobspec.load("examples/dapo_math.yaml", [f"model.path={tmp_path}", "model.build=null"])
+    assert other.model.path == str(tmp_path) and other.model.build is None

@@ -3,7 +3,9 @@ and continues identically, and the HF export loads with transformers and gives t
 
 One spawned 1-rank run and one spawned 2-rank run (processes start slowly, so each does several checks).
 The step's data, micro-batch budget and model are the same in both; only the split across ranks differs.
-Every loss path is on at once: GAE with a critic, KL to a reference model, an entropy bonus, dual clip.
+Every loss path is on at once: GAE with a critic, KL to a reference model, an entropy bonus, dual clip;
+then again with mini-batch PPO (2 mini-batches x 2 epochs per step), where 2 ranks also take the same
+optimizer steps as 1 and the clip acts.
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def _groups(step: int, vocab: int):
     return groups
 
 
-def _spec(model_dir, world: int):
+def _spec(model_dir, world: int, minibatches: bool = False):
+    ppo = {"ppo_minibatches": 2, "ppo_epochs": 2, "clip_eps": 0.02} if minibatches else {}
     return jobspec.from_dict(
         {
             "model": {"path": str(model_dir)},
-            "algorithm": {
+            "algorithm": ppo
+            | {
                 "advantage": "gae",
                 "gamma": 0.95,
                 "lam": 0.9,
@@ -78,18 +82,20 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     from trainer.learner import Learner
 
     pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
-    spec = _spec(model_dir, world)
     vocab = None
 
     def run(first_step: int, resume_path: str | None, tag: str) -> None:
         nonlocal vocab
-        learner = Learner(spec.model, spec.algorithm, spec.trainer, pool)
+        spec = _spec(model_dir, world, minibatches=tag == "minibatch")
+        budget = spec.trainer_config().response_budget
+        learner = Learner(spec.model, spec.algorithm, spec.trainer, pool, response_budget=budget)
         learner.setup()
         vocab = learner.config.vocab_size
         if resume_path:
             state = checkpoint.load(learner, resume_path)
             assert state["step"] == first_step
-        record = {"loss": [], "pg_loss": [], "value_loss": [], "kl_ref": [], "grad_norm": [], "mbs": []}
+        keys = ("loss", "pg_loss", "value_loss", "kl_ref", "grad_norm", "clip_fraction", "optimizer_steps")
+        record = {k: [] for k in keys} | {"mbs": [], "updates": []}
         for step in range(first_step, STEPS):
             samples = None
             if pool.is_main:
@@ -97,10 +103,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
                 samples = build_samples(_groups(step, vocab), alg.advantage, alg.loss_agg)
             mbs = learner.distribute(samples)
             stats = learner.train_step(mbs)
-            for k in record:
-                if k != "mbs":
-                    record[k].append(stats[k])
+            for k in keys:
+                record[k].append(stats[k])
             record["mbs"].append(len(mbs))
+            record["updates"].append(learner.update_stats)
             if tag == "fresh" and step + 1 == CHECKPOINT_AFTER:
                 checkpoint.save(
                     learner, os.path.join(out, f"ckpt-{world}"), {"step": step + 1, "version": step + 1}
@@ -118,6 +124,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
                 json.dump(record, f)
 
     run(0, None, "fresh")
+    run(0, None, "minibatch")
     if resume:
         run(CHECKPOINT_AFTER, resume, "resumed")
     pool.close()
@@ -182,3 +189,20 @@ def test_hf_export_loads_with_transformers_and_gives_same_logits(runs):
     torch.testing.assert_close(logits, probe["logits"], rtol=1e-5, atol=1e-5)
     trained = torch.load(runs / "params-fresh-1.pt")
     torch.testing.assert_close(model.model.embed_tokens.weight, trained["model.embed_tokens.weight"])
+
+
+def test_two_ranks_take_the_same_minibatch_steps_as_one(runs):
+    one, two = _record(runs, "minibatch", 1), _record(runs, "minibatch", 2)
+    assert one["optimizer_steps"] == two["optimizer_steps"] == [4] * STEPS
+    for key in ("loss", "pg_loss", "value_loss", "kl_ref", "grad_norm", "clip_fraction"):
+        assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
+    for a, b in zip(one["updates"], two["updates"], strict=True):  # every optimizer step of every batch
+        for key in ("loss", "clip_fraction", "grad_norm", "lr"):
+            assert [u[key] for u in a] == pytest.approx([u[key] for u in b], rel=1e-4, abs=1e-6), key
+    # the batch's first optimizer step is at pi_prox (no clip); later ones have moved, and the clip acts
+    assert all(u[0]["clip_fraction"] == 0.0 for u in one["updates"])
+    assert all(max(x["clip_fraction"] for x in u[1:]) > 0 for u in one["updates"])
+    assert one["loss"] != pytest.approx(_record(runs, "fresh", 1)["loss"])  # not the one-step path
+    _assert_params_close(
+        torch.load(runs / "params-minibatch-1.pt"), torch.load(runs / "params-minibatch-2.pt")
+    )
