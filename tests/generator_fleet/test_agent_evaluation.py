@@ -138,7 +138,8 @@ def test_episode_version_is_the_one_version_of_every_turn():
     assert episode_version([res([4], "abort"), res([5])]) is None  # a turn resumed at a new version
 
 
-# --- against a real engine -------------------------------------------------------------------------------
+# --- against a real engine (slow: they need the tool model's SFT warm-up, shared with the tool job test) ---
+@pytest.mark.slow
 def test_agent_evaluation_equals_the_workflow_run_greedily(
     tools_model_dir, engine, oracle, redis_server, redis_client, job_id
 ):
@@ -188,6 +189,7 @@ class BumpingCalculator(Calculator):
         return await super().call(arguments, ctx)
 
 
+@pytest.mark.slow
 def test_an_episode_whose_turns_span_versions_is_redone(
     tools_model_dir, engine, oracle, redis_server, job_id, monkeypatch
 ):
