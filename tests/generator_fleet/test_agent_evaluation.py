@@ -138,6 +138,14 @@ def test_episode_version_is_the_one_version_of_every_turn():
     assert episode_version([res([4], "abort"), res([5])]) is None  # a turn resumed at a new version
 
 
+def test_agent_eval_lines_show_tool_calls_and_turns_after_the_scores():
+    from generator_fleet.evaluation import format_scores
+
+    res = {"accuracy": 0.5, "problems": 4.0, "turns_mean": 2.0, "tool_calls_mean": 1.25, "pass@2": 0.75}
+    assert format_scores(res) == "accuracy 0.500  pass@2 0.750  turns_mean 2.000  tool_calls_mean 1.250"
+    assert format_scores({"accuracy": 0.5}) == "accuracy 0.500"
+
+
 # --- against a real engine (slow: they need the tool model's SFT warm-up, shared with the tool job test) ---
 @pytest.mark.slow
 def test_agent_evaluation_equals_the_workflow_run_greedily(
