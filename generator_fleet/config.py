@@ -194,7 +194,8 @@ class GeneratorsSpec(Spec):
 class EvalSpec(Spec):
     """Evaluation during training (verl `trainer.test_freq` / `val_before_train`, AReaL `evaluator`, TRL
     `eval_strategy`): the job's engines answer a held-out set at the weight versions due, scored by the
-    job's reward; results are per version and never enter the replay buffer."""
+    job's reward; results are per version and never enter the replay buffer. In a job with `agent`, each
+    answer is a whole episode of the job's agent loop (its tools, parser, system prompt and budgets)."""
 
     every: Pos = 10
     """Versions between evaluations (verl `trainer.test_freq`, AReaL `evaluator.freq_steps`). Version 0
@@ -214,7 +215,8 @@ class EvalSpec(Spec):
     """Sampling temperature of the pass@k samples (verl `val_kwargs.temperature`)."""
     top_p: Prob = 1.0
     max_new_tokens: Pos | None = None
-    """Response budget of an eval answer; null = `rollout.sampling.max_new_tokens`."""
+    """Response budget of an eval answer (with `agent`: of each model turn; an episode's whole budget stays
+    `agent.max_total_tokens`); null = `rollout.sampling.max_new_tokens`."""
     correct_reward: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = 1.0
     """A sample counts as correct for pass@k when its reward is at least this (the `arith` and `qa`
     rewards pay 1.0 for a right, well-formed answer)."""
@@ -296,7 +298,12 @@ class EvalConfig(msgspec.Struct, kw_only=True):
     reward: RewardSpec
     eval: EvalSpec
     max_new_tokens: int
-    """Response budget of an eval answer (eval.max_new_tokens, else the rollout's)."""
+    """Response budget of an eval answer, per model turn in agent episodes (eval.max_new_tokens, else the
+    rollout's)."""
+    agent: AgentSpec | None = None
+    """The job's agent episodes: each eval answer is one episode of the same agent loop; None = one turn."""
+    tools: list[ToolSpec] = msgspec.field(default_factory=list)
+    """The tools the agent's episodes offer."""
     total_steps: int
     """The job's last version: always evaluated."""
 

@@ -8,12 +8,17 @@ reaches the replay buffer (the evaluator has no buffer producer).
   eval dataset of its own. At most `max_samples` samples per evaluation.
 - Scores: `accuracy`, the share of greedy answers whose reward reaches `correct_reward`, and
   `greedy_reward`, their mean; `pass@k`, the unbiased estimator over n samples at `temperature`.
+- Agent jobs (`agent:`): an answer is one whole episode of the job's own workflow (AgentEpisodes: the
+  job's tools, parser, system prompt and budgets), greedy or at `temperature`, scored by the job's reward
+  (a tool's reward included) on its last assistant turn. Their records add `tool_calls_mean` and
+  `turns_mean`, per episode over every episode the evaluation kept.
 - Beside training: requests go through the engines' normal /generate path; on built-in engines they
   carry a lower SGLang `priority` than rollouts, so an engine's queue serves rollouts first.
 - One weight version per result: a sample whose tokens came from another version than the evaluation's
-  (a weight update landed mid-request) is discarded and generated again. When the engines moved on to a
-  newer version, the evaluation moves with them: it keeps the answers of the newest version and asks
-  again for the rest, so every score in a record comes from exactly one version.
+  (a weight update landed mid-request, or between an episode's turns) is discarded and generated again.
+  When the engines moved on to a newer version, the evaluation moves with them: it keeps the answers of
+  the newest version and asks again for the rest, so every score in a record comes from exactly one
+  version.
 - A failed or timed-out evaluation is logged and counted, and the next version due is evaluated; it
   never fails the job.
 """
@@ -33,6 +38,7 @@ from generator_fleet.client import EngineError, GenerateResult
 from generator_fleet.config import EvalConfig
 from generator_fleet.tasks.heldout import split_heldout, training_task
 from generator_fleet.tasks.problem import Problem, Response
+from generator_fleet.workflow import AgentEpisodes
 
 __all__ = ["Evaluator", "eval_set", "pass_at_k", "scores", "split_heldout", "training_task"]
 
@@ -99,6 +105,18 @@ def response_of(tokenizer, ids: list[int], finish_reason: str) -> Response:
     return Response(text=tokenizer.decode(ids[:-1] if finished else ids), finished=finished)
 
 
+def agent_workflow(cfg: EvalConfig, tokenizer, reward) -> AgentEpisodes | None:
+    """The job's agent workflow for eval episodes (one per answer; each request's sampling is set per
+    answer), or None for a single-turn job."""
+    if cfg.agent is None:
+        return None
+    from generator_fleet.agent import build_agent
+    from generator_fleet.config import SamplingSpec
+
+    sampling = SamplingSpec(temperature=0.0, top_p=1.0, max_new_tokens=cfg.max_new_tokens)
+    return AgentEpisodes(build_agent(cfg.agent, cfg.tools, sampling, tokenizer), 1, reward)
+
+
 def one_version(res: GenerateResult) -> int | None:
     """The single weight version that produced a whole answer, else None (its tokens span versions)."""
     versions = set(res.token_versions)
@@ -107,6 +125,13 @@ def one_version(res: GenerateResult) -> int | None:
             return int(res.weight_version)
         except ValueError:
             return -1
+    return versions.pop() if len(versions) == 1 else None
+
+
+def episode_version(results: Sequence[GenerateResult]) -> int | None:
+    """The single weight version that produced every model turn of an episode, else None (its turns, or
+    a turn's tokens, span versions). A request aborted before its first token adds no version."""
+    versions = {one_version(r) for r in results if r.output_ids or r.finish_reason != "abort"}
     return versions.pop() if len(versions) == 1 else None
 
 
@@ -182,14 +207,16 @@ class Evaluator:
         self.tokenizer = load_tokenizer(cfg.model.path)
         task, self.problems = eval_set(cfg)
         self.reward = build_reward(cfg.reward, task)
+        self.workflow = agent_workflow(cfg, self.tokenizer, self.reward)
         self.engines = EnginePool(self.engine_urls, self.api_key)
         self.redis = connect_async(self.redis_url)
         follow = asyncio.create_task(self._follow_registry())
         ev = cfg.eval
         log.info(
-            "evaluator: %d problems (%s), every %d versions, greedy %s, pass@%d over %d samples at "
+            "evaluator: %d problems (%s%s), every %d versions, greedy %s, pass@%d over %d samples at "
             "temperature %g, priority %s",
             len(self.problems),
+            "agent episodes, " if self.workflow is not None else "",
             "eval.dataset" if ev.dataset is not None else f"held out of {cfg.dataset.name}",
             ev.every,
             ev.greedy,
@@ -303,7 +330,7 @@ class Evaluator:
             if not todo:
                 break
             answers = await asyncio.gather(*(self._answer_one(gate, s[0], s[1]) for s in todo))
-            versions = [v for _, v in answers if v is not None and v >= 0]
+            versions = [a[1] for a in answers if a[1] is not None and a[1] >= 0]
             newest = max(versions, default=target)
             if self.guessed and n_pass == 0 and versions:
                 # no engine said its version (a router in front): the answers tell which one it is
@@ -314,9 +341,9 @@ class Evaluator:
                 redone += len(kept)
                 kept = {s: a for s, a in kept.items() if a[1] == newest}
                 target = newest
-            for s, (reward, v) in zip(todo, answers, strict=True):
-                if v == target or (self.unversioned and v == -1):
-                    kept[s] = (reward, v)
+            for s, answer in zip(todo, answers, strict=True):
+                if answer[1] == target or (self.unversioned and answer[1] == -1):
+                    kept[s] = answer
                 else:
                     redone += 1
         else:
@@ -332,41 +359,69 @@ class Evaluator:
         )
         result = scores(greedy, samples, ev.k, ev.correct_reward)
         result.update(problems=float(len(self.problems)), samples=float(len(slots)), redone=float(redone))
+        if self.workflow is not None:
+            episodes = [a[2] for a in kept.values()]
+            result["tool_calls_mean"] = sum(calls for calls, _ in episodes) / len(episodes)
+            result["turns_mean"] = sum(turns for _, turns in episodes) / len(episodes)
         return {"kind": "eval", "version": target, "eval": result}
 
-    async def _answer_one(self, gate: asyncio.Semaphore, i: int, kind: str) -> tuple[float, int | None]:
-        """(reward, the one version that produced it, or None) of one answer (`greedy` or `sample`) to
-        problem i."""
+    async def _answer_one(
+        self, gate: asyncio.Semaphore, i: int, kind: str
+    ) -> tuple[float, int | None, tuple[int, int] | None]:
+        """(reward, the one version that produced it, or None; (tool calls, turns) of an agent episode,
+        else None) of one answer (`greedy` or `sample`) to problem i."""
         ev, problem = self.config.eval, self.problems[i]
-        prompt = [self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt)]
-        params = {
-            "max_new_tokens": self.config.max_new_tokens,
-            "top_p": 1.0 if kind == "greedy" else ev.top_p,
-        }
-        params["temperature"] = 0.0 if kind == "greedy" else ev.temperature
-        failed: set[str] = set()
+        greedy = kind == "greedy"
+        sampling = {"temperature": 0.0 if greedy else ev.temperature, "top_p": 1.0 if greedy else ev.top_p}
         async with gate:
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                url = self.engines.pick(exclude=failed)
-                self.engines.outstanding[url] += 1
-                try:
-                    (res,) = await self.engines.clients[url].generate_batch(
-                        [prompt], [params], return_logprob=False, priority=self.priority
-                    )
-                    break
-                except EngineError as e:
-                    failed.add(url)
-                    if attempt == MAX_ATTEMPTS:
-                        raise
-                    log.warning("eval request on %s failed (%s); retrying elsewhere", url, e)
-                finally:
-                    self.engines.outstanding[url] -= 1
+            if self.workflow is not None:
+                return await self._episode(problem, sampling)
+            prompt = [self.tokenizer.bos_token_id, *self.tokenizer.encode(problem.prompt)]
+            (res,) = await self._generate(
+                [prompt], [{"max_new_tokens": self.config.max_new_tokens, **sampling}]
+            )
             if res.finish_reason == "abort":  # a pause aborted it: ask again
-                return 0.0, None
+                return 0.0, None, None
             # scored under the gate too: IN_FLIGHT also bounds the reward threads (math-verify is CPU)
             response = response_of(self.tokenizer, res.output_ids, res.finish_reason)
             reward = await asyncio.to_thread(self.reward, problem, response)
-        return reward, one_version(res)
+        return reward, one_version(res), None
+
+    async def _episode(self, problem: Problem, sampling: dict) -> tuple[float, int | None, tuple[int, int]]:
+        """One agent episode of the job's workflow: its reward, the one version of all its model turns (or
+        None), its tool calls and turns."""
+        results: list[GenerateResult] = []
+
+        async def generate(input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
+            out = await self._generate(input_ids, params)
+            results.extend(out)
+            return out
+
+        ((ep, reward),) = await self.workflow.episodes(
+            problem, generate, self._stop.is_set, n=1, sampling=sampling
+        )
+        version = episode_version(results) if ep.finish_reason != "abort" else None
+        return reward, version, (ep.tool_calls, ep.turns)
+
+    async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
+        """One /generate at the eval priority on the least-loaded engine, retried on another engine on an
+        engine error (MAX_ATTEMPTS in all)."""
+        failed: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            url = self.engines.pick(exclude=failed)
+            self.engines.outstanding[url] += len(input_ids)
+            try:
+                return await self.engines.clients[url].generate_batch(
+                    input_ids, params, return_logprob=False, priority=self.priority
+                )
+            except EngineError as e:
+                failed.add(url)
+                if attempt == MAX_ATTEMPTS:
+                    raise
+                log.warning("eval request on %s failed (%s); retrying elsewhere", url, e)
+            finally:
+                self.engines.outstanding[url] -= len(input_ids)
+        raise AssertionError("unreachable")
 
     async def _publish(self, rec: dict) -> None:
         """The record into the job's progress stream (with the run's attempt and clock), the metrics, a log
@@ -393,6 +448,8 @@ class Evaluator:
         for key, value in res.items():
             if key in ("accuracy", "greedy_reward") or key.startswith("pass@"):
                 metrics.EVAL_SCORE.labels(key).set(value)
+            elif key in EPISODE_STATS:
+                metrics.EVAL_EPISODE.labels(EPISODE_STATS[key]).set(value)
         log.info("evaluation at version %d: %s (%.1f s)", v, format_scores(res), res["duration_s"])
 
     async def _follow_registry(self) -> None:
@@ -409,7 +466,13 @@ class Evaluator:
             await asyncio.sleep(ENGINE_REFRESH_S)
 
 
+EPISODE_STATS = {"tool_calls_mean": "tool_calls", "turns_mean": "turns"}
+"""An agent eval record's per-episode means, and their `stat` label on slipstream_eval_episode_mean."""
+
+
 def format_scores(res: dict) -> str:
-    """`accuracy 0.625  pass@4 0.810` of an eval record's scalars."""
+    """`accuracy 0.625  pass@4 0.810` of an eval record's scalars (agent evals: `tool_calls_mean 1.250
+    turns_mean 2.000` after them)."""
     keys = [k for k in res if k in ("accuracy", "greedy_reward") or k.startswith("pass@")]
+    keys += [k for k in res if k in EPISODE_STATS]
     return "  ".join(f"{k} {res[k]:.3f}" for k in keys)

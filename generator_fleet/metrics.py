@@ -51,6 +51,11 @@ EVAL_SCORE = Gauge(
     "`greedy_reward` (their mean reward), `pass@k` (unbiased estimator over n samples)",
     ["metric"],
 )
+EVAL_EPISODE = Gauge(
+    "slipstream_eval_episode_mean",
+    "Agent jobs: per episode of the last evaluation, by stat: `tool_calls` (tool calls), `turns` (model turns)",
+    ["stat"],
+)
 EVAL_VERSION = Gauge("slipstream_eval_version", "Weight version the last evaluation scored")
 EVAL_SECONDS = Gauge("slipstream_eval_duration_seconds", "Wall time of the last evaluation")
 EVAL_ROUNDS = Counter(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from generator_fleet import metrics
-from generator_fleet.agent.loop import GenerateBatch
+from generator_fleet.agent.loop import Episode, GenerateBatch
 from generator_fleet.tasks.problem import Problem, Response
 from generator_fleet.tools.base import ToolContext
 from replay_buffer import Sample
@@ -167,18 +167,9 @@ class AgentEpisodes:
     async def run(
         self, problem: Problem, generate: GenerateBatch, should_stop: Callable[[], bool]
     ) -> list[Sample]:
-        with tempfile.TemporaryDirectory(prefix="slipstream-episode-") as workdir:
-            ctx = ToolContext(prompt_id=problem.prompt_id, answer=str(problem.answer), workdir=workdir)
-            episodes = await self.agent.run_group(
-                generate, problem.prompt, ctx, self.group_size, should_stop=should_stop
-            )
         out = []
-        for ep in episodes:
+        for ep, reward in await self.episodes(problem, generate, should_stop):
             metrics.TURNS.observe(ep.turns)
-            response = Response(
-                text=ep.final_text, finished=ep.finish_reason == "stop", tool_reward=ep.tool_reward
-            )
-            reward = await asyncio.to_thread(self.reward, problem, response)  # math-verify: CPU, may be slow
             out.append(
                 _sample(
                     ep.prompt_ids,
@@ -196,6 +187,36 @@ class AgentEpisodes:
                     prompt_len=ep.prompt_len,
                 )
             )
+        return out
+
+    async def episodes(
+        self,
+        problem: Problem,
+        generate: GenerateBatch,
+        should_stop: Callable[[], bool],
+        n: int | None = None,
+        sampling: dict | None = None,
+    ) -> list[tuple[Episode, float]]:
+        """The episodes of one prompt (`n`, default the group size) with each one's reward as the job's
+        reward scores it (unshaped); `sampling` (temperature, top_p) replaces the agent's. No rollout
+        metrics: the evaluator runs episodes through here too."""
+        with tempfile.TemporaryDirectory(prefix="slipstream-episode-") as workdir:
+            ctx = ToolContext(prompt_id=problem.prompt_id, answer=str(problem.answer), workdir=workdir)
+            episodes = await self.agent.run_group(
+                generate,
+                problem.prompt,
+                ctx,
+                n or self.group_size,
+                should_stop=should_stop,
+                sampling=sampling,
+            )
+        out = []
+        for ep in episodes:
+            response = Response(
+                text=ep.final_text, finished=ep.finish_reason == "stop", tool_reward=ep.tool_reward
+            )
+            reward = await asyncio.to_thread(self.reward, problem, response)  # math-verify: CPU, may be slow
+            out.append((ep, reward))
         return out
 
 

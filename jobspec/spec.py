@@ -125,6 +125,8 @@ class JobSpec(Spec):
             eval=self.eval,
             max_new_tokens=self.eval.max_new_tokens or self.rollout.sampling.max_new_tokens,
             total_steps=self.algorithm.total_steps,
+            agent=self.agent,
+            tools=self.tools,
         )
 
     def __post_init__(self) -> None:
@@ -221,8 +223,6 @@ class JobSpec(Spec):
             )
 
     def _check_eval(self, ev: EvalSpec) -> None:
-        if self.agent is not None:
-            raise bad("eval", "evaluation scores single-turn answers; agent episodes are not evaluated")
         size = known_size(self.dataset)
         if ev.dataset is None and size is not None and ev.heldout >= size:
             raise bad(

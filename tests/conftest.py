@@ -44,6 +44,23 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+TOOLS_WARMUP_STEPS = 200
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory):
+    """The tiny tool model (ChatML, calculator calls) after a short SFT warm-up: it calls the calculator on
+    some easy word problems and guesses on others."""
+    from generator_fleet.tasks.word_problems import WordProblemTask
+    from model_zoo.tiny_tools import build_tiny_tools
+
+    path = tmp_path_factory.mktemp("tools_model")
+    build_tiny_tools(
+        path, WordProblemTask(2000, seed=1, difficulty="easy").problems, warmup_steps=TOOLS_WARMUP_STEPS
+    )
+    return path
+
+
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE
 # at the end of a run (`make test` prints its head, so CI's log shows where the suite's time goes).
 DURATIONS_FILE = "test-durations.txt"

@@ -134,10 +134,13 @@ class AgentLoop:
         ctx: ToolContext,
         n: int,
         should_stop: Callable[[], bool] = lambda: False,
+        sampling: dict[str, Any] | None = None,
     ) -> list[Episode]:
+        """n episodes of `question`; `sampling` (temperature, top_p) replaces the loop's own for them."""
+        sampling = self.sampling if sampling is None else sampling
         messages = self.initial_messages(question)
         prompt_ids = render_prompt(self.tokenizer, messages, tools=self.schemas)
-        temperature = self.sampling.get("temperature", 1.0)
+        temperature = sampling.get("temperature", 1.0)
         episodes = [Episode(prompt_ids, messages, temperature) for _ in range(n)]
         for ep in episodes:
             ep.state = State.RUNNING
@@ -146,7 +149,7 @@ class AgentLoop:
             for ep in running:
                 room = self.limits.max_total_tokens - len(ep.response_ids)
                 turn_room = self.limits.max_new_tokens - (len(ep.response_ids) - ep.turn_start)
-                params.append({**self.sampling, "max_new_tokens": max(1, min(room, turn_room))})
+                params.append({**sampling, "max_new_tokens": max(1, min(room, turn_room))})
             results = await generate([ep.prompt_ids + ep.response_ids for ep in running], params)
             tool_work = []
             for ep, res in zip(running, results, strict=True):

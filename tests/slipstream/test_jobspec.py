@@ -99,5 +99,12 @@ def test_example_dapo_math_recipe_is_valid_and_takes_any_model_path(tmp_path):
     assert alg.ppo_minibatches > 1 and spec.rollout.dynamic_sampling.enabled
     assert 0 < spec.reward.overlong_buffer_len <= spec.response_budget
     assert spec.model.build == "tiny-tools" and spec.trainer.device == "cpu"
+    # evaluation of the agent's episodes on a held-out split: greedy accuracy and pass@k, every 10 versions
+    ev = spec.eval
+    assert ev.every == 10 and ev.dataset is None and 0 < ev.heldout < spec.dataset.num_problems
+    assert ev.greedy and ev.k > 1 and ev.n >= ev.k and ev.temperature > 0
+    assert ev.max_samples == ev.heldout * ev.per_problem  # every held-out problem, every evaluation
+    cfg = spec.eval_config()
+    assert cfg.agent == spec.agent and cfg.tools == spec.tools and cfg.reward == spec.reward
     other = jobspec.load("examples/dapo_math.yaml", [f"model.path={tmp_path}", "model.build=null"])
-    assert other.model.path == str(tmp_path) and other.model.build is None
+    assert other.model.path == str(tmp_path) and other.model.build is None and other.eval == ev

@@ -1,5 +1,6 @@
 """A multi-turn, tool-using job end to end: tiny ChatML model (short SFT warm-up so it calls the
-calculator), real engines over HTTP, the real calculator, Redis, Ray, the trainer and the weight bus."""
+calculator), real engines over HTTP, the real calculator, Redis, Ray, the trainer and the weight bus, and
+the evaluation of its agent episodes on a held-out split beside training."""
 
 import pytest
 
@@ -7,20 +8,6 @@ import jobspec
 from slipstream.job.local import run_job
 
 pytestmark = pytest.mark.slow
-
-WARMUP_STEPS = 200
-
-
-@pytest.fixture(scope="session")
-def tools_model_dir(tmp_path_factory):
-    from generator_fleet.tasks.word_problems import WordProblemTask
-    from model_zoo.tiny_tools import build_tiny_tools
-
-    path = tmp_path_factory.mktemp("tools_model")
-    build_tiny_tools(
-        path, WordProblemTask(2000, seed=1, difficulty="easy").problems, warmup_steps=WARMUP_STEPS
-    )
-    return path
 
 
 def test_tool_job_trains_on_multi_turn_episodes(tmp_path, tools_model_dir):
@@ -40,10 +27,12 @@ def test_tool_job_trains_on_multi_turn_episodes(tmp_path, tools_model_dir):
             },
             "algorithm": {"groups_per_step": 2, "total_steps": 3},
             "buffer": {"max_staleness": 1},
+            "eval": {"every": 2, "heldout": 8, "k": 2, "max_samples": 12},
         }
     )
     seen = []
     result = run_job(spec, on_progress=seen.append)
+    seen = [p for p in seen if p.get("kind") != "eval"]  # the steps' records (evaluations: result.evals)
     assert result.version == 3 and [p["version"] for p in seen] == [1, 2, 3]
     st = result.buffer
     assert st["consumed"] == 6 and st["pending"] == 0
@@ -57,3 +46,14 @@ def test_tool_job_trains_on_multi_turn_episodes(tmp_path, tools_model_dir):
     # One rendered trajectory per step, model tokens and context tokens told apart.
     lines = (tmp_path / "run" / "samples.txt").read_text()
     assert "<tool_call>" in lines and "[context]" in lines
+    # Evaluated at version 0 and the last, each record from one version, over whole agent episodes.
+    versions = [e["version"] for e in result.evals]
+    assert versions[0] == 0 and versions[-1] == 3 and versions == sorted(set(versions))
+    for e in result.evals:
+        res = e["eval"]
+        assert res["problems"] == 4 and res["samples"] == 4 * 3  # 12 // (greedy + 2)
+        assert 0.0 <= res["accuracy"] <= 1.0 and 0.0 <= res["pass@2"] <= 1.0
+        assert 1.0 <= res["turns_mean"] <= 3.0  # agent.max_turns
+    assert (
+        sum(e["eval"]["tool_calls_mean"] for e in result.evals) > 0
+    )  # eval episodes call the calculator too
