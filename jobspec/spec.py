@@ -22,6 +22,7 @@ from generator_fleet.config import (
     RolloutSpec,
 )
 from generator_fleet.tools.spec import ToolSpec
+from jobspec.tracking import TrackingSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerConfig, TrainerSpec
@@ -52,6 +53,8 @@ class JobSpec(Spec):
     trainer: TrainerSpec = msgspec.field(default_factory=TrainerSpec)
     bus: BusSpec = msgspec.field(default_factory=BusSpec)
     redis: RedisSpec = msgspec.field(default_factory=RedisSpec)
+    tracking: TrackingSpec = msgspec.field(default_factory=TrackingSpec)
+    """Experiment tracking: TensorBoard (on) and W&B (off) in the job's output_dir."""
 
     @property
     def response_budget(self) -> int:
