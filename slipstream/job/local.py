@@ -35,6 +35,8 @@ class JobResult(msgspec.Struct):
     final_model: str
     progress: list[dict]
     buffer: dict
+    lengths: dict = {}
+    """The run's response-length histograms (ReplayBuffer.length_histograms): trained and stale."""
 
 
 def _raise_interrupt(signum, frame):
@@ -82,12 +84,15 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         result = driver.run()
         driver.close()
         stats = ReplayBuffer(r, spec.name).stats()
+        lengths = ReplayBuffer(r, spec.name).length_histograms()
         progress = driver.records
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress))
         from slipstream.job.report import write_report_logged
 
         write_report_logged(progress, out)  # PNG plots; never fails the job
-        return JobResult(result["version"], time.monotonic() - t0, result["final_model"], progress, stats)
+        return JobResult(
+            result["version"], time.monotonic() - t0, result["final_model"], progress, stats, lengths
+        )
     finally:
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop
