@@ -16,7 +16,8 @@ generated lengths, stays the same during and across the jobs):
 For each: the response-length distributions (samples per length) of the trained samples and of those
 dropped as stale (the buffer's per-run histograms, ReplayBuffer.length_histograms), "generated" = trained +
 stale (every group the trainer took), their mean/p50/p90, and two-sample Kolmogorov-Smirnov statistics
-(D and its asymptotic p-value; lengths are discrete, which makes the p-value conservative): trained vs
+(D and its asymptotic p-value, at the number of samples and at the number of groups: the samples of a group
+share a prompt, so the truth lies between; lengths are discrete, which makes both conservative): trained vs
 generated within the job, and trained vs the sync job's trained distribution.
 """
 
@@ -54,26 +55,37 @@ def summary(hist: dict[int, int]) -> dict:
     return {"n": n, "mean": sum(k * c for k, c in items) / n, "p50": q(0.5), "p90": q(0.9)}
 
 
-def ks_2samp(a: dict[int, int], b: dict[int, int]) -> dict:
-    """Two-sample Kolmogorov-Smirnov statistic D = max |F_a - F_b| of two histograms, and the asymptotic
-    p-value (Kolmogorov's distribution at (sqrt(ne) + 0.12 + 0.11 / sqrt(ne)) * D, ne = n_a n_b / (n_a +
-    n_b), as in Numerical Recipes). None when either is empty."""
+def _kolmogorov_p(d: float, na: float, nb: float) -> float:
+    """Asymptotic p-value of a two-sample KS statistic: Kolmogorov's distribution at (sqrt(ne) + 0.12 +
+    0.11 / sqrt(ne)) * D, ne = n_a n_b / (n_a + n_b) (as in Numerical Recipes)."""
+    en = math.sqrt(na * nb / (na + nb))
+    lam = (en + 0.12 + 0.11 / en) * d
+    if lam < 1e-3:
+        return 1.0
+    p = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
+    return min(1.0, max(0.0, p))
+
+
+def ks_2samp(a: dict[int, int], b: dict[int, int], group_size: int = 1) -> dict:
+    """Two-sample Kolmogorov-Smirnov statistic D = max |F_a - F_b| of two histograms and its asymptotic
+    p-value; `p_groups`: the same at the number of groups (samples / group_size): the samples of a group
+    share a prompt, so the effective sample size lies between the two and the truth between p and
+    p_groups. None when either is empty."""
     na, nb = sum(a.values()), sum(b.values())
     if not na or not nb:
-        return {"d": None, "p": None, "n": [na, nb]}
+        return {"d": None, "p": None, "p_groups": None, "n": [na, nb]}
     ca = cb = 0
     d = 0.0
     for x in sorted(set(a) | set(b)):
         ca += a.get(x, 0)
         cb += b.get(x, 0)
         d = max(d, abs(ca / na - cb / nb))
-    en = math.sqrt(na * nb / (na + nb))
-    lam = (en + 0.12 + 0.11 / en) * d
-    if lam < 1e-3:
-        p = 1.0
-    else:
-        p = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
-    return {"d": d, "p": min(1.0, max(0.0, p)), "n": [na, nb]}
+    return {
+        "d": d,
+        "p": _kolmogorov_p(d, na, nb),
+        "p_groups": _kolmogorov_p(d, max(1.0, na / group_size), max(1.0, nb / group_size)),
+        "n": [na, nb],
+    }
 
 
 def add(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
@@ -102,6 +114,7 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
     raw["algorithm"]["lr"] = NEGLIGIBLE_LR
     raw["tracking"] = {"tensorboard": False}
     steps = args.steps + args.warmup
+    gsize = raw["rollout"]["group_size"]
     out: dict = {"jobs": {}}
     for policy in POLICIES:
         staleness = 0 if policy == "sync" else args.length_staleness
@@ -130,8 +143,8 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
             "trained": summary(trained),
             "stale": summary(stale),
             "generated": summary(generated),
-            "ks_trained_vs_generated": ks_2samp(trained, generated),
-            "ks_trained_vs_stale": ks_2samp(trained, stale),
+            "ks_trained_vs_generated": ks_2samp(trained, generated, gsize),
+            "ks_trained_vs_stale": ks_2samp(trained, stale, gsize),
             "histograms": {"trained": trained, "stale": stale, "generated": generated},
         }
         out["jobs"][policy] = job
@@ -145,7 +158,7 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
     ref = out["jobs"]["sync"]["histograms"]["trained"]
     for policy in POLICIES[1:]:
         job = out["jobs"][policy]
-        job["ks_trained_vs_sync_trained"] = ks_2samp(job["histograms"]["trained"], ref)
+        job["ks_trained_vs_sync_trained"] = ks_2samp(job["histograms"]["trained"], ref, gsize)
     return out
 
 
@@ -165,11 +178,14 @@ def length_report(res: dict) -> str:
         lines.append(f"    trained   {fmt(t)}")
         lines.append(f"    stale     {fmt(s)}   dropped groups {job['groups_dropped_stale']}")
         ks = job["ks_trained_vs_generated"]
-        line = f"    KS trained vs generated: D {ks['d']:.4f} p {ks['p']:.3f}"
+        line = f"    KS trained vs generated: D {ks['d']:.4f} p {ks['p']:.3f} (groups {ks['p_groups']:.3f})"
         if "ks_trained_vs_sync_trained" in job and job["ks_trained_vs_sync_trained"]["d"] is not None:
             k2 = job["ks_trained_vs_sync_trained"]
-            line += f"; trained vs sync's trained: D {k2['d']:.4f} p {k2['p']:.3f}"
+            line += (
+                f"; trained vs sync's trained: D {k2['d']:.4f} p {k2['p']:.3f} (groups {k2['p_groups']:.3f})"
+            )
         lines.append(line)
+        lines.append(f"    samples/s {job['samples_per_s']:.1f}")
         lines.append(f"    histogram trained   {job['histograms']['trained']}")
         lines.append(f"    histogram generated {job['histograms']['generated']}")
     return "\n".join(lines)

@@ -38,3 +38,19 @@ def test_status_shows_the_policy_recipe_metrics_and_the_run():
     text = _text(st)
     assert "lr 0.00025" in text and "clipped 0.125" in text and "IS-masked 0.030" in text
     assert "behav_kl 0.0123" in text and "abc123 (attempt 2)" in text
+
+
+def test_status_shows_where_tracking_writes_and_its_errors():
+    st = {"name": "j", "state": "running"}
+    assert "tracking" not in _text(st)
+    st["tracking"] = {
+        "tensorboard": "/o/tensorboard",
+        "wandb": None,
+        "version": 7,
+        "writes": {},
+        "errors": {},
+    }
+    text = _text(st)
+    assert "tensorboard /o/tensorboard; version 7" in text and "errors" not in text
+    st["tracking"]["errors"] = {"tensorboard": 2, "wandb": 1}
+    assert "version 7, 3 errors" in _text(st)
