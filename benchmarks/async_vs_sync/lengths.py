@@ -60,8 +60,13 @@ def _kolmogorov_p(d: float, na: float, nb: float) -> float:
     0.11 / sqrt(ne)) * D, ne = n_a n_b / (n_a + n_b) (as in Numerical Recipes)."""
     en = math.sqrt(na * nb / (na + nb))
     lam = (en + 0.12 + 0.11 / en) * d
-    if lam < 1e-3:
-        return 1.0
+    if lam < 0.2:
+        return 1.0  # P(K > 0.2) = 1 - 1e-10
+    if lam < 1.0:  # the series that converges fast here: P(K <= lam) = sqrt(2 pi) / lam * sum exp(...)
+        cdf = math.sqrt(2 * math.pi) / lam * sum(
+            math.exp(-((2 * j - 1) ** 2) * math.pi**2 / (8 * lam * lam)) for j in range(1, 20)
+        )
+        return min(1.0, max(0.0, 1.0 - cdf))
     p = 2 * sum((-1) ** (j - 1) * math.exp(-2 * j * j * lam * lam) for j in range(1, 101))
     return min(1.0, max(0.0, p))
 
