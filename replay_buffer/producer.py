@@ -27,7 +27,7 @@ class BufferProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._leave = client.register_script(scripts.LEAVE)
-        self._zero = client.register_script(scripts.DROP_ZERO)
+        self._forget = client.register_script(scripts.FORGET)
         self._inflight = self.keys.inflight(worker_id)
         self._admitted_mine = self.keys.admitted_by(worker_id)
         self._lease_keys = [
@@ -66,11 +66,12 @@ class BufferProducer:
             raise
         return int(v) if int(v) >= 0 else None
 
-    def _forget_admitted(self, pipe, admitted_at: int | None) -> None:
+    async def _forget_admitted(self, pipe, admitted_at: int | None) -> None:
         """One in-flight group admitted at `admitted_at` is no longer in flight (put or released)."""
         if admitted_at is not None:
-            pipe.hincrby(self.keys.admitted, admitted_at, -1)
-            pipe.hincrby(self._admitted_mine, admitted_at, -1)
+            await self._forget(
+                keys=[self.keys.admitted, self._admitted_mine], args=[admitted_at], client=pipe
+            )
 
     async def begin(self, prompt_id: str) -> None:
         """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
@@ -93,17 +94,8 @@ class BufferProducer:
         pipe.decr(self.keys.started)
         if prompt_id is not None:
             pipe.lrem(self._inflight, 1, prompt_id)
-        self._forget_admitted(pipe, admitted_at)
+        await self._forget_admitted(pipe, admitted_at)
         await pipe.execute()
-        await self._drop_zero_counts(admitted_at)
-
-    async def _drop_zero_counts(self, admitted_at: int | None) -> None:
-        """Remove a version's count once it reached 0 (the oldest in-flight version is the smallest key
-        of `admitted`; a leftover 0 would hold the cap down). Atomic per field: a concurrent admission at
-        the same version re-creates it."""
-        if admitted_at is None:
-            return
-        await self._zero(keys=[self.keys.admitted, self._admitted_mine], args=[admitted_at])
 
     async def leave(self) -> int:
         """Worker shutdown: release every reservation it still holds; returns how many."""
@@ -126,14 +118,13 @@ class BufferProducer:
         pipe.hincrby(self.keys.stats, "produced", 1)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
         pipe.lrem(self._inflight, 1, group.prompt_id)
-        self._forget_admitted(pipe, admitted_at)
+        await self._forget_admitted(pipe, admitted_at)
         try:
             entry_id, *_ = await pipe.execute()
         except redis.ResponseError as e:
             if is_oom(e):
                 raise full_error(e, self.keys.job, await memory_async(self.r)) from e
             raise
-        await self._drop_zero_counts(admitted_at)
         metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
         metrics.GROUPS_PRODUCED.inc()
         return as_str(entry_id)

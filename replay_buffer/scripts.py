@@ -66,8 +66,9 @@ redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[3])
 local v = tonumber(redis.call('GET', KEYS[4]) or '0')
 local base = v
 if ARGV[7] == '1' then
-  for _, a in ipairs(redis.call('HKEYS', KEYS[7])) do
-    if tonumber(a) < base then base = tonumber(a) end
+  local counts = redis.call('HGETALL', KEYS[7])
+  for i = 1, #counts, 2 do
+    if tonumber(counts[i + 1]) > 0 and tonumber(counts[i]) < base then base = tonumber(counts[i]) end
   end
 end
 local started = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -122,10 +123,12 @@ redis.call('SET', KEYS[1], to)
 return cur - to
 """
 
-DROP_ZERO = """
--- KEYS: hashes   ARGV: field. Deletes the field from each hash where it is no longer positive.
+FORGET = """
+-- KEYS: admitted, admitted:<worker>   ARGV: version
+-- One in-flight group admitted at ARGV[1] is no longer in flight (put or released); a count that reaches 0
+-- goes, in the same step (a leftover 0 would hold `oldest` admission at its version for good).
 for _, k in ipairs(KEYS) do
-  if tonumber(redis.call('HGET', k, ARGV[1]) or '1') <= 0 then redis.call('HDEL', k, ARGV[1]) end
+  if redis.call('HINCRBY', k, ARGV[1], -1) <= 0 then redis.call('HDEL', k, ARGV[1]) end
 end
 return 0
 """

@@ -228,7 +228,8 @@ def test_oldest_admission_waits_for_the_oldest_group_in_flight(redis_server, job
             assert more is None  # base = the long group's version 0, not 1
             assert {int(k): int(v) for k, v in (await long.r.hgetall(long.keys.admitted)).items()} == {0: 1}
             await long.put(_group(job, "long"), admitted_at=0)
-            assert await long.r.hgetall(long.keys.admitted) == {}
+            assert await long.r.hgetall(long.keys.admitted) == {}  # no count of 0 is left behind
+            assert await long.r.exists(long.keys.admitted_by("long"), long.keys.admitted_by("short")) == 0
             assert await short.admit(2, 1, oldest) == 1  # base = version 1 now: cap 6
         else:
             assert more == 1  # the version rule: cap (1 + 1 + 1) * 2 = 6 with the long group still out
