@@ -17,6 +17,11 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
         f"loss {r['loss']:+.4f}  tok/s {r['tokens_per_s']:.0f}  step {r['step_s'] * 1e3:.0f} ms  "
         f"wait {r['wait_s'] * 1e3:.0f} ms  swap {r['pause_s'] * 1e3:.0f} ms"
     )
+    if r.get("stale_samples"):  # groups dropped as stale since the last step, and how long they were
+        line += (
+            f"  stale-dropped {r['stale_samples']} samples (len {r['len_stale_mean']:.0f} vs trained "
+            f"{r['len_trained_mean']:.0f})"
+        )
     if agent:  # multi-turn jobs: how the episodes went
         line += (
             f"  turns {r['turns_mean']:.2f}  tool calls {r['tool_calls_mean']:.2f} (errors "
