@@ -93,6 +93,8 @@ class _TensorBoard:
         self.writer = None
         self.fresh = fresh
         """No earlier process wrote this run's events here: nothing to purge when the writer opens."""
+        self.started = False
+        """This process wrote a progress step (the first one decides the purge)."""
         self.pending_config: JobSpec | None = None
         """The spec, held until the first step's writer opens (with its purge_step) when not fresh."""
 
@@ -104,10 +106,14 @@ class _TensorBoard:
         self.writer = SummaryWriter(str(self.path), purge_step=purge_step, flush_secs=10)
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, rewrite: bool) -> None:
-        if self.writer is None or rewrite:
-            # the first writer of a process that follows another, or a version trained again: events at
-            # or after `step` from before are discarded by TensorBoard's readers
-            self._open(None if (self.writer is None and self.fresh) else step)
+        if prefix == PROGRESS_PREFIX and (rewrite or not self.started):
+            # a version trained again, or the first step of a process that follows another: events at or
+            # after `step` from before are discarded by TensorBoard's readers
+            self.started = True
+            if rewrite or not self.fresh:
+                self._open(step)
+        if self.writer is None:
+            self._open(None)
         if self.pending_config is not None:
             self._write_config(self.pending_config)
             self.pending_config = None

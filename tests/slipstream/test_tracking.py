@@ -101,6 +101,7 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
 def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     spec = _spec(tmp_path, wandb=False)
     t = Tracker(spec, {"run_id": "r1", "attempt": 1})
+    t.log_config()
     for v in (1, 2, 3, 4):
         t.log_progress(_rec(v, v))
     # the trainer pool restarted from the checkpoint at version 2: versions 3 and 4 are trained again
@@ -112,6 +113,7 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     # then its trainer resumes from the checkpoint at version 2
     t = Tracker(spec, {"run_id": "r1", "attempt": 2})
     t.log_config()  # written by the first attempt's driver already: not again
+    t.log_scalars({"accuracy": 0.9}, version=2)  # an eval result before any step of this attempt
     for v, r in ((1, 1), (2, 2), (3, 30)):
         t.log_progress(_rec(v, r, attempt=1))
     for v in (3, 4, 5):
@@ -119,6 +121,8 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     t.close()
     assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 300), (4, 400), (5, 500)]
     assert json.loads((tmp_path / "tensorboard" / "tracking.json").read_text())["version"] == 5
+    assert _steps(_events(tmp_path), "eval/accuracy") == [(2, 0.9)]
+    assert len(_events(tmp_path).Tensors("config/spec/text_summary")) == 1
 
     # a new run of the job (not a resumption) starts its curves afresh
     t = Tracker(spec, {"run_id": "r2", "attempt": 1})
