@@ -190,9 +190,11 @@ class JobDriver:
                 ckpts.rename(aside)
                 log.warning("an earlier run's checkpoints moved from %s to %s", ckpts, aside)
         log.info("job %s: run %s, attempt %d", self.job, self.run_info["run_id"], self.run_info["attempt"])
+        t = self.spec.tracking
         try:
-            self.tracker = Tracker(self.spec, self.run_info)
-            self.tracker.log_config()
+            if t.tensorboard or t.wandb.enabled:
+                self.tracker = Tracker(self.spec, self.run_info)
+                self.tracker.log_config()
         except Exception as e:  # tracking never fails the job
             log.warning("tracking is off for this job: %s: %s", type(e).__name__, e)
 

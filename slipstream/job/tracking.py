@@ -9,7 +9,7 @@ waits on a writer, and a writer's failure never fails the job (its first error i
 counted: `slipstream_tracking_errors_total{backend}` and the job status' `tracking` field).
 
 Steps are the policy versions. A version is written once per run, across trainer restarts and resumed
-attempts: the run's high-water mark is kept in `<output_dir>/tensorboard/tracking.json`; records an earlier
+attempts: the run's high-water mark is kept in `<output_dir>/tracking.json`; records an earlier
 attempt already wrote are skipped when a resumed attempt reads them again, and a version trained again after
 the trainer resumed from an older checkpoint is rewritten with TensorBoard's purge_step (events at or after
 it from before are discarded). W&B cannot rewrite history: there the first write of a version stays.
@@ -36,7 +36,7 @@ log = logging.getLogger("slipstream.job.tracking")
 TB_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 STATE_FILE = "tracking.json"
-"""In the TensorBoard directory: {run_id, version (highest written), wandb_id}."""
+"""In the output_dir: {run_id, version (highest written), wandb_id, config (written)}."""
 QUEUE_MAX = 10_000
 """Writes waiting for the tracker's thread; beyond it a write is dropped (and counted), never waited for."""
 PROGRESS_PREFIX = "train"
@@ -298,17 +298,17 @@ class Tracker:
     # --- the tracker's thread ------------------------------------------------------------------------
     def _read_state(self) -> dict:
         try:
-            return json.loads((self.tb_dir / STATE_FILE).read_text())
+            return json.loads((self.out / STATE_FILE).read_text())
         except (OSError, ValueError):
             return {}
 
     def _write_state(self) -> None:
         state = {"run_id": self.run_id, "version": self._done_upto, "wandb_id": self.wandb_id,
                  "config": self._config_done}  # fmt: skip
-        self.tb_dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.tb_dir / f".{STATE_FILE}.tmp"
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state))
-        tmp.replace(self.tb_dir / STATE_FILE)
+        tmp.replace(self.out / STATE_FILE)
 
     def _open(self, same_run: bool) -> None:
         t = self.spec.tracking

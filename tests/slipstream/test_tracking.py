@@ -120,7 +120,7 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
         t.log_progress(_rec(v, 100 * v, attempt=2))
     t.close()
     assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 300), (4, 400), (5, 500)]
-    assert json.loads((tmp_path / "tensorboard" / "tracking.json").read_text())["version"] == 5
+    assert json.loads((tmp_path / "tracking.json").read_text())["version"] == 5
     assert _steps(_events(tmp_path), "eval/accuracy") == [(2, 0.9)]
     assert len(_events(tmp_path).Tensors("config/spec/text_summary")) == 1
 
