@@ -150,7 +150,10 @@ class RolloutWorker:
     async def _loop(self) -> None:
         buf = self.config.buffer
         while not self._stop.is_set():
-            if not await self.producer.try_admit(self.config.groups_per_step, buf.max_staleness):
+            admitted_at = await self.producer.admit(
+                self.config.groups_per_step, buf.max_staleness, oldest=buf.admission == "oldest"
+            )
+            if admitted_at is None:
                 metrics.ADMISSION_WAITS.inc()
                 try:
                     await asyncio.wait_for(self._stop.wait(), ADMISSION_POLL_S)
@@ -162,16 +165,16 @@ class RolloutWorker:
             try:
                 samples = await self._group(problem)
             except EngineError as e:
-                await self.producer.release(problem.prompt_id)
+                await self.producer.release(problem.prompt_id, admitted_at)
                 log.error("group for %s given up: %s", problem.prompt_id, e)
                 continue
             if reason := await self._filter(samples):
-                await self.producer.release(problem.prompt_id)
+                await self.producer.release(problem.prompt_id, admitted_at)
                 metrics.GROUPS_FILTERED.labels(reason).inc()
                 self.filtered += 1
                 log.debug("group for %s filtered (%s): not put into the buffer", problem.prompt_id, reason)
                 continue
-            await self.producer.put(make_group(self.config.name, problem.prompt_id, samples))
+            await self.producer.put(make_group(self.config.name, problem.prompt_id, samples), admitted_at)
             self.produced += 1
 
     async def _filter(self, samples: list[Sample]) -> str | None:

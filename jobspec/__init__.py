@@ -19,6 +19,7 @@ from generator_fleet.config import (
 from generator_fleet.tools.spec import ToolSpec
 from jobspec.loader import apply_overrides, from_dict, load, loads, parse_yaml
 from jobspec.spec import EXAMPLES_DIR, JobSpec, JobSpecError, resolve_paths, to_json
+from jobspec.tracking import TrackingSpec, WandbSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerSpec
@@ -48,7 +49,9 @@ __all__ = [
     "SamplingSpec",
     "Spec",
     "ToolSpec",
+    "TrackingSpec",
     "TrainerSpec",
+    "WandbSpec",
     "apply_overrides",
     "from_dict",
     "load",

@@ -26,6 +26,7 @@ from generator_fleet.config import (
     RolloutSpec,
 )
 from generator_fleet.tools.spec import ToolSpec
+from jobspec.tracking import TrackingSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerConfig, TrainerSpec
@@ -74,6 +75,9 @@ class JobSpec(Spec):
         if self.placement != "colocated":
             return None
         return colocated_schedule(self.colocation, self.buffer.max_staleness)
+
+    tracking: TrackingSpec = msgspec.field(default_factory=TrackingSpec)
+    """Experiment tracking: TensorBoard (on) and W&B (off) in the job's output_dir."""
 
     @property
     def response_budget(self) -> int:

@@ -9,6 +9,8 @@ from common.config import NonNeg, Pos, Seconds, Spec
 
 STALE_POLICIES = ("drop", "recycle")
 """What happens to a group too stale to train on (`buffer.stale_policy`)."""
+ADMISSIONS = ("oldest", "version")
+"""What the admission cap counts from (`buffer.admission`)."""
 
 
 class BufferSpec(Spec):
@@ -16,6 +18,13 @@ class BufferSpec(Spec):
     """A group is usable at version v if v - min_version <= max_staleness (versions); 0 = on-policy."""
     stale_policy: Literal[STALE_POLICIES] = "drop"
     """Too-stale groups are dropped; `recycle` also queues their prompt to be generated again first."""
+    admission: Literal[ADMISSIONS] = "oldest"
+    """Rollout workers may have started (base + max_staleness + 1) * groups_per_step groups. `oldest`: base
+    is the admission version of the oldest group still being generated (or the published version, if
+    smaller), so groups started later cannot overtake a long one until it is stale: with
+    bus.update_every 1, no group is dropped as stale and long responses are trained as often as they are
+    generated. `version`: base is the published version (AReaL's rule); a long group can be overtaken and
+    dropped, which biases training towards short responses."""
     read_block_ms: Pos = 1000
     """How long one XREADGROUP waits for new groups (milliseconds)."""
     reclaim_idle_ms: Pos = 30_000

@@ -94,6 +94,25 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("inflight:")
 
     @property
+    def admitted(self) -> str:
+        """Hash version -> groups admitted at that version and still in flight (not yet put or released)."""
+        return self._k("admitted")
+
+    def admitted_by(self, worker: str) -> str:
+        """Hash version -> `worker`'s in-flight groups admitted at that version (released with the worker)."""
+        return self._k(f"admitted:{worker}")
+
+    @property
+    def admitted_prefix(self) -> str:
+        return self._k("admitted:")
+
+    @property
+    def lengths(self) -> str:
+        """Hash `trained:<tokens>` / `stale:<tokens>` -> samples of that response length trained, or in
+        groups dropped (or recycled) as too stale."""
+        return self._k("lengths")
+
+    @property
     def reissue(self) -> str:
         """List of prompt_ids a dead worker had in flight; any worker generates them first."""
         return self._k("reissue")
@@ -166,6 +185,7 @@ class JobKeys(msgspec.Struct, frozen=True):
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
         return [
             self.groups, self.dead_letter, self.version, self.started, self.trained, self.reservations,
-            self.workers, self.recycle, self.reissue, self.ledger, self.stats, self.staleness,
+            self.workers, self.recycle, self.reissue, self.ledger, self.stats, self.staleness, self.admitted,
+            self.lengths,
             self.progress, self.run, self.engines, self.engines_joining, self.metrics_targets,
         ]  # fmt: skip

@@ -47,3 +47,12 @@ STALENESS = Histogram(
     "Staleness (policy versions) of consumed groups",
     buckets=(0, 1, 2, 3, 4, 6, 8, 16),
 )
+RESPONSE_TOKENS = Histogram(
+    "slipstream_buffer_response_tokens",
+    "Response tokens per sample of the groups the trainer took: `trained`, or `stale` (dropped or recycled "
+    "as too stale); a stale distribution longer than the trained one is a length bias",
+    ["fate"],
+    buckets=(4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+)
+for _fate in ("trained", "stale"):
+    RESPONSE_TOKENS.labels(_fate)  # both series exist from the start (a job without drops shows 0)

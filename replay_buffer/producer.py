@@ -27,19 +27,28 @@ class BufferProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._leave = client.register_script(scripts.LEAVE)
+        self._forget = client.register_script(scripts.FORGET)
         self._inflight = self.keys.inflight(worker_id)
+        self._admitted_mine = self.keys.admitted_by(worker_id)
         self._lease_keys = [
-            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats
+            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats,
+            self.keys.admitted,
         ]  # fmt: skip
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)
 
-    async def try_admit(self, groups_per_step: int, max_staleness: int) -> bool:
-        """Atomically reserve one group slot for this worker; False when the fleet is max_staleness
-        versions ahead. Also renews this worker's lease and releases expired workers' reservations."""
+    async def try_admit(self, groups_per_step: int, max_staleness: int, oldest: bool = False) -> bool:
+        """`admit`, for callers that do not hand the admission version back to `put`/`release`."""
+        return await self.admit(groups_per_step, max_staleness, oldest) is not None
+
+    async def admit(self, groups_per_step: int, max_staleness: int, oldest: bool = False) -> int | None:
+        """Atomically reserve one group slot for this worker; the version it was admitted at (give it to
+        `put` or `release`), or None when the fleet is max_staleness versions ahead of the published
+        version or, with `oldest` (buffer.admission: oldest), of the oldest group still in flight. Also
+        renews this worker's lease and releases expired workers' reservations."""
         try:
-            n = await self._admit(
+            v = await self._admit(
                 keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
                 args=[
                     groups_per_step,
@@ -47,13 +56,22 @@ class BufferProducer:
                     self.worker_id,
                     self.lease_ms,
                     self.keys.inflight_prefix,
+                    self.keys.admitted_prefix,
+                    1 if oldest else 0,
                 ],
             )
         except redis.ResponseError as e:
             if is_oom(e):
                 raise full_error(e, self.keys.job, await memory_async(self.r)) from e
             raise
-        return int(n) > 0
+        return int(v) if int(v) >= 0 else None
+
+    async def _forget_admitted(self, pipe, admitted_at: int | None) -> None:
+        """One in-flight group admitted at `admitted_at` is no longer in flight (put or released)."""
+        if admitted_at is not None:
+            await self._forget(
+                keys=[self.keys.admitted, self._admitted_mine], args=[admitted_at], client=pipe
+            )
 
     async def begin(self, prompt_id: str) -> None:
         """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
@@ -68,26 +86,31 @@ class BufferProducer:
         """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
         await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
 
-    async def release(self, prompt_id: str | None = None) -> None:
+    async def release(self, prompt_id: str | None = None, admitted_at: int | None = None) -> None:
         """Give back a reserved slot whose group will not be produced (e.g. the rollout failed); the
-        prompt `begin` recorded, if any, is no longer in flight."""
+        prompt `begin` recorded, if any, is no longer in flight, nor the admission `admit` returned."""
         pipe = self.r.pipeline(transaction=True)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)
         pipe.decr(self.keys.started)
         if prompt_id is not None:
             pipe.lrem(self._inflight, 1, prompt_id)
+        await self._forget_admitted(pipe, admitted_at)
         await pipe.execute()
 
     async def leave(self) -> int:
         """Worker shutdown: release every reservation it still holds; returns how many."""
-        n = await self._leave(keys=self._lease_keys, args=[self.worker_id, self.keys.inflight_prefix])
+        n = await self._leave(
+            keys=self._lease_keys, args=[self.worker_id, self.keys.inflight_prefix, self.keys.admitted_prefix]
+        )
         return int(n)
 
     async def next_recycled(self) -> str | None:
         """A prompt_id whose group was dropped as stale (stale_policy: recycle), to generate again."""
         return as_str(await self.r.lpop(self.keys.recycle))
 
-    async def put(self, group: GroupRecord) -> str:
+    async def put(self, group: GroupRecord, admitted_at: int | None = None) -> str:
+        """Append a finished group (its reservation becomes a record); `admitted_at`: what `admit`
+        returned for it."""
         t0 = time.perf_counter()
         data = encode(group)
         pipe = self.r.pipeline(transaction=True)
@@ -95,6 +118,7 @@ class BufferProducer:
         pipe.hincrby(self.keys.stats, "produced", 1)
         pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
         pipe.lrem(self._inflight, 1, group.prompt_id)
+        await self._forget_admitted(pipe, admitted_at)
         try:
             entry_id, *_ = await pipe.execute()
         except redis.ResponseError as e:

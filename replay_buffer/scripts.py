@@ -5,6 +5,10 @@ Reservations are tracked per worker (`reservations` hash) and every worker holds
 call first reaps workers whose lease expired: their unfinished reservations go back to the pool, so a
 dead generator never holds slots forever, and the prompts it had in flight (its `inflight:<worker>`
 list) move to the `reissue` list, which every worker serves before sampling new prompts.
+
+In-flight groups are also counted by the version at which they were admitted (the job's `admitted` hash,
+version -> groups, and each worker's `admitted:<worker>` hash, which a dead or leaving worker's release
+subtracts). `buffer.admission: oldest` anchors the cap at the oldest of them (see ADMIT).
 """
 
 _REAP = """
@@ -12,8 +16,19 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+-- A worker's in-flight admissions leave the job's per-version counts.
+local function forget_admitted(admitted, aprefix, w)
+  local mine = redis.call('HGETALL', aprefix .. w)
+  for i = 1, #mine, 2 do
+    if redis.call('HINCRBY', admitted, mine[i], -tonumber(mine[i + 1])) <= 0 then
+      redis.call('HDEL', admitted, mine[i])
+    end
+  end
+  redis.call('DEL', aprefix .. w)
+end
 -- A worker's reservations go back to the pool and its in-flight prompts to the reissue list.
-local function release(started, reservations, workers, reissue, stats, prefix, w)
+local function release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix)
+  forget_admitted(admitted, aprefix, w)
   local n = tonumber(redis.call('HGET', reservations, w) or '0')
   if n ~= 0 then redis.call('DECRBY', started, n) end
   redis.call('HDEL', reservations, w)
@@ -26,10 +41,10 @@ local function release(started, reservations, workers, reissue, stats, prefix, w
   end
   return n
 end
-local function reap(started, reservations, workers, reissue, stats, prefix, now)
+local function reap(started, reservations, workers, reissue, stats, prefix, now, admitted, aprefix)
   local released = 0
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', now)) do
-    released = released + release(started, reservations, workers, reissue, stats, prefix, w)
+    released = released + release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix)
   end
   return released
 end
@@ -38,29 +53,43 @@ end
 ADMIT = (
     _REAP
     + """
--- KEYS: started, reservations, workers, version, reissue, stats
--- ARGV: groups_per_step, max_staleness, worker, lease_ms, inflight prefix
+-- KEYS: started, reservations, workers, version, reissue, stats, admitted
+-- ARGV: groups_per_step, max_staleness, worker, lease_ms, inflight prefix, admitted prefix, oldest (1/0)
+-- Returns the version the slot was admitted at, or -1 when the cap is reached.
+-- The cap: (base + max_staleness + 1) * groups_per_step groups started, base = the published version, or
+-- with `oldest` the smaller of it and the admission version of the oldest group still in flight: groups
+-- admitted later can then never overtake that one by enough steps to make it stale.
 redis.replicate_commands()
 local now = now_ms()
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[5], now)
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[5], now, KEYS[7], ARGV[6])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[3])
 local v = tonumber(redis.call('GET', KEYS[4]) or '0')
+local base = v
+if ARGV[7] == '1' then
+  local counts = redis.call('HGETALL', KEYS[7])
+  for i = 1, #counts, 2 do
+    if tonumber(counts[i + 1]) > 0 and tonumber(counts[i]) < base then base = tonumber(counts[i]) end
+  end
+end
 local started = tonumber(redis.call('GET', KEYS[1]) or '0')
-local cap = (v + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1])
+local cap = (base + tonumber(ARGV[2]) + 1) * tonumber(ARGV[1])
 if started + 1 <= cap then
   redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
-  return redis.call('INCR', KEYS[1])
+  redis.call('HINCRBY', KEYS[7], v, 1)
+  redis.call('HINCRBY', ARGV[6] .. ARGV[3], v, 1)
+  redis.call('INCR', KEYS[1])
+  return v
 end
-return 0
+return -1
 """
 )
 
 REAP = (
     _REAP
     + """
--- KEYS: started, reservations, workers, reissue, stats   ARGV: inflight prefix
+-- KEYS: started, reservations, workers, reissue, stats, admitted   ARGV: inflight prefix, admitted prefix
 redis.replicate_commands()
-return reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms())
+return reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms(), KEYS[6], ARGV[2])
 """
 )
 
@@ -75,9 +104,9 @@ return redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 LEAVE = (
     _REAP
     + """
--- KEYS: started, reservations, workers, reissue, stats   ARGV: worker, inflight prefix
--- (a worker leaving with groups unfinished, e.g. cancelled: their prompts are reissued too)
-return release(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], ARGV[1])
+-- KEYS: started, reservations, workers, reissue, stats, admitted   ARGV: worker, inflight prefix,
+-- admitted prefix (a worker leaving with groups unfinished, e.g. cancelled: their prompts are reissued too)
+return release(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], ARGV[1], KEYS[6], ARGV[3])
 """
 )
 
@@ -92,4 +121,14 @@ local to = tonumber(ARGV[1])
 if cur > to then redis.call('DECRBY', KEYS[2], (cur - to) * tonumber(ARGV[2])) end
 redis.call('SET', KEYS[1], to)
 return cur - to
+"""
+
+FORGET = """
+-- KEYS: admitted, admitted:<worker>   ARGV: version
+-- One in-flight group admitted at ARGV[1] is no longer in flight (put or released); a count that reaches 0
+-- goes, in the same step (a leftover 0 would hold `oldest` admission at its version for good).
+for _, k in ipairs(KEYS) do
+  if redis.call('HINCRBY', k, ARGV[1], -1) <= 0 then redis.call('HDEL', k, ARGV[1]) end
+end
+return 0
 """

@@ -66,6 +66,15 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
+def _count_lengths(pipe, key: str, fate: str, lengths: list[int]) -> None:
+    """Add samples' response lengths to the run's length histogram (one HINCRBY per distinct length)."""
+    counts: dict[int, int] = {}
+    for n in lengths:
+        counts[n] = counts.get(n, 0) + 1
+    for n, c in counts.items():
+        pipe.hincrby(key, f"{fate}:{n}", c)
+
+
 class RedisFullError(RuntimeError):
     """Redis refused a write at its memory limit (maxmemory with `noeviction`: nothing stored was evicted)."""
 
@@ -133,6 +142,9 @@ class ReplayBuffer:
         self._next_claim = 0.0
         self._next_trim = 0.0
         self._reap = client.register_script(scripts.REAP)
+        self.stale_lengths: list[int] = []
+        """Response tokens of each sample in the groups dropped (or recycled) as too stale since the last
+        `pop_stale_lengths` (the trainer's per-step record)."""
         self._rewind = client.register_script(scripts.REWIND)
 
     def ensure_group(self) -> None:
@@ -166,7 +178,9 @@ class ReplayBuffer:
         # a worker's `inflight:<worker>` list exists only while it is in the `workers` lease zset (leaving
         # or reaping removes both), so no SCAN: a job's Redis user may not list keys (other jobs' names)
         workers = [as_str(w) for w in self.r.zrange(self.keys.workers, 0, -1)]
-        keys = self.keys.per_run() + [self.keys.inflight(w) for w in workers]
+        keys = self.keys.per_run() + [
+            k for w in workers for k in (self.keys.inflight(w), self.keys.admitted_by(w))
+        ]
         return int(self.r.delete(*keys))
 
     def begin_run(self, resume: bool) -> dict:
@@ -250,8 +264,9 @@ class ReplayBuffer:
             self.keys.workers,
             self.keys.reissue,
             self.keys.stats,
+            self.keys.admitted,
         ]
-        return int(self._reap(keys=keys, args=[self.keys.inflight_prefix]))
+        return int(self._reap(keys=keys, args=[self.keys.inflight_prefix, self.keys.admitted_prefix]))
 
     def put(self, group: GroupRecord) -> str:
         """Synchronous XADD without a reservation (tests, tools); rollout workers use BufferProducer."""
@@ -325,15 +340,20 @@ class ReplayBuffer:
         log.warning("dead-lettered entry %s: %s", entry_id, reason)
 
     def _drop_stale(self, entry: Entry, version: int) -> None:
+        lengths = [len(s) for s in entry.group.samples]
         pipe = self.r.pipeline(transaction=True)
         pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
         pipe.hincrby(self.keys.stats, "dropped_stale", 1)
+        _count_lengths(pipe, self.keys.lengths, "stale", lengths)
         pipe.decr(self.keys.started)  # give the admission slot back (see module docstring)
         if self.stale_policy == "recycle":
             pipe.rpush(self.keys.recycle, entry.group.prompt_id)
             pipe.hincrby(self.keys.stats, "recycled", 1)
         pipe.execute()
         metrics.GROUPS_DROPPED.inc()
+        self.stale_lengths += lengths
+        for n in lengths:
+            metrics.RESPONSE_TOKENS.labels("stale").observe(n)
         log.info(
             "%s stale group %s (prompt %s): version %d, min_version %d",
             "recycled" if self.stale_policy == "recycle" else "dropped",
@@ -437,6 +457,8 @@ class ReplayBuffer:
         pipe.hincrby(self.keys.stats, "steps", 1)
         if self.ledger:
             pipe.rpush(self.keys.ledger, *[e.group.group_id for e in entries])
+        lengths = [len(s) for e in entries for s in e.group.samples]
+        _count_lengths(pipe, self.keys.lengths, "trained", lengths)
         for e in entries:
             s = staleness(version, e.group.min_version)
             pipe.hincrby(self.keys.staleness, str(s), 1)
@@ -452,6 +474,8 @@ class ReplayBuffer:
                 raise full_error(e, self.keys.job, _memory(self.r)) from e
             raise
         metrics.GROUPS_CONSUMED.inc(len(entries))
+        for n in lengths:
+            metrics.RESPONSE_TOKENS.labels("trained").observe(n)
         if time.monotonic() >= self._next_trim:  # trimming costs ~5 round trips: at most every interval
             self.trim()
             self._next_trim = time.monotonic() + self.trim_interval_s
@@ -488,7 +512,22 @@ class ReplayBuffer:
         sec, usec = self.r.time()
         return max(0.0, sec + usec / 1e6 - int(as_str(first[0][0]).split("-")[0]) / 1e3)
 
+    def pop_stale_lengths(self) -> list[int]:
+        """The response lengths of the samples dropped as stale since the last call."""
+        out, self.stale_lengths = self.stale_lengths, []
+        return out
+
     # --- inspection --------------------------------------------------------------------------------
+    def length_histograms(self) -> dict[str, dict[int, int]]:
+        """The run's response-length distributions, samples per length (tokens): `trained`, and `stale`
+        (in groups dropped or recycled as too stale)."""
+        out: dict[str, dict[int, int]] = {"trained": {}, "stale": {}}
+        for k, v in self.r.hgetall(self.keys.lengths).items():
+            fate, _, n = as_str(k).partition(":")
+            if fate in out:
+                out[fate][int(n)] = int(v)
+        return {fate: dict(sorted(h.items())) for fate, h in out.items()}
+
     def _group_info(self) -> dict | None:
         if not self.r.exists(self.keys.groups):
             return None

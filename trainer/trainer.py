@@ -71,6 +71,19 @@ def episode_stats(groups) -> dict[str, float]:
     return out
 
 
+def length_stats(prefix: str, lengths: list[int]) -> dict[str, float | None]:
+    """Mean, median and 90th percentile (nearest rank) of response lengths, as `<prefix>_{mean,p50,p90}`
+    (None when there are none)."""
+    if not lengths:
+        return {f"{prefix}_mean": None, f"{prefix}_p50": None, f"{prefix}_p90": None}
+    xs = sorted(lengths)
+
+    def q(p: float) -> float:
+        return float(xs[max(0, min(len(xs) - 1, int(p * len(xs) + 0.999999) - 1))])
+
+    return {f"{prefix}_mean": sum(xs) / len(xs), f"{prefix}_p50": q(0.5), f"{prefix}_p90": q(0.9)}
+
+
 class Trainer:
     """One trainer rank. Rank 0 also holds the replay buffer consumer and the weight bus."""
 
@@ -371,6 +384,7 @@ class Trainer:
         stale = [version - 1 - g.min_version for g in groups]
         step_s = t_step - t_data
         seq_tokens = sum(len(s) + s.num_prompt_tokens for s in samples)
+        stale_lengths = self.buffer.pop_stale_lengths()
         record = {
             "step": version,
             "version": version,
@@ -405,6 +419,11 @@ class Trainer:
                 if self.handoff is not None
                 else {}
             ),
+            # response lengths of the trained samples and of those dropped as stale since the last step:
+            # a stale distribution longer than the trained one means long rollouts are being lost
+            **length_stats("len_trained", [len(s) for s in samples]),
+            **length_stats("len_stale", stale_lengths),
+            "stale_samples": len(stale_lengths),
             **episode_stats(groups),
             **stats,
         }

@@ -63,8 +63,13 @@ Run:
     python -m benchmarks.async_vs_sync --device cuda --learning-only --engine-gpu 0 --trainer-gpu 0 \
         --bus-backend gloo --device-kind nvidia-h100-x1
 
+Length bias (`--length-bias`, its own result file `async_vs_sync-<device>-lengths-<date>.json`): the
+response lengths trained vs generated under each admission rule (sync, `buffer.admission: version`,
+`buffer.admission: oldest`), with two-sample KS statistics; benchmarks/async_vs_sync/lengths.py.
+
 Modules: job (the job, its model, the external engine), measure (one job run and its rates, the engine
-sampler), pipeline (the two bounds), learning (learning equivalence, merging runs), plots, cli.
+sampler), pipeline (the two bounds), learning (learning equivalence, merging runs), lengths (length bias),
+plots, cli.
 """
 
 from benchmarks.async_vs_sync.cli import main, parse_args, report, run, summarise

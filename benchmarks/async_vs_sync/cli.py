@@ -30,13 +30,62 @@ from benchmarks.async_vs_sync.job import (
     step_samples,
 )
 from benchmarks.async_vs_sync.learning import learning, learning_job, merge_learning
+from benchmarks.async_vs_sync.lengths import length_jobs, length_report
 from benchmarks.async_vs_sync.measure import throughput_run
 from benchmarks.async_vs_sync.pipeline import pipeline_bounds
 from benchmarks.async_vs_sync.plots import plots
 
 
+def run_lengths(args: argparse.Namespace, argv: list[str]) -> dict:
+    """--length-bias: the length-bias jobs only (benchmarks/async_vs_sync/lengths.py)."""
+    from benchmarks.common import ResultFile
+
+    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, "lengths")
+    result = rf.result
+    result["config"] = {
+        "steps": args.steps + args.warmup,
+        "groups_per_step": args.groups_per_step,
+        "max_staleness": args.length_staleness,
+        "max_new_tokens": args.length_max_new_tokens,
+        "model": "tiny a+b model without SFT warm-up (random EOS positions)",
+        "definitions": {
+            "generated": "every sample of the groups the trainer took from the buffer: trained + dropped stale",
+            "ks": "two-sample Kolmogorov-Smirnov D = max |F1 - F2| over response lengths; p asymptotic "
+            "(conservative for discrete lengths)",
+        },
+    }
+    work_root = Path(args.work_dir) if args.work_dir else None
+    with tempfile.TemporaryDirectory(prefix="async-vs-sync-lengths-", dir=work_root) as tmp:
+        try:
+
+            def partial(res: dict) -> None:
+                result["metrics"] = res
+                rf.save()
+
+            result["metrics"] = length_jobs(args, Path(tmp), on_job=partial)
+            jobs = result["metrics"]["jobs"]
+            result["ratios"] = {
+                f"{p}_dropped_fraction": jobs[p]["stale"]["n"] / max(1, jobs[p]["generated"]["n"])
+                for p in jobs
+            } | {
+                f"{p}_samples_per_s_vs_sync": jobs[p]["samples_per_s"] / jobs["sync"]["samples_per_s"]
+                for p in jobs
+            }
+        except BaseException as exc:  # what was measured is still written
+            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            rf.save()
+            log(f"wrote {rf.path}")
+    return result
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
+
+    if args.length_bias:
+        return run_lengths(args, argv)
 
     stalenesses = [int(s) for s in args.staleness.split(",")]
     label = "learning" if args.learning_only else None  # not to overwrite a full run's file
@@ -277,6 +326,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="colocated: the job's own engine shares the trainer's device (cuda: --trainer-gpu), weights "
         "through CUDA IPC / shared memory (bus.backend ipc)",
     )
+    p.add_argument(
+        "--length-bias",
+        action="store_true",
+        help="only the length-bias jobs: trained vs generated response lengths per staleness policy",
+    )
+    p.add_argument(
+        "--length-staleness", type=int, default=1, help="--length-bias: max_staleness of the async jobs"
+    )
+    p.add_argument(
+        "--length-max-new-tokens", type=int, default=48, help="--length-bias: the response budget (tokens)"
+    )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -323,5 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(args.trainer_gpu)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     result = run(args, argv)
+    if args.length_bias:
+        if result["metrics"].get("jobs"):
+            print(length_report(result["metrics"]), flush=True)
+        return result
     print(report(result), flush=True)
     return result

@@ -235,6 +235,15 @@ def render_status(st: dict):
         rows.append(("placement", f"colocated, {st['schedule']} schedule{handoff}"))
     if st.get("scaling"):
         rows.append(("scaling", st["scaling"]))
+    if tr := st.get("tracking"):
+        where = ", ".join(f"{k} {tr[k]}" for k in ("tensorboard", "wandb") if tr.get(k)) or "off"
+        errors = sum((tr.get("errors") or {}).values())
+        rows.append(
+            (
+                "tracking",
+                f"{where}; version {tr.get('version', '-')}" + (f", {errors} errors" if errors else ""),
+            )
+        )
     if st.get("note"):
         rows.append(("checkpoint", st["note"]))
     if st.get("error"):

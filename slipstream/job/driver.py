@@ -40,6 +40,7 @@ from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import ProgressReader, format_eval
 from slipstream.job.supervise import POLL_S, Restarts
+from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
 
 log = logging.getLogger("slipstream.job.driver")
@@ -85,6 +86,9 @@ class JobDriver:
         self.last_eval: dict = {}
         """The newest eval record of this attempt (its version and scores go into the status)."""
         self.run_info: dict = {}  # run_id, attempt (ReplayBuffer.begin_run)
+        self.tracker: Tracker | None = None
+        """TensorBoard / W&B (the spec's `tracking`), from begin_run on; eval results go in with
+        `tracker.log_scalars(results, version)`."""
         self._closed = False
 
     @property
@@ -121,6 +125,7 @@ class JobDriver:
             if (result := self.reconcile(want)) is not None:
                 break
         for rec in self.progress.read(block_ms=0):
+            self._track(rec)
             if self.progress.this_attempt(rec):
                 self.last, self.version = rec, rec["version"]
         self.version = result["version"]
@@ -221,6 +226,17 @@ class JobDriver:
                 ckpts.rename(aside)
                 log.warning("an earlier run's checkpoints moved from %s to %s", ckpts, aside)
         log.info("job %s: run %s, attempt %d", self.job, self.run_info["run_id"], self.run_info["attempt"])
+        t = self.spec.tracking
+        try:
+            if t.tensorboard or t.wandb.enabled:
+                self.tracker = Tracker(self.spec, self.run_info)
+                self.tracker.log_config()
+        except Exception as e:  # tracking never fails the job
+            log.warning("tracking is off for this job: %s: %s", type(e).__name__, e)
+
+    def _track(self, rec: dict) -> None:
+        if self.tracker is not None:
+            self.tracker.log_progress(rec)
 
     # --- status ---------------------------------------------------------------------------------------
     def _clock(self) -> float:
@@ -244,6 +260,7 @@ class JobDriver:
             "elapsed_s": self._clock(),
             "samples_per_s": self.last.get("samples_per_s", 0.0),
             "output_dir": self.spec.output_dir,
+            **({"tracking": self.tracker.status()} if self.tracker is not None else {}),
             **{
                 k: self.last[k]
                 for k in (
@@ -286,6 +303,7 @@ class JobDriver:
         With `on_progress` (`slipstream run` prints each record as its line) the per-step log line is
         DEBUG, so a step shows once on the terminal; the cluster's driver.log keeps it at INFO."""
         for rec in self.progress.read(block_ms=block_ms):
+            self._track(rec)  # every attempt's: the tracker skips what an earlier attempt wrote
             if not self.progress.this_attempt(rec):
                 continue  # an earlier attempt's record: the run's report keeps it, the status does not
             self.last = rec
@@ -322,6 +340,8 @@ class JobDriver:
         self.trainers.close()
         if self.placement is not None:
             self.placement.close()
+        if self.tracker is not None:
+            self.tracker.close()  # flushes the last steps' events
 
 
 def error_text(e: BaseException) -> str:

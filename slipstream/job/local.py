@@ -37,6 +37,8 @@ class JobResult(msgspec.Struct):
     buffer: dict
     evals: list[dict] = []
     """The evaluations' records (a spec with `eval`), one per version evaluated."""
+    lengths: dict = {}
+    """The run's response-length histograms (ReplayBuffer.length_histograms): trained and stale."""
 
 
 def _raise_interrupt(signum, frame):
@@ -84,13 +86,14 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         result = driver.run()
         driver.close()
         stats = ReplayBuffer(r, spec.name).stats()
+        lengths = ReplayBuffer(r, spec.name).length_histograms()
         progress, evals = driver.records, driver.progress.evals
         (out / "progress.jsonl").write_text("".join(json.dumps(p) + "\n" for p in progress + evals))
         from slipstream.job.report import write_report_logged
 
         write_report_logged(progress + evals, out)  # PNG plots; never fails the job
         elapsed = time.monotonic() - t0
-        return JobResult(result["version"], elapsed, result["final_model"], progress, stats, evals)
+        return JobResult(result["version"], elapsed, result["final_model"], progress, stats, evals, lengths)
     finally:
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop

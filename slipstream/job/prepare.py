@@ -23,7 +23,8 @@ def resolve_paths(spec: JobSpec) -> JobSpec:
 
 
 RUN_FILES = ("samples.txt", "progress.jsonl", "report_reward.png", "report_staleness.png",
-             "report_throughput.png", "report_eval.png")  # fmt: skip
+             "report_throughput.png", "report_eval.png",
+             "report_lengths.png")  # fmt: skip
 """Per-run outputs in a job's output_dir: a new run of the job starts without them."""
 
 

@@ -21,6 +21,11 @@ def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
     )
     if r.get("optimizer_steps", 1) > 1:  # mini-batch PPO: the clip acts from the batch's second step on
         line += f"  clip {r['clip_fraction']:.3f} ({r['optimizer_steps']} optimizer steps)"
+    if r.get("stale_samples"):  # groups dropped as stale since the last step, and how long they were
+        line += (
+            f"  stale-dropped {r['stale_samples']} samples (len {r['len_stale_mean']:.0f} vs trained "
+            f"{r['len_trained_mean']:.0f})"
+        )
     if agent:  # multi-turn jobs: how the episodes went
         line += (
             f"  turns {r['turns_mean']:.2f}  tool calls {r['tool_calls_mean']:.2f} (errors "

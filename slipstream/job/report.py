@@ -23,6 +23,9 @@ def _eval_series(evals: list[dict]) -> list[dict]:
     return [{"version": r.get("version"), **(r.get("eval") or {})} for r in evals]
 
 
+LENGTHS_PNG = "report_lengths.png"
+
+
 def _series(progress: list[dict], x: str, y: str) -> tuple[list[float], list[float]]:
     """(x, y) of the records that have a numeric value for both keys."""
     xs, ys = [], []
@@ -50,9 +53,10 @@ def _plot_lines(ax, progress: list[dict], x: str, ys: list[tuple[str, str]]) -> 
 
 
 def write_report(progress: list[dict], out_dir: Path) -> list[Path]:
-    """Writes report_reward.png, report_staleness.png and report_throughput.png into `out_dir`, and
-    report_eval.png when `progress` holds eval records (`kind: "eval"`), and returns their paths; a
-    figure none of whose series has data is not written. No records: nothing, []."""
+    """Writes report_reward.png, report_staleness.png, report_throughput.png and report_lengths.png (the
+    response lengths of trained and of stale-dropped samples) into `out_dir`, and report_eval.png when
+    `progress` holds eval records (`kind: "eval"`), and returns their paths; a figure none of whose series
+    has data is not written. No records: nothing, []."""
     records = [r for r in progress or [] if isinstance(r, dict)]
     evals = _eval_series([r for r in records if r.get("kind") == "eval"])
     progress = [r for r in records if r.get("kind") != "eval"]
@@ -136,6 +140,29 @@ def write_report(progress: list[dict], out_dir: Path) -> list[Path]:
         d2 = _plot_lines(a2, evals, "version", [("duration_s", "evaluation")])
         a2.set(xlabel="version", ylabel="seconds", title="Evaluation time")
         save(fig, EVAL_PNG, d1 or d2)
+    # response lengths: trained vs dropped as stale (a length bias shows as stale above trained)
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    d1 = _plot_lines(
+        a1,
+        progress,
+        "version",
+        [
+            ("len_trained_mean", "trained mean"),
+            ("len_trained_p90", "trained p90"),
+            ("len_stale_mean", "dropped stale mean"),
+            ("len_stale_p90", "dropped stale p90"),
+        ],
+    )
+    a1.set(xlabel="version", ylabel="response tokens", title="Response length: trained vs dropped stale")
+    xs, ys = _series(progress, "version", "stale_samples")
+    d2 = bool(xs)
+    if d2:
+        a2.bar(xs, ys, width=0.8)
+        a2.grid(True, axis="y", alpha=0.3)
+        a2.set(xlabel="version", ylabel="samples", title=f"Samples dropped as stale ({int(sum(ys))} in all)")
+    else:
+        a2.text(0.5, 0.5, "no data", ha="center", va="center", transform=a2.transAxes)
+    save(fig, LENGTHS_PNG, d1 or d2)
     return written
 
 

@@ -195,3 +195,19 @@ def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
     ]
     assert all((tmp_path / p.rsplit("/", 1)[-1]).stat().st_size > 0 for p in on_disk["plots"])
     assert capsys.readouterr().out.splitlines()[-1].startswith("async_vs_sync async_vs_sync=")
+
+
+def test_length_statistics_of_histograms():
+    from benchmarks.async_vs_sync.lengths import ks_2samp, summary
+
+    assert summary({}) == {"n": 0, "mean": None, "p50": None, "p90": None}
+    assert summary({1: 5, 10: 4, 100: 1}) == {"n": 10, "mean": 14.5, "p50": 1, "p90": 10}
+    same = ks_2samp({3: 10, 7: 10}, {3: 10, 7: 10})
+    assert same["d"] == 0 and same["p"] == 1.0
+    # every sample of one above every sample of the other: D = 1, and with 50 each p is tiny
+    apart = ks_2samp({1: 50}, {9: 50})
+    assert apart["d"] == 1 and apart["p"] < 1e-10
+    # half the mass moved: D = 0.5; the asymptotic p at n = 20 per side is about 0.01
+    half = ks_2samp({1: 20}, {1: 10, 9: 10})
+    assert half["d"] == 0.5 and 0.001 < half["p"] < 0.05
+    assert ks_2samp({1: 3}, {})["d"] is None

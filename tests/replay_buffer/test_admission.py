@@ -193,3 +193,66 @@ def test_rewind_gives_back_the_slots_of_lost_steps(redis_server, redis_client, j
     assert _run(admits(5)) == 2
     assert buf.rewind(8, groups_per_step=2) == 0  # not behind: nothing given back
     assert int(redis_client.get(f"slipstream:{job_id}:started")) == 22
+
+
+def _train_one_step(url, job, version, gps):
+    """The trainer's side of one step: a batch taken, committed, the next version published."""
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(url)
+    buf = ReplayBuffer(r, job)
+    buf.ensure_group()
+    entries = buf.take_batch(gps, version, max_staleness=1, block_ms=100)
+    assert len(entries) == gps
+    buf.commit(entries, version)
+    buf.set_version(version + 1)
+    r.close()
+
+
+def test_oldest_admission_waits_for_the_oldest_group_in_flight(redis_server, job_id):
+    """buffer.admission: oldest. A long group admitted at version 0 is still generating while short ones
+    admitted after it are trained: the cap stays at (0 + max_staleness + 1) * groups_per_step until the long
+    one is in, so it can never be overtaken into staleness. The version rule would admit more."""
+
+    async def scenario(oldest: bool):
+        clients, (long, short) = await _producers(redis_server.url, job_id + str(oldest), ["long", "short"])
+        job = job_id + str(oldest)
+        assert await long.admit(2, 1, oldest) == 0
+        short_at = [await short.admit(2, 1, oldest) for _ in range(3)]
+        assert short_at == [0, 0, 0] and await short.admit(2, 1, oldest) is None  # (0 + 1 + 1) * 2 = 4
+        for i, at in enumerate(short_at):
+            await short.put(_group(job, f"s{i}"), admitted_at=at)
+        await asyncio.to_thread(_train_one_step, redis_server.url, job, 0, 2)  # version 1 published
+        more = await short.admit(2, 1, oldest)
+        if oldest:
+            assert more is None  # base = the long group's version 0, not 1
+            assert {int(k): int(v) for k, v in (await long.r.hgetall(long.keys.admitted)).items()} == {0: 1}
+            await long.put(_group(job, "long"), admitted_at=0)
+            assert await long.r.hgetall(long.keys.admitted) == {}  # no count of 0 is left behind
+            assert await long.r.exists(long.keys.admitted_by("long"), long.keys.admitted_by("short")) == 0
+            assert await short.admit(2, 1, oldest) == 1  # base = version 1 now: cap 6
+        else:
+            assert more == 1  # the version rule: cap (1 + 1 + 1) * 2 = 6 with the long group still out
+        await _close(clients)
+
+    _run(scenario(True))
+    _run(scenario(False))
+
+
+def test_released_and_dead_workers_admissions_leave_the_oldest_count(redis_server, redis_client, job_id):
+    async def scenario():
+        clients, (dead, live) = await _producers(redis_server.url, job_id, ["dead", "live"], lease_ms=200)
+        assert await dead.admit(4, 0, oldest=True) == 0 and await dead.admit(4, 0, oldest=True) == 0
+        at = await live.admit(4, 0, oldest=True)
+        await live.release("p", admitted_at=at)  # given up: no longer in flight
+        assert int(await live.r.hget(live.keys.admitted, 0)) == 2
+        await asyncio.sleep(0.4)  # `dead`'s lease expires; the next admission reaps it
+        await live.heartbeat()
+        assert await live.admit(4, 0, oldest=True) == 0
+        assert {int(k): int(v) for k, v in (await live.r.hgetall(live.keys.admitted)).items()} == {0: 1}
+        assert await dead.r.exists(dead.keys.admitted_by("dead")) == 0
+        assert await live.leave() == 1
+        assert await live.r.hgetall(live.keys.admitted) == {}
+        await _close(clients)
+
+    _run(scenario())

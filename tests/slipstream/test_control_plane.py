@@ -137,4 +137,11 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     assert final["duplicates"] == 0 and final["dead_letter"] == 0
     assert final["produced"] == final["consumed"] + final["dropped_stale"] + final["depth"]
     assert final["consumed"] == 2 * final["steps"] and buf["consumed"] <= final["consumed"]
+    # the cluster's driver tracked every version once, across the scalings and the trainer pool restart
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(st["output_dir"]) / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/reward_mean")] == list(range(1, st["version"] + 1))
+    assert st["tracking"]["version"] == st["version"] and st["tracking"]["errors"] == {}
     assert [j["name"] for j in client.list()] == ["neighbour", name]

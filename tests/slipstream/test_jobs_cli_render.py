@@ -64,3 +64,30 @@ def test_progress_line_shows_the_clip_only_with_several_optimizer_steps():
     assert "clip" not in format_progress(record | {"optimizer_steps": 1}, 10)
     assert "clip" not in format_progress(record, 10)  # a record of a trainer without the count
     assert "clip 0.125 (4 optimizer steps)" in format_progress(record | {"optimizer_steps": 4}, 10)
+
+
+def test_status_shows_where_tracking_writes_and_its_errors():
+    st = {"name": "j", "state": "running"}
+    assert "tracking" not in _text(st)
+    st["tracking"] = {
+        "tensorboard": "/o/tensorboard",
+        "wandb": None,
+        "version": 7,
+        "writes": {},
+        "errors": {},
+    }
+    text = _text(st)
+    assert "tensorboard /o/tensorboard; version 7" in text and "errors" not in text
+    st["tracking"]["errors"] = {"tensorboard": 2, "wandb": 1}
+    assert "version 7, 3 errors" in _text(st)
+
+
+def test_progress_line_names_stale_drops_and_their_length_only_when_there_were_some():
+    from slipstream.job.progress import format_progress
+
+    rec = {"step": 3, "version": 3, "reward_mean": 0.5, "staleness_mean": 0.5, "staleness_max": 1, "loss": 0.1,
+           "tokens_per_s": 10.0, "step_s": 0.1, "wait_s": 0.1, "pause_s": 0.0, "stale_samples": 0,
+           "len_stale_mean": None, "len_trained_mean": 12.0}  # fmt: skip
+    assert "stale-dropped" not in format_progress(rec, 5)
+    rec.update(stale_samples=8, len_stale_mean=30.2)
+    assert format_progress(rec, 5).endswith("stale-dropped 8 samples (len 30 vs trained 12)")

@@ -1,4 +1,4 @@
-"""The end-of-job report: synthetic progress records -> three valid PNGs; nothing for no records."""
+"""The end-of-job report: synthetic progress records -> four valid PNGs; nothing for no records."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def records(n: int = 12) -> list[dict]:
             "step_s": 0.5 + 0.01 * v,
             "wait_s": 0.1,
             "elapsed_s": 0.6 * v,
+            "len_trained_mean": 20.0 + v,
+            "len_trained_p90": 40.0 + v,
+            "len_stale_mean": 60.0 if v % 4 == 0 else None,
+            "len_stale_p90": 90.0 if v % 4 == 0 else None,
+            "stale_samples": 8 if v % 4 == 0 else 0,
         }
         for v in range(1, n + 1)
     ]
@@ -34,10 +39,15 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def test_report_writes_three_pngs(tmp_path: Path) -> None:
+def test_report_writes_four_pngs(tmp_path: Path) -> None:
     paths = write_report(records(), tmp_path / "out")
     names = sorted(p.name for p in paths)
-    assert names == ["report_reward.png", "report_staleness.png", "report_throughput.png"]
+    assert names == [
+        "report_lengths.png",
+        "report_reward.png",
+        "report_staleness.png",
+        "report_throughput.png",
+    ]
     for p in paths:
         assert p.parent == tmp_path / "out"
         w, h = png_size(p)
