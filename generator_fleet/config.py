@@ -223,6 +223,12 @@ class EvalSpec(Spec):
     max_samples: Pos = 512
     """Most samples one evaluation generates: it takes the first max_samples // (greedy + n) problems of
     the eval set."""
+    max_version_spread: NonNeg | None = None
+    """Weight versions one evaluation's answers may span (each answer comes from one version). null: an
+    evaluation that starts at version v keeps every answer made at v or later, so evaluations finish while
+    a fast trainer publishes every few seconds; its record is at v and says the newest version in it
+    (`version_max`). 0: every answer of a record comes from one version (answers of an older version are
+    asked again when the weights change: a job that publishes faster than an evaluation runs gets none)."""
     seed: int = 0
     """Seed of the held-out split."""
     timeout_s: Seconds = 600.0

@@ -14,7 +14,9 @@ reaches the replay buffer (the evaluator has no buffer producer).
   `turns_mean`, per episode over every episode the evaluation kept.
 - Beside training: requests go through the engines' normal /generate path; on built-in engines they
   carry a lower SGLang `priority` than rollouts, so an engine's queue serves rollouts first.
-- One weight version per result: a sample whose tokens came from another version than the evaluation's
+- One weight version per answer (`eval.max_version_spread`: by default an evaluation that starts at
+  version v keeps every answer made at v or later, and its record names the newest; with 0, one version
+  per record, as follows): a sample whose tokens came from another version than the evaluation's
   (a weight update landed mid-request, or between an episode's turns) is discarded and generated again.
   When the engines moved on to a newer version, the evaluation moves with them: it keeps the answers of
   the newest version and asks again for the rest, so every score in a record comes from exactly one
@@ -323,7 +325,8 @@ class Evaluator:
         ev, n = self.config.eval, self.config.eval.n
         slots = [(i, "greedy", 0) for i in range(len(self.problems)) if ev.greedy]
         slots += [(i, "sample", j) for i in range(len(self.problems)) for j in range(n)]
-        target, kept, redone = version, {}, 0
+        spread = ev.max_version_spread
+        lo, kept, redone = version, {}, 0
         gate = asyncio.Semaphore(IN_FLIGHT)
         for n_pass in range(MAX_PASSES):
             todo = [s for s in slots if s not in kept]
@@ -331,18 +334,21 @@ class Evaluator:
                 break
             answers = await asyncio.gather(*(self._answer_one(gate, s[0], s[1]) for s in todo))
             versions = [a[1] for a in answers if a[1] is not None and a[1] >= 0]
-            newest = max(versions, default=target)
+            newest = max(versions, default=lo)
             if self.guessed and n_pass == 0 and versions:
                 # no engine said its version (a router in front): the answers tell which one it is
-                target = newest
-            elif newest > target:  # the engines moved on: this evaluation is of the newer version now
+                lo = newest if spread == 0 else min(versions)
+            elif spread is not None and newest > lo + spread:  # the weights moved past the window
                 log.info("evaluation at version %d: weights changed to %d mid-evaluation; going on at %d",
-                         target, newest, newest)  # fmt: skip
-                redone += len(kept)
-                kept = {s: a for s, a in kept.items() if a[1] == newest}
-                target = newest
+                         lo, newest, newest - spread)  # fmt: skip
+                lo = newest - spread
+                redone += sum(1 for a in kept.values() if a[1] < lo)
+                kept = {s: a for s, a in kept.items() if a[1] >= lo}
             for s, answer in zip(todo, answers, strict=True):
-                if answer[1] == target or (self.unversioned and answer[1] == -1):
+                v = answer[1]
+                if (v is not None and v >= lo and (spread is None or v <= lo + spread)) or (
+                    self.unversioned and v == -1
+                ):
                     kept[s] = answer
                 else:
                     redone += 1
@@ -363,7 +369,8 @@ class Evaluator:
             episodes = [a[2] for a in kept.values()]
             result["tool_calls_mean"] = sum(calls for calls, _ in episodes) / len(episodes)
             result["turns_mean"] = sum(turns for _, turns in episodes) / len(episodes)
-        return {"kind": "eval", "version": target, "eval": result}
+        newest = max((a[1] for a in kept.values() if a[1] is not None), default=lo)
+        return {"kind": "eval", "version": lo, "version_max": max(lo, newest), "eval": result}
 
     async def _answer_one(
         self, gate: asyncio.Semaphore, i: int, kind: str

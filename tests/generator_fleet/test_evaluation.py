@@ -280,16 +280,14 @@ def bumps_the_version(problem, response, format_weight):
     return shares_a_digit(problem, response, format_weight)
 
 
-def test_evaluation_follows_the_weights_to_one_version(
-    noisy_model_dir, engine, redis_server, redis_client, job_id, monkeypatch
-):
+def _bumped_evaluation(job_id, model_dir, engine, redis_server, monkeypatch, **ev) -> tuple[dict, object]:
+    """An evaluation during which the engine's weight version moves from 0 to 7 after the first answer."""
     from generator_fleet import evaluation
     from generator_fleet.client import EngineClient
 
     # one answer at a time: the first is generated at version 0, every later one after the bump
     monkeypatch.setattr(evaluation, "IN_FLIGHT", 1)
-
-    spec = _eval_spec(job_id, noisy_model_dir, heldout=6)
+    spec = _eval_spec(job_id, model_dir, heldout=6, **ev)
     spec = jobspec.from_dict(
         {**msgspec.to_builtins(spec), "reward": {"name": f"{__name__}:bumps_the_version"}}
     )
@@ -304,8 +302,30 @@ def test_evaluation_follows_the_weights_to_one_version(
                 await c.update_weight_version(0)
 
         asyncio.run(reset())
+    return rec, spec
+
+
+def test_by_default_an_evaluation_keeps_answers_of_later_versions(
+    noisy_model_dir, engine, redis_server, redis_client, job_id, monkeypatch
+):
+    """A trainer that publishes faster than an evaluation runs must still get evaluations: the record is
+    at the version the evaluation started at and names the newest version among its answers."""
+    rec, spec = _bumped_evaluation(job_id, noisy_model_dir, engine, redis_server, monkeypatch)
+    assert _bump["done"] and rec["version"] == 0 and rec["version_max"] == 7
+    assert rec["eval"]["redone"] == 0
+    _, problems = eval_set(spec.eval_config())
+    expected = _greedy_rewards(noisy_model_dir, problems)
+    assert rec["eval"]["accuracy"] == pytest.approx(sum(expected) / len(expected))
+
+
+def test_evaluation_follows_the_weights_to_one_version(
+    noisy_model_dir, engine, redis_server, redis_client, job_id, monkeypatch
+):
+    rec, spec = _bumped_evaluation(
+        job_id, noisy_model_dir, engine, redis_server, monkeypatch, max_version_spread=0
+    )
     # answers from version 0 were asked again: the record is of version 7 alone (same weights, same scores)
-    assert _bump["done"] and rec["version"] == 7
+    assert _bump["done"] and rec["version"] == 7 and rec["version_max"] == 7
     assert rec["eval"]["redone"] == 1
     _, problems = eval_set(spec.eval_config())
     expected = _greedy_rewards(noisy_model_dir, problems)
