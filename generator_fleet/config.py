@@ -50,7 +50,8 @@ class RewardSpec(Spec):
     """What scores each response, single-turn and agent alike. null: the task's own reward (`arith` for
     `arith`, `qa` for `jsonl` and `word_problems`); `arith`: the exact sum of the arith task; `qa`: the
     final answer checked with the math-verify package, 0 for a response cut off; `math_verify`: the same,
-    also for a response cut off; `tool`: the reward a tool set during the episode (check_answer), 0 if
+    also for a response cut off; `number`: the stated final answer must be the right plain number (an
+    expression such as `1+12` is wrong even where math-verify would accept it); `tool`: the reward a tool set during the episode (check_answer), 0 if
     none; or `package.module:attr`, a function `(problem, response, format_weight) -> float`."""
     format_weight: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     """Share of the reward paid for a well-formed answer; the rest for correctness."""

@@ -174,3 +174,31 @@ def math_verify_score(problem, response, format_weight: float) -> float:
 def tool_score(problem, response, format_weight: float) -> float:
     """The registered reward `tool`: what a tool set during the episode (check_answer), 0 if none."""
     return response.tool_reward or 0.0
+
+
+_AFTER_NUMBER = re.compile(r"\s*[-+*/×^=(\d]")
+"""What may not follow a stated final number: an operator or more digits make it an expression."""
+
+
+def stated_number_reward(text: str, gold: str) -> float:
+    """1.0 when the last final answer stated in an agreed form (`The answer is <n>`, `#### <n>`) is a
+    plain number equal to `gold`; an expression such as `The answer is 1+12` does not count, whatever it
+    evaluates to (math-verify would accept it: a policy learns to restate the question)."""
+    stated = list(_ANSWER_IS.finditer(text)) + list(_GSM8K_ANSWER.finditer(text))
+    if not stated:
+        return 0.0
+    last = max(stated, key=lambda m: m.end())
+    if _AFTER_NUMBER.match(text, last.end()):
+        return 0.0
+    try:
+        value = float(last.group(1).replace("$", "").replace(",", "").replace(" ", ""))
+        return 1.0 if value == float(str(gold).replace(",", "")) else 0.0
+    except ValueError:
+        return 0.0
+
+
+def stated_number_score(problem, response, format_weight: float) -> float:
+    """The registered reward `number`: the share `1 - format_weight` when the stated final answer is the
+    right plain number (stated_number_reward), `format_weight` for stating it in an agreed form."""
+    correct = stated_number_reward(response.text, str(problem.answer))
+    return (1.0 - format_weight) * correct + format_weight * format_reward(response.text)

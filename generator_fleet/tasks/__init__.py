@@ -28,6 +28,7 @@ REWARDS: dict[str, str] = {
     "arith": "generator_fleet.tasks.arith:reward",
     "qa": "generator_fleet.tasks.jsonl:reward",
     "math_verify": "generator_fleet.rewards:math_verify_score",
+    "number": "generator_fleet.rewards:stated_number_score",
     "tool": "generator_fleet.rewards:tool_score",
 }
 """Registered reward name -> the `module:attr` of the reward function.
@@ -35,6 +36,8 @@ REWARDS: dict[str, str] = {
 `qa`: math-verify correctness plus `format_weight` for an agreed answer form, 0 for a response cut
 off before its end (the default of `jsonl` and `word_problems`);
 `math_verify`: math-verify correctness plus the format share, also for a response cut off;
+`number`: the stated final answer (`The answer is <n>`, `#### <n>`) must be the right plain number, not an
+expression that evaluates to it, plus the format share;
 `tool`: the reward a tool set during the episode (check_answer), 0 if none."""
 
 

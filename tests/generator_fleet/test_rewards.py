@@ -120,3 +120,26 @@ def test_registry_resolves_names_and_import_paths(monkeypatch):
     with pytest.raises(ValueError, match="is not allowed on this cluster"):
         reward(f"{__name__}:half_of_length", "7")
     assert reward("arith", "7") == pytest.approx(1.0)  # registered rewards are always allowed
+
+
+@pytest.mark.parametrize(
+    "text, correct",
+    [
+        ("12 + 1 = 13. The answer is 13.", 1.0),
+        ("The answer is 13 apples", 1.0),
+        ("#### 13", 1.0),
+        ("The answer is 1,300.", 0.0),  # a plain number, but the wrong one
+        ("The answer is 1+12.", 0.0),  # an expression restating the sum: math-verify would accept it
+        ("The answer is 22 + 0.", 0.0),
+        ("The answer is 12. No wait, the answer is 13.", 1.0),  # the last stated answer counts
+        ("13", 0.0),  # no agreed form
+    ],
+)
+def test_number_reward_wants_the_right_plain_number(text, correct):
+    from generator_fleet.rewards import stated_number_reward, stated_number_score
+
+    assert stated_number_reward(text, "13") == correct
+    assert REWARDS["number"] == "generator_fleet.rewards:stated_number_score"
+    problem = Problem(prompt_id="p", prompt="12+1=", answer=13)
+    score = stated_number_score(problem, Response(text=text, finished=True), 0.1)
+    assert score == pytest.approx(0.9 * correct + 0.1 * (text != "13"))
