@@ -344,7 +344,7 @@ def test_the_routes_take_sglangs_payloads_and_answer_its_errors(url, client, eng
 # ---- on a GPU --------------------------------------------------------------------------------------
 
 
-def _qwen2(path: Path, hidden: int, layers: int) -> torch.nn.Module:
+def _qwen2(path: Path, hidden: int, layers: int, seed: int = 0) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from model_zoo.tiny import build_tokenizer
@@ -360,7 +360,7 @@ def _qwen2(path: Path, hidden: int, layers: int) -> torch.nn.Module:
         max_position_embeddings=CONTEXT,
         tie_word_embeddings=False,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -435,3 +435,48 @@ def test_on_cuda_mem_fraction_static_sizes_the_pool_from_total_memory(tmp_path):
         runner.stop()
     with pytest.raises(ValueError, match="mem_fraction_static 1e-06"):
         Runner(str(tmp_path / "m"), device="cuda", context_length=CONTEXT, mem_fraction_static=1e-6)
+
+
+@CUDA
+@pytest.mark.gpu
+def test_on_cuda_the_colocated_cycle_hands_weights_over_by_cuda_ipc_between_release_and_resume(tmp_path):
+    """The sync schedule's order against an engine in its own process on this GPU: release everything,
+    resume the weights, publish by CUDA IPC (/update_weights_from_tensor), resume the rest; the engine
+    then generates what the same weights loaded from disk generate."""
+    _qwen2(tmp_path / "a", hidden=256, layers=2, seed=0)
+    model_b = _qwen2(tmp_path / "b", hidden=256, layers=2, seed=1)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "SLIPSTREAM_ENGINE_API_KEY": KEY,
+    }
+    cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(tmp_path / "a"), "--port", "0"]
+    cmd += ["--device", "cuda", "--context-length", str(CONTEXT), "--kv-cache-tokens", "65536"]
+    with open(tmp_path / "engine.log", "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("engine ready at "), (line, (tmp_path / "engine.log").read_text())
+        url = line.removeprefix("engine ready at ").strip()
+        with EngineClient(KEY, 120.0) as c:
+            before = generate(url, 32)["output_ids"]
+            free0, _ = torch.cuda.mem_get_info()
+            out = c.release_memory_occupation(url)
+            free1, _ = torch.cuda.mem_get_info()
+            assert free1 - free0 >= 0.9 * (out["freed_bytes"]["kv_cache"] + out["freed_bytes"]["weights"])
+            c.resume_memory_occupation(url, ["weights"])
+            named = [(n, p.detach().to("cuda", torch.bfloat16)) for n, p in model_b.named_parameters()]
+            body = UpdateWeightsFromTensor(
+                serialized_named_tensors=[ipc.serialize(named)], weight_version="1"
+            )
+            c.update_weights_from_tensor(url, body)
+            c.resume_memory_occupation(url, ["kv_cache", "cuda_graph"])
+            handed = generate(url, 32)
+            c.post(url, "/update_weights_from_disk", {"model_path": str(tmp_path / "b")})
+            loaded = generate(url, 32)["output_ids"]
+        assert handed["meta_info"]["weight_version"] == "1"
+        assert handed["output_ids"] == loaded and loaded != before
+    finally:
+        proc.terminate()
+        proc.wait(30)
