@@ -229,32 +229,36 @@ def test_refused_name_is_bus_error_and_engines_continue(engines, tmp_path):
         bus.close()
 
 
-def test_engine_killed_mid_handoff_is_dropped(model_dir, tmp_path):
-    """The trainer's (lazy) iterator kills one engine halfway through the buckets: the update goes on,
-    the survivor holds every tensor and the version, and publish returns normally naming the dead one."""
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP])
+def test_engine_lost_mid_handoff_is_dropped(model_dir, tmp_path, fault):
+    """The trainer's (lazy) iterator kills (or freezes: no answer within timeout_s) one engine halfway
+    through the buckets: the update goes on, the survivor holds every tensor and the version, and
+    publish returns normally naming the lost one."""
     a, b = IpcEngine(model_dir, tmp_path), IpcEngine(model_dir, tmp_path)
     model = noisy_model(tmp_path / "f", 7)
     named = dict(model.state_dict())
-    bus = WeightBus([a.url, b.url], api_key=KEY, backend="ipc", bucket_bytes=1, timeout_s=20)
+    bus = WeightBus([a.url, b.url], api_key=KEY, backend="ipc", bucket_bytes=1, timeout_s=3)
     bus.connect()
-    killed = threading.Event()
+    hit = threading.Event()
 
     def tensors():
         for i, item in enumerate(named.items()):
             if i == len(named) // 2:
-                b.kill()
-                killed.set()
+                b.proc.send_signal(fault)
+                hit.set()
             yield item
 
     try:
         stats = bus.publish(tensors(), version=41)
-        assert killed.is_set()
+        assert hit.is_set()
         assert stats.dropped == [b.url] and stats.engines == [a.url]
         assert stats.buckets == len(named)
         _assert_holds(a.weights(), named)
         assert version(a.url) == "41"
     finally:
         bus.close()
+        if fault == signal.SIGSTOP:
+            b.proc.send_signal(signal.SIGCONT)
         a.kill()
         b.kill()
 
