@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -23,7 +24,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-async def release_memory_occupation(request: Request) -> Response:
+async def _memory_call(request: Request, action: str) -> tuple[Any, float] | Response:
+    """Run the runner's `release_memory` or `resume_memory` (`action`) on the body's tags in the weight
+    thread, under the weight lock: its result and seconds, or the error answer."""
     state = engine_state(request)
     runner = state.runner
     body = await decode(request, MemoryOccupation)
@@ -34,14 +37,22 @@ async def release_memory_occupation(request: Request) -> Response:
     t0 = time.perf_counter()
     async with state.weight_lock:
         try:
-            freed = await state.in_weight_thread(runner.release_memory, tags)
+            result = await state.in_weight_thread(getattr(runner, f"{action}_memory"), tags)
         except Exception as e:
             if runner.poison(e):
                 return http_error(503, f"engine unhealthy: {runner.fatal}")
-            log.warning("release_memory_occupation %s failed: %s", tags, e)
-            return value_error(f"Failed to release memory occupation {tags}: {e}")
+            log.warning("%s_memory_occupation %s failed: %s", action, tags, e)
+            return value_error(f"Failed to {action} memory occupation {tags}: {e}")
+    return result, time.perf_counter() - t0
+
+
+async def release_memory_occupation(request: Request) -> Response:
+    out = await _memory_call(request, "release")
+    if isinstance(out, Response):
+        return out
+    (freed, seconds), state = out, engine_state(request)
     if freed:
-        state.metrics.memory_seconds["release"].observe(time.perf_counter() - t0)
+        state.metrics.memory_seconds["release"].observe(seconds)
     for tag, n in freed.items():  # the tags this call released
         state.metrics.memory_releases[tag].inc()
         state.metrics.memory_freed_bytes[tag].inc(n)
@@ -49,36 +60,24 @@ async def release_memory_occupation(request: Request) -> Response:
         {
             "success": True,
             "message": "Memory released." if freed else "Already released.",
-            "released": runner.released,
+            "released": state.runner.released,
             "freed_bytes": freed,
         }
     )
 
 
 async def resume_memory_occupation(request: Request) -> Response:
-    state = engine_state(request)
-    runner = state.runner
-    body = await decode(request, MemoryOccupation)
-    try:
-        tags = resolve_tags(body.tags)
-    except ValueError as e:
-        return value_error(str(e))
-    t0 = time.perf_counter()
-    async with state.weight_lock:
-        try:
-            resumed = await state.in_weight_thread(runner.resume_memory, tags)
-        except Exception as e:
-            if runner.poison(e):
-                return http_error(503, f"engine unhealthy: {runner.fatal}")
-            log.warning("resume_memory_occupation %s failed: %s", tags, e)
-            return value_error(f"Failed to resume memory occupation {tags}: {e}")
+    out = await _memory_call(request, "resume")
+    if isinstance(out, Response):
+        return out
+    (resumed, seconds), state = out, engine_state(request)
     if resumed:
-        state.metrics.memory_seconds["resume"].observe(time.perf_counter() - t0)
+        state.metrics.memory_seconds["resume"].observe(seconds)
     return json_response(
         {
             "success": True,
             "message": "Memory resumed." if resumed else "Nothing to resume.",
-            "released": runner.released,
+            "released": state.runner.released,
             "resumed": resumed,
         }
     )
