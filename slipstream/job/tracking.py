@@ -287,6 +287,18 @@ class Tracker:
         except queue.Full:
             self._error("queue", RuntimeError(f"{QUEUE_MAX} writes waiting: a writer is stuck; dropped"))
 
+    def _settle(self, how: str) -> None:
+        """`flush` or `close` every writer, then record how far they got; errors are counted, not raised."""
+        for b in self._backends:
+            try:
+                getattr(b, how)()
+            except Exception as e:
+                self._error(b.name, e)
+        try:
+            self._write_state()
+        except OSError as e:
+            self._error("state", e)
+
     def _error(self, backend: str, e: BaseException) -> None:
         self.errors[backend] = self.errors.get(backend, 0) + 1
         ERRORS.labels(backend).inc()
@@ -355,21 +367,5 @@ class Tracker:
             elif item[1] == PROGRESS_PREFIX:
                 self._done_upto = item[3]
             if self._q.empty():  # a pause in the stream of writes: make them durable
-                for b in self._backends:
-                    try:
-                        b.flush()
-                    except Exception as e:
-                        self._error(b.name, e)
-                try:
-                    self._write_state()
-                except OSError as e:
-                    self._error("state", e)
-        for b in self._backends:
-            try:
-                b.close()
-            except Exception as e:
-                self._error(b.name, e)
-        try:
-            self._write_state()
-        except OSError as e:
-            self._error("state", e)
+                self._settle("flush")
+        self._settle("close")
