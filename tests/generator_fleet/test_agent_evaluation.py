@@ -208,7 +208,7 @@ def test_an_episode_whose_turns_span_versions_is_redone(
     monkeypatch.setattr(evaluation, "IN_FLIGHT", 1)
     first_call = next(i for i, (_, calls, _) in enumerate(oracle) if calls)
     tools = [{"name": "calculator", "impl": f"{__name__}:BumpingCalculator"}]
-    spec = _spec(job_id, tools_model_dir, tools=tools)
+    spec = _spec(job_id, tools_model_dir, tools=tools, max_version_spread=0)  # one version per record
     _bump.clear()
     _bump["url"] = engine.url
     try:

@@ -103,7 +103,7 @@ def test_registry_resolves_names_and_import_paths(monkeypatch):
         rs = jobspec.RewardSpec(name=name, format_weight=weight)
         return build_reward(rs, task)(seven, Response(text=text, finished=finished, tool_reward=tool_reward))
 
-    assert set(REWARDS) == {"arith", "qa", "math_verify", "tool"}
+    assert set(REWARDS) == {"arith", "qa", "math_verify", "number", "tool"}
     assert reward(None, "7") == reward("arith", "7") == pytest.approx(1.0)  # the task's own: arith
     assert reward("arith", "The answer is 7") == 0.0  # not a bare number
     assert reward("math_verify", "The answer is 7") == pytest.approx(1.0)
