@@ -188,25 +188,34 @@ async def init_weights_update_group(request: Request) -> Response:
     return control(True, "Succeeded to initialize custom process group.")
 
 
+async def locked_update(state: EngineState, body, load, route: str):
+    """One weight load under the weight lock, in the weight thread: `load(state, body, t1)`'s result, or
+    the error answer (503 and the engine goes down on a CUDA fault). Observes the wait for the lock and
+    aborts every request first when the body asks."""
+    runner = state.runner
+    t0 = time.perf_counter()
+    async with state.weight_lock:
+        t1 = time.perf_counter()
+        state.metrics.bucket_phase["wait"].observe(t1 - t0)
+        if body.abort_all_requests:
+            runner.abort(abort_all=True)
+        try:
+            return await state.in_weight_thread(load, state, body, t1)
+        except Exception as e:
+            if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
+                return http_error(503, f"engine unhealthy: {runner.fatal}")
+            log.warning("%s failed: %s", route, e)
+            return control(False, f"Failed to update weights: {e}")
+
+
 @router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(request: Request) -> Response:
     state = engine_state(request)
     runner = state.runner
     body = await decode(request, UpdateWeightsFromDistributed)
-    phases = state.metrics.bucket_phase
-    t0 = time.perf_counter()
-    async with state.weight_lock:
-        t1 = time.perf_counter()
-        phases["wait"].observe(t1 - t0)
-        if body.abort_all_requests:
-            runner.abort(abort_all=True)
-        try:
-            named = await state.in_weight_thread(receive_and_load, state, body, t1)
-        except Exception as e:
-            if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
-                return http_error(503, f"engine unhealthy: {runner.fatal}")
-            log.warning("update_weights_from_distributed failed: %s", e)
-            return control(False, f"Failed to update weights: {e}")
+    named = await locked_update(state, body, receive_and_load, "update_weights_from_distributed")
+    if isinstance(named, Response):
+        return named
     state.metrics.weight_updates.inc()
     # One INFO line per update (its last bucket carries the version), not per bucket.
     log.log(
@@ -226,19 +235,9 @@ async def update_weights_from_tensor(request: Request) -> Response:
     body = await decode(request, UpdateWeightsFromTensor)
     if why := tensor_request_problem(body):
         return control(False, f"Failed to update weights: {why}")
-    t0 = time.perf_counter()
-    async with state.weight_lock:
-        t1 = time.perf_counter()
-        state.metrics.bucket_phase["wait"].observe(t1 - t0)
-        if body.abort_all_requests:
-            runner.abort(abort_all=True)
-        try:
-            n = await state.in_weight_thread(load_from_tensor, state, body, t1)
-        except Exception as e:
-            if runner.poison(e):  # a CUDA fault: the engine goes down (logged there); the bus drops it
-                return http_error(503, f"engine unhealthy: {runner.fatal}")
-            log.warning("update_weights_from_tensor failed: %s", e)
-            return control(False, f"Failed to update weights: {e}")
+    n = await locked_update(state, body, load_from_tensor, "update_weights_from_tensor")
+    if isinstance(n, Response):
+        return n
     state.metrics.weight_updates.inc()
     log.log(
         logging.INFO if body.weight_version is not None else logging.DEBUG,
