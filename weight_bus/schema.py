@@ -34,6 +34,12 @@ class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):
     weight_version: str | None = None
     load_format: str | None = None
     """None: one broadcast per tensor; "flattened_bucket": one uint8 broadcast of all tensors' bytes."""
+    lora_name: str | None = None
+    """Slipstream extension (the built-in engine only; never sent to SGLang): the tensors are a whole LoRA
+    adapter under PEFT's names (`base_model.model.<module>.lora_A.weight` / `.lora_B.weight`), loaded as
+    adapter `lora_name` (replacing it atomically if loaded) instead of into the base weights."""
+    lora_config: dict | None = None
+    """With `lora_name`: the adapter's PEFT adapter_config (r, lora_alpha, target_modules)."""
 
 
 class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):
@@ -59,3 +65,30 @@ class MemoryOccupation(msgspec.Struct, kw_only=True, omit_defaults=True):
     take back: any of "kv_cache", "weights", "cuda_graph"; None (or empty) = all of them."""
 
     tags: list[str] | None = None
+
+
+class LoadLoraAdapter(msgspec.Struct, kw_only=True):
+    """POST /load_lora_adapter (SGLang's LoadLoRAAdapterReqInput): load the PEFT adapter directory
+    `lora_path` (adapter_config.json + adapter_model.safetensors) as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class UnloadLoraAdapter(msgspec.Struct, kw_only=True):
+    """POST /unload_lora_adapter (SGLang's UnloadLoRAAdapterReqInput)."""
+
+    lora_name: str
+
+
+class LoadLoraAdapterFromTensors(msgspec.Struct, kw_only=True):
+    """POST /load_lora_adapter_from_tensors (SGLang's LoadLoRAAdapterFromTensorsReqInput): the adapter's
+    tensors shared as in /update_weights_from_tensor (one weight_bus.ipc payload per TP rank, PEFT names),
+    with its PEFT adapter_config as `config_dict`."""
+
+    lora_name: str
+    config_dict: dict
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    pinned: bool = False
