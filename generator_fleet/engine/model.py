@@ -4,8 +4,9 @@ functions walk its modules in a packed token layout instead of calling its forwa
 
 - `prefill`: several sequences at once, padded to one [N, L] batch for causal SDPA; K/V are written to
   the pool at each token's slot.
-- `decode`: one new token for each of B sequences; K/V gathered from the pool through block tables,
-  attention as SDPA with a length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length)
+- `decode`: one new token for each of B sequences. On CUDA attention is the Triton paged decode kernel
+  (decode_attention.py), reading K/V through the block tables; on CPU K/V are gathered from the pool
+  through block tables and attention is SDPA with a length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length)
   bucket so a step is one graph replay instead of hundreds of kernel launches.
 """
 
@@ -149,13 +150,29 @@ class PagedForward:
         """One token per sequence; returns fp32 logits [B, vocab]."""
         B, MB = x.block_tables.shape
         L = MB * self.cache.block_size
-        mask = (torch.arange(L, device=x.seq_lens.device)[None] < x.seq_lens[:, None])[:, None, None]
+        paged = _paged_attention(self.cache)
+        mask = None
+        if paged is None:
+            mask = (torch.arange(L, device=x.seq_lens.device)[None] < x.seq_lens[:, None])[:, None, None]
         h = self.decoder.embed_tokens(x.input_ids)
         rope = self.rope(x.positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
             q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope)
             self.cache.write(i, x.slots, k, v)
+            if paged is not None:
+                # CUDA: the Triton kernel reads K/V through the block tables (no dense copy).
+                o = paged(
+                    q.view(B, -1, self.head_dim),
+                    self.cache.k[i],
+                    self.cache.v[i],
+                    x.block_tables,
+                    x.seq_lens,
+                    block_size=self.cache.block_size,
+                    scale=self.scaling,
+                )
+                h = self._layer_tail(layer, residual, o.reshape(B, -1))
+                continue
             kc, vc = self.cache.gather(i, x.block_tables)  # [B, L, KV, D]
             # GQA without repeating K/V: the `group` query heads of one KV head act as query rows.
             qg = q.view(B, self.num_kv_heads, self.group, self.head_dim)
@@ -164,6 +181,17 @@ class PagedForward:
             )
             h = self._layer_tail(layer, residual, o.reshape(B, -1))
         return self.logits(h).float()
+
+
+def _paged_attention(cache: PagedKVCache):
+    """The Triton paged decode attention on CUDA (power-of-2 block sizes), else None (CPU keeps gather +
+    SDPA). Imported here, not at module load, so CPU tests can run the kernels under Triton's
+    interpreter."""
+    if cache.device.type != "cuda" or cache.block_size & (cache.block_size - 1):
+        return None
+    from generator_fleet.engine import decode_attention
+
+    return decode_attention.paged_decode_attention if decode_attention.available() else None
 
 
 def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
