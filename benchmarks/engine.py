@@ -168,6 +168,8 @@ class HFSide:
         self.device = device
         self.pad = model.config.pad_token_id
 
+    generate_kwargs: dict[str, Any] = {}
+
     def generate(self, batch: list[list[int]], n: int) -> tuple[float, torch.Tensor]:
         ids, mask = left_pad(batch, self.pad, self.device)
         _sync(self.device)
@@ -179,6 +181,7 @@ class HFSide:
             max_new_tokens=n,
             min_new_tokens=n,
             pad_token_id=self.pad,
+            **self.generate_kwargs,
         )
         _sync(self.device)
         return perf_counter() - t0, out[:, ids.shape[1] :]
@@ -199,6 +202,21 @@ class HFSide:
 
     def close(self) -> None:
         del self.model
+
+
+class HFStaticSide(HFSide):
+    """HF `generate` with a static KV cache (`cache_implementation="static"`): on CUDA transformers then
+    compiles the decoding forward with torch.compile (its default compile config), the strongest plain-HF
+    decode. The warm-up at the same concurrency absorbs the compile; each new batch shape (c, the padded
+    prompt length + n) is a new static cache, so the TTFT generate (n = 1) compiles its own shape first."""
+
+    name = "hf_static"
+    generate_kwargs = {"cache_implementation": "static"}
+
+    def measure(self, prompts: list[list[int]], warm_prompts: list[list[int]], n_new: int) -> dict[str, Any]:
+        self.generate(prompts, 1)  # compile the TTFT shape outside the timing
+        self.generate(prompts, n_new)  # and the timed shape (same padded length and n as the timed run)
+        return super().measure(prompts, warm_prompts, n_new)
 
 
 class EngineSide:
@@ -387,6 +405,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         eng, hf = sides.get((c, "engine")), sides.get((c, "hf"))
         if eng and hf:
             r[f"vs_hf_generate_c{c}"] = eng["tokens_per_s"] / hf["tokens_per_s"]
+        hfs = sides.get((c, "hf_static"))
+        if eng and hfs:
+            r[f"vs_hf_static_c{c}"] = eng["tokens_per_s"] / hfs["tokens_per_s"]
         kv = c * m["kv_bytes_per_token"] * (statistics.fmean(prompt_lens[:c]) + n_new / 2)
         m[f"kv_bytes_per_step_c{c}"] = kv
         if eng and m.get("memory_bandwidth_bytes_per_s"):
@@ -418,10 +439,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             live: list[HFSide | EngineSide] = []
             try:
                 # HF first: the engine sizes its KV pool from the memory left (capped by context_length).
-                for name, make in (
-                    ("hf", lambda: HFSide(model_dir, dtype, device)),
-                    ("engine", lambda: EngineSide(model_dir, dtype, device, kw)),
-                ):
+                makers = {
+                    "hf": lambda: HFSide(model_dir, dtype, device),
+                    "hf_static": lambda: HFStaticSide(model_dir, dtype, device),
+                    "engine": lambda: EngineSide(model_dir, dtype, device, kw),
+                }
+                peers = [x for x in args.peers.split(",") if x]
+                for name, make in [(n, makers[n]) for n in [*peers, "engine"]]:
                     log(f"loading {name}" + (f": Runner({kw})" if name == "engine" else ""))
                     try:
                         live.append(make())
@@ -485,6 +509,8 @@ def report(result: dict) -> str:
     head = 64 if 64 in cfg["concurrency"] else max(cfg["concurrency"])
     lines.append(
         f"engine vs_hf_generate_c{head}={f(f'vs_hf_generate_c{head}', 1, '.2f', r)} "
+        f"vs_hf_static_c{head}={f(f'vs_hf_static_c{head}', 1, '.2f', r)} "
+        f"hf_static_tokens_per_s_c{head}={f(f'hf_static_tokens_per_s_c{head}', 1, '.0f')} "
         f"roofline_fraction_c{head}={f(f'roofline_fraction_c{head}', 1, '.3f')} "
         f"engine_tokens_per_s_c{head}={f(f'engine_tokens_per_s_c{head}', 1, '.0f')} (device={result['device']})"
     )
@@ -517,6 +543,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--kv-cache-tokens", type=int, default=None, help="Runner kv_cache_tokens (default: the engine's)"
     )
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument(
+        "--peers",
+        default="hf,hf_static",
+        help="comma-separated HF peers: hf (eager generate), hf_static (static cache + torch.compile)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = p.parse_args(argv)
