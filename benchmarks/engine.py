@@ -81,9 +81,12 @@ def log(msg: str) -> None:
 # --- model and prompts ----------------------------------------------------------------------------
 
 
-def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> dict:
+def build_model_dir(
+    path: Path, shape: str, dtype: torch.dtype, seed: int, device: torch.device | None = None
+) -> dict:
     """Random-weight Qwen2 model of `shape` + a tokenizer the Runner loads, saved to `path` in `dtype`.
-    Returns the config as saved."""
+    The random init runs on `device` (on a GPU the 7B shape builds in seconds; on the CPU it takes
+    minutes). Returns the config as saved."""
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from model_zoo.tiny import build_tokenizer
@@ -96,10 +99,13 @@ def build_model_dir(path: Path, shape: str, dtype: torch.dtype, seed: int) -> di
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)  # on the CPU: seconds for 0.5B parameters
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     assert model.get_output_embeddings().weight.shape[0] == SHAPES[shape]["vocab_size"]
+    model.save_pretrained(path)
+    del model
+    _free(device or torch.device("cpu"))
+    tokenizer.save_pretrained(path)
     return cfg.to_dict()
 
 
@@ -421,7 +427,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as tmp:
             model_dir = Path(tmp)
             t0 = perf_counter()
-            cfg = build_model_dir(model_dir, args.model, dtype, args.seed)
+            cfg = build_model_dir(model_dir, args.model, dtype, args.seed, device)
             log(f"built {args.model} ({dtype}) in {perf_counter() - t0:.1f}s")
             keys = [*COMMON, *SHAPES[args.model], "rope_parameters"]  # transformers 5 nests rope_theta
             result["config"]["model_config"] = {k: cfg[k] for k in keys if k in cfg}
