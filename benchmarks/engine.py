@@ -225,6 +225,10 @@ class HFStaticSide(HFSide):
         return super().measure(prompts, warm_prompts, n_new)
 
 
+PROFILE_STEPS = 16
+PROFILE_TOP = 15
+
+
 class EngineSide:
     """The built-in engine's Runner, driven in-process as the HTTP server drives it."""
 
@@ -279,6 +283,40 @@ class EngineSide:
         if min(lens) != n_new or max(lens) != n_new:
             raise MeasureError(f"engine produced {min(lens)}..{max(lens)} tokens, expected {n_new}", m)
         return m
+
+    def profile(self, prompts: list[list[int]], steps: int = PROFILE_STEPS) -> dict[str, Any]:
+        """CUDA kernels of one decode step at concurrency len(prompts): the same prompts are run under
+        torch.profiler once with 1 new token (prefill only) and once with 1 + `steps`; the difference over
+        `steps` is what one decode step launches and spends, per kernel name (the top ones by time)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self.device.type != "cuda":
+            raise RuntimeError("--profile summarises CUDA kernels: it needs --device cuda")
+
+        def kernels(n: int) -> dict[str, tuple[int, float]]:
+            self.run_batch("profwarm", prompts, n)  # graphs for these buckets captured outside the profile
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                self.run_batch("prof", prompts, n)
+            out: dict[str, tuple[int, float]] = {}
+            for ev in prof.events():
+                if ev.device_type == torch.autograd.DeviceType.CUDA:
+                    cnt, us = out.get(ev.name, (0, 0.0))
+                    out[ev.name] = (cnt + 1, us + ev.device_time_total)
+            return out
+
+        base, full = kernels(1), kernels(1 + steps)
+        per = {
+            name: ((cnt - base.get(name, (0, 0.0))[0]) / steps, (us - base.get(name, (0, 0.0))[1]) / steps)
+            for name, (cnt, us) in full.items()
+        }
+        top = sorted(per.items(), key=lambda kv: -kv[1][1])[:PROFILE_TOP]
+        return {
+            "concurrency": len(prompts),
+            "steps": steps,
+            "kernels_per_step": sum(c for c, _ in per.values()),
+            "kernel_us_per_step": sum(u for _, u in per.values()),
+            "top_kernels": [{"name": n[:160], "calls_per_step": c, "us_per_step": u} for n, (c, u) in top],
+        }
 
     def close(self) -> None:
         self.runner.stop()
@@ -470,6 +508,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                         except Exception as exc:  # noqa: BLE001 - recorded; the next one still runs
                             error(c, side.name, exc)
                             _free(device)
+                    eng_side = next((s for s in live if s.name == "engine"), None)
+                    if args.profile and eng_side is not None and c == max(concurrencies):
+                        try:
+                            result["profile"] = eng_side.profile(prompts[:c])
+                            pr = result["profile"]
+                            log(
+                                f"profile c={c}: {pr['kernels_per_step']:.0f} kernels, "
+                                f"{pr['kernel_us_per_step']:.0f} us of kernels per decode step"
+                            )
+                            save()
+                        except Exception as exc:  # noqa: BLE001
+                            error(c, "profile", exc)
             finally:
                 for side in live:
                     side.close()
@@ -549,6 +599,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--kv-cache-tokens", type=int, default=None, help="Runner kv_cache_tokens (default: the engine's)"
     )
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="write a torch.profiler kernel summary of one engine decode step (largest concurrency)",
+    )
     p.add_argument(
         "--peers",
         default="hf,hf_static",
