@@ -48,6 +48,8 @@ if triton is not None:
         stride_vt,
         stride_vh,
         stride_btb,
+        stride_btm,
+        stride_sl,
         MB,
         blocks_per_split,
         GROUP: tl.constexpr,
@@ -71,14 +73,14 @@ if triton is not None:
             mask=h_mask[:, None] & d_mask[None, :],
             other=0.0,
         ).to(tl.float32)
-        seq_len = tl.load(SL + b)
+        seq_len = tl.load(SL + b * stride_sl)
         first = split * blocks_per_split
         last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         for blk in range(first, last):
-            block_id = tl.load(BT + b * stride_btb + blk)
+            block_id = tl.load(BT + b * stride_btb + blk * stride_btm)
             pos = blk * BLOCK_SIZE + offs_t
             t_mask = pos < seq_len
             slots = block_id * BLOCK_SIZE + offs_t
@@ -153,7 +155,7 @@ def paged_decode_attention(
     """Attention of one query token per row over its paged K/V.
 
     q [B, H, D]; k_pool/v_pool [num_blocks·block_size, KV, D] (one layer's pool); block_tables [B, MB]
-    int64; seq_lens [B] int64 (>= 1). Returns [B, H, D] in q's dtype. `block_size` must be a power of 2."""
+    int64; seq_lens [B] int64 (>= 1); both may be strided views (the decode graphs' input block). Returns [B, H, D] in q's dtype. `block_size` must be a power of 2."""
     if triton is None:
         raise RuntimeError("paged decode attention needs triton")
     B, H, D = q.shape
@@ -183,6 +185,8 @@ def paged_decode_attention(
         v_pool.stride(0),
         v_pool.stride(1),
         block_tables.stride(0),
+        block_tables.stride(1),
+        seq_lens.stride(0),
         MB,
         per_split,
         GROUP=group,
