@@ -4,8 +4,9 @@ functions walk its modules in a packed token layout instead of calling its forwa
 
 - `prefill`: several sequences at once, padded to one [N, L] batch for causal SDPA; K/V are written to
   the pool at each token's slot.
-- `decode`: one new token for each of B sequences. On CUDA attention is the Triton paged decode kernel
-  (decode_attention.py), reading K/V through the block tables; on CPU K/V are gathered from the pool
+- `decode`: one new token for each of B sequences. On CUDA with SLIPSTREAM_ENGINE_TRITON_DECODE=1
+  attention is the Triton paged decode kernel (decode_attention.py), reading K/V through the block
+  tables; otherwise K/V are gathered from the pool
   through block tables and attention is SDPA with a length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length)
   bucket so a step is one graph replay instead of hundreds of kernel launches.
 """
@@ -13,6 +14,7 @@ functions walk its modules in a packed token layout instead of calling its forwa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass
 
@@ -24,6 +26,10 @@ from generator_fleet.engine.kv_cache import PagedKVCache
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+
+TRITON_DECODE_ENV = "SLIPSTREAM_ENGINE_TRITON_DECODE"
+"""Set to 1 to run CUDA decode attention as the Triton paged kernel (off by default until its end-to-end
+run in the engine on GPU is measured; gather + SDPA otherwise)."""
 
 
 def check_supported(config) -> None:
@@ -188,6 +194,8 @@ def _paged_attention(cache: PagedKVCache):
     SDPA). Imported here, not at module load, so CPU tests can run the kernels under Triton's
     interpreter."""
     if cache.device.type != "cuda" or cache.block_size & (cache.block_size - 1):
+        return None
+    if os.environ.get(TRITON_DECODE_ENV, "0") != "1":
         return None
     from generator_fleet.engine import decode_attention
 
