@@ -6,9 +6,9 @@ functions walk its modules in a packed token layout instead of calling its forwa
   the pool at each token's slot.
 - `decode`: one new token for each of B sequences. On CUDA with SLIPSTREAM_ENGINE_TRITON_DECODE=1
   attention is the Triton paged decode kernel (decode_attention.py), reading K/V through the block
-  tables; otherwise K/V are gathered from the pool
-  through block tables and attention is SDPA with a length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length)
-  bucket so a step is one graph replay instead of hundreds of kernel launches.
+  tables; otherwise K/V are gathered from the pool through block tables and attention is SDPA with a
+  length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length) bucket so a step is one graph
+  replay instead of hundreds of kernel launches.
 """
 
 from __future__ import annotations
