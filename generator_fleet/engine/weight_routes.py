@@ -92,9 +92,10 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
 
 def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:
     """One /update_weights_from_tensor call, in the weight thread: map the sender's memory (CUDA IPC or
-    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and wait for the
-    copy to finish before the mapping is dropped and the call answered: the sender reuses that memory
-    for its next bucket once it has the answer. Returns the number of tensors loaded."""
+    shared memory; a buffer this engine mapped before is reused, not opened again: ipc.OpenedHandles),
+    copy into the weights at a step boundary (cast to the engine dtype), and wait for the copy to finish
+    before the call is answered: the sender reuses that memory for its next bucket once it has the
+    answer. Returns the number of tensors loaded."""
     phases = state.metrics.bucket_phase
     cuda = state.runner.device.type == "cuda"
     with state.receiver.gpu_lock:  # opening IPC handles (and their events) never lands in a graph capture
@@ -105,11 +106,21 @@ def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: floa
         state.runner.load_weights(named, body.weight_version)
         if cuda:
             torch.cuda.current_stream(state.runner.device).synchronize()
+        state.opened.hold(named)
         return len(named)
+    except BaseException:
+        with state.receiver.gpu_lock:
+            closed = state.opened.clear()
+        log.info("weights from tensor: load failed, closed %d mapped sender buffers", closed)
+        raise
     finally:
         phases["load"].observe(time.perf_counter() - t2)
         with state.receiver.gpu_lock:
-            del named  # closes the IPC mappings
+            del named  # the mappings stay open only while state.opened keeps them
+            if body.weight_version is not None:
+                closed = state.opened.end_update()
+                if closed:
+                    log.info("weights from tensor: closed %d sender buffers the update did not use", closed)
 
 
 def tensor_request_problem(body: UpdateWeightsFromTensor) -> str | None:
