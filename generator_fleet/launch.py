@@ -92,6 +92,8 @@ def sglang_command(
         cmd.append("--enable-memory-saver")
     if sg.enable_weights_cpu_backup:
         cmd.append("--enable-weights-cpu-backup")
+    if sg.enable_fp32_lm_head:
+        cmd.append("--enable-fp32-lm-head")
     return cmd + list(sg.extra_args)
 
 

@@ -58,9 +58,12 @@ class DecodeInputs:
 class PagedForward:
     """Forward passes of one HF Llama-family model over a `PagedKVCache`."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, context_length: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedKVCache, context_length: int, fp32_lm_head: bool = False
+    ) -> None:
         check_supported(model.config)
         self.model = model
+        self.fp32_lm_head = fp32_lm_head
         self.decoder = model.model
         self.cache = cache
         cfg = model.config
@@ -107,7 +110,15 @@ class PagedForward:
         return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(self.decoder.norm, hidden))
+        """Final norm + LM head. With `fp32_lm_head` the norm's output and the head's weight are cast to
+        fp32 for the matmul (SGLang's --enable-fp32-lm-head): the cast reads the live weight, so weight
+        updates and captured CUDA graphs need nothing more."""
+        h = _rms_norm(self.decoder.norm, hidden)
+        if not self.fp32_lm_head or h.dtype == torch.float32:
+            return self.model.lm_head(h)
+        head = self.model.lm_head
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(h.float(), head.weight.float(), bias)
 
     # ---- prefill -----------------------------------------------------------------------------------
 

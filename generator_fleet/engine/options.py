@@ -55,6 +55,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     null = the pool takes half the memory free after loading; kv_cache_tokens wins over both."""
     disable_cuda_graph: bool = False
     """Decode without CUDA graphs (SGLang's flag); graphs are only ever captured on CUDA."""
+    fp32_lm_head: bool = False
+    """Logits (final norm output x LM head weight) and their log-softmax in fp32 on a bf16/fp16 model, as
+    SGLang's --enable-fp32-lm-head: cuts the engine/trainer logprob mismatch."""
     load_format: Literal["auto", "dummy"] = "auto"
     """`dummy`: random weights from the model's config instead of loading them (benchmarks; SGLang's)."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20

@@ -71,6 +71,7 @@ class Runner:
         mem_fraction: float = 0.5,
         load_format: str | None = None,
         mem_fraction_static: float | None = None,
+        fp32_lm_head: bool = False,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -79,7 +80,8 @@ class Runner:
         colocated trainer) holds memory at the time; `kv_cache_tokens` wins over it.
         `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU).
         `load_format`: None loads the weights; "dummy" (SGLang's name) initialises them randomly from the
-        config on the device, for benchmarks of models that would take minutes to save and load."""
+        config on the device, for benchmarks of models that would take minutes to save and load.
+        `fp32_lm_head`: logits from the final norm's output and the LM head's weight in fp32."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -105,7 +107,7 @@ class Runner:
         self._named_tensors = self.model.state_dict()
         self._weights = WeightsBackup(self.model)
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
-        self.fwd = PagedForward(self.model, self.cache, self.context_length)
+        self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
         max_blocks = blocks_for(self.context_length + 1, block_size)
         self.gpu_lock = threading.Lock()

@@ -82,6 +82,7 @@ class EngineServer:
             mem_fraction_static=o.mem_fraction_static,
             cuda_graphs=not o.disable_cuda_graph,
             load_format=o.load_format,
+            fp32_lm_head=o.fp32_lm_head,
         )
         self.runner.on_fatal.append(self._on_fatal)
         self.runner.start()

@@ -32,6 +32,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--enable-fp32-lm-head", action="store_true")
     args = p.parse_args(argv)
     if args.tp_size != 1:
         p.error("the shim serves one built-in engine: --tp-size must be 1")

@@ -75,6 +75,7 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         skip_server_warmup=True,
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
+        enable_fp32_lm_head=True,
         extra_args=["--attention-backend", "triton"],
     )
     cmd = sglang_command("/models/qwen", 31000, sg, api_key="s3cret")
@@ -106,12 +107,16 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "--enable-metrics",
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
+        "--enable-fp32-lm-head",
         "--attention-backend",
         "triton",
     ]
     # A colocated engine's flags parse under SGLang's names (the shim's copy of its parser).
     colocated = SGLangSpec(mem_fraction_static=0.5, enable_memory_saver=True, enable_weights_cpu_backup=True)
     args = shim_parse(sglang_command("/m", 30000, colocated)[3:])
+    assert shim_parse(
+        sglang_command("/m", 30000, SGLangSpec(enable_fp32_lm_head=True))[3:]
+    ).enable_fp32_lm_head
     assert (args.mem_fraction_static, args.enable_memory_saver, args.enable_weights_cpu_backup) == (
         0.5,
         True,
@@ -130,7 +135,9 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "0",
     )
     assert args.enable_metrics and not args.skip_server_warmup and args.mem_fraction_static is None
-    assert not args.enable_memory_saver and not args.enable_weights_cpu_backup
+    assert (
+        not args.enable_memory_saver and not args.enable_weights_cpu_backup and not args.enable_fp32_lm_head
+    )
     with pytest.raises(SystemExit):  # the shim rejects unknown flags, as SGLang's argparse does
         shim_parse([*minimal[3:], "--no-such-flag"])
 
