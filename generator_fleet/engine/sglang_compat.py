@@ -37,7 +37,8 @@ def per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
 
 def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> SamplingParams:
     for key in CONSTRAINED:
-        if getattr(sp, key) is not None:
+        # Empty values mean "unconstrained": SGLang's frontend sends `stop_regex: []` with every gen.
+        if getattr(sp, key):
             raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
     fields = {
         f: getattr(sp, f)
