@@ -152,3 +152,16 @@ def test_frontend_gen_with_stop_regex(backend):
     out = prog.run(backend=backend)["out"]
     assert re.search(r"[0-9]|={3}", free), f"greedy text {free!r} has nothing to stop at"
     assert out == _first_match_prefix(free, r"[0-9]|={3}")
+
+
+def test_select_picks_a_choice(backend):
+    @sgl.function
+    def prog(s):
+        s += "12+34="
+        s += sgl.select("pick", choices=["46", "=====", "7"])
+
+    state = prog.run(backend=backend)
+    scores = state.get_meta_info("pick")["normalized_prompt_logprobs"]
+    # select scores each choice with the engine's prompt logprobs and takes the best normalized one.
+    assert len(scores) == 3 and all(x < 0 for x in scores), scores
+    assert state["pick"] == ["46", "=====", "7"][max(range(3), key=scores.__getitem__)]
