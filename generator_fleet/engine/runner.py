@@ -762,6 +762,12 @@ class Runner:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if r.stop_regex:
+            # SGLang: search the tail that can hold a match; `matched` is the pattern and the text keeps it.
+            tail = self.tokenizer.decode(r.output_ids[-(r.stop_regex_max_len + 1) :])
+            for pattern, compiled in r.stop_regex:
+                if compiled.search(tail):
+                    return {"type": "stop", "matched": pattern}
         return None
 
     # ---- finishing (callers hold _cv or are the generation thread) -------------------------------

@@ -37,15 +37,19 @@ def per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
 
 def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> SamplingParams:
     for key in CONSTRAINED:
-        if getattr(sp, key) is not None:
+        # Empty values mean "unconstrained": SGLang's frontend sends `stop_regex: []` with every gen.
+        if key != "stop_regex" and getattr(sp, key):
             raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
     fields = {
         f: getattr(sp, f)
         for f in SamplingParams.__struct_fields__
-        if f not in ("stop", "stop_token_ids", "logit_bias") and getattr(sp, f, None) is not None
+        if f not in ("stop", "stop_regex", "stop_token_ids", "logit_bias")
+        and getattr(sp, f, None) is not None
     }
     if sp.stop is not None:
         fields["stop"] = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
+    if sp.stop_regex:
+        fields["stop_regex"] = (sp.stop_regex,) if isinstance(sp.stop_regex, str) else tuple(sp.stop_regex)
     if sp.stop_token_ids is not None:
         fields["stop_token_ids"] = tuple(sp.stop_token_ids)
     if sp.logit_bias:
