@@ -177,3 +177,25 @@ class LoraBank:
         T = x.shape[0]
         u = (x @ self.a[module][layer].t()).view(T, self.slots, self.rank) * self.mask
         return u.view(T, -1) @ self.bt[module][layer]
+
+
+def read_peft_dir(path: str, device, dtype) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A PEFT adapter directory's (adapter_config, tensors by saved name), tensors on `device`/`dtype`."""
+    import json
+    import os
+
+    cfg_file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(cfg_file):
+        raise LoraError(f"{path} is not a PEFT adapter directory (no adapter_config.json)")
+    with open(cfg_file) as f:
+        config = json.load(f)
+    st = os.path.join(path, "adapter_model.safetensors")
+    if os.path.isfile(st):
+        from safetensors.torch import load_file
+
+        tensors = load_file(st)
+    elif os.path.isfile(os.path.join(path, "adapter_model.bin")):
+        tensors = torch.load(os.path.join(path, "adapter_model.bin"), map_location="cpu", weights_only=True)
+    else:
+        raise LoraError(f"{path} has no adapter_model.safetensors (or adapter_model.bin)")
+    return config, {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
