@@ -5,7 +5,9 @@ errors SGLang gives (unknown adapter: 400)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
+import json
 
 import httpx
 import pytest
@@ -13,11 +15,13 @@ import torch
 from metrics_text import sample
 from tiny_engine_model import build_noisy_model, greedy_reference
 
+from common.net import free_port
 from generator_fleet.engine import EngineServer
 from models.config import LoraSpec
 from weight_bus import ipc
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import Refused
+from weight_bus.group import broadcast, new_group, shutdown_group
 from weight_bus.schema import LoadLoraAdapterFromTensors
 
 peft = pytest.importorskip("peft")
@@ -178,3 +182,91 @@ def test_lora_path_on_an_engine_without_lora_is_400(tmp_path):
         assert r.status_code == 400 and "not enabled" in r.text
         r = httpx.post(server.url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
         assert r.status_code == 400 and r.json()["success"] is False
+
+
+def greedy_switching(models_by_token, prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding where token i comes from models_by_token(i) over the whole context."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for i in range(n):
+            ids.append(int(models_by_token(i)(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def test_adapter_over_a_gloo_group_replaces_it_under_load_with_consistent_versions(setup):
+    """The bus's group path: /update_weights_from_distributed with lora_name/lora_config, the adapter in
+    two flattened buckets (the second carries the version). A streaming request runs with the adapter
+    while it is replaced (paused with retract, the bus's `pause_mode: retract`): its tokens before the update come from the old adapter (version 1), the rest
+    from the new one (version 2), which is exactly the greedy decoding that switches adapters there."""
+    s = setup
+    url, client = s["url"], s["client"]
+    for name in client.load_lora_adapter(url, "g0", str(s["root"] / "a1"))["loaded_adapters"]:
+        client.unload_lora_adapter(url, name)
+    port = free_port()
+    join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    join |= {"group_name": "lora_test", "backend": "gloo"}
+
+    def send(pool, group, pm, version: str) -> None:
+        named = list(peft.get_peft_model_state_dict(pm).items())
+        half = len(named) // 2
+        for part, last in ((named[:half], False), (named[half:], True)):
+            flat = torch.cat([t.detach().contiguous().view(-1).view(torch.uint8) for _, t in part])
+            bucket = {
+                "names": [n for n, _ in part],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in part],
+                "shapes": [list(t.shape) for _, t in part],
+                "group_name": "lora_test",
+                "load_format": "flattened_bucket",
+                "lora_name": "g",
+                "lora_config": SPEC.peft_config(),
+                "weight_version": version if last else None,
+            }
+            answer = pool.submit(client.post, url, "/update_weights_from_distributed", bucket)
+            broadcast(group, flat)
+            answer.result()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(client.post, url, "/init_weights_update_group", join)
+        group = new_group("127.0.0.1", port, 0, 2, "gloo", "lora_test")
+        joined.result()
+        try:
+            send(pool, group, s["a1"], "1")
+            first = generate(url, [PROMPTS[0]], ["g"])[0]
+            assert first["output_ids"] == greedy_reference(s["merged1"], PROMPTS[0], N)
+            assert first["meta_info"]["weight_version"] == "1"
+            body = {
+                "input_ids": PROMPTS[2],
+                "lora_path": "g",
+                "stream": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True},
+            }
+            events = []
+            with httpx.stream(
+                "POST", url + "/generate", json=body, headers={"Authorization": "Bearer k"}, timeout=60
+            ) as r:
+                lines = r.iter_lines()
+                for line in lines:
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        break
+                # retract: the request's K/V is recomputed with the new adapter on resume, so its tokens
+                # equal a full-context greedy decoding (an in-place pause keeps the old adapter's K/V)
+                client.pause_generation(url, "retract")
+                send(pool, group, s["a2"], "2")
+                client.continue_generation(url)
+                for line in lines:
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+        finally:
+            client.post(url, "/destroy_weights_update_group", {"group_name": "lora_test"})
+            shutdown_group(group)
+    out = events[-1]
+    spans = out["meta_info"]["weight_versions"]
+    assert [sp["version"] for sp in spans] == ["1", "2"], spans
+    k = spans[0]["end"]
+    assert 0 < k < 40
+    want = greedy_switching(lambda i: s["merged1"] if i < k else s["merged2"], PROMPTS[2], 40)
+    assert out["output_ids"] == want
+    text = httpx.get(url + "/metrics").text
+    assert sample(text, "slipstream_engine_lora_ops_total", op="update", outcome="ok") == 2
+    assert sample(text, "slipstream_engine_weight_version") == 2
