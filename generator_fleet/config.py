@@ -324,4 +324,5 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
         torch_threads=generators.torch_threads,
         mem_fraction_static=generators.mem_fraction_static,
         device="cuda" if generators.gpus_per_engine > 0 else "cpu",
+        lora=model.lora,
     )

@@ -270,3 +270,32 @@ def test_adapter_over_a_gloo_group_replaces_it_under_load_with_consistent_versio
     text = httpx.get(url + "/metrics").text
     assert sample(text, "slipstream_engine_lora_ops_total", op="update", outcome="ok") == 2
     assert sample(text, "slipstream_engine_weight_version") == 2
+
+
+def test_generation_client_sends_its_adapter(setup):
+    """generator_fleet.client.EngineClient(lora_path=...): what rollout workers and the evaluator of a
+    LoRA job use; every call of it runs with the adapter."""
+    import asyncio
+
+    from generator_fleet.client import EngineClient as GenClient
+
+    s = setup
+    s["client"].load_lora_adapter(s["url"], "c", str(s["root"] / "a1"))
+    sp = {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True}
+
+    async def run():
+        async with (
+            GenClient(s["url"], api_key="k", lora_path="c") as lora,
+            GenClient(s["url"], api_key="k") as base,
+        ):
+            batch = await lora.generate_batch(PROMPTS, [sp] * len(PROMPTS))
+            one = await lora.generate(PROMPTS[0], sp)
+            plain = await base.generate(PROMPTS[0], sp)
+            return batch, one, plain
+
+    batch, one, plain = asyncio.run(run())
+    for res, p in zip(batch, PROMPTS, strict=True):
+        assert res.output_ids == greedy_reference(s["merged1"], p, N)
+    assert one.output_ids == batch[0].output_ids
+    assert plain.output_ids == greedy_reference(s["model"], PROMPTS[0], N)
+    s["client"].unload_lora_adapter(s["url"], "c")
