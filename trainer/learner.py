@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from models.config import ModelSpec
-from trainer import attention, flops
+from trainer import attention, flops, metrics
 from trainer.advantages import whiten
 from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
@@ -177,6 +177,8 @@ class Learner:
             self.adapter_bytes = sum(
                 p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
             )
+            metrics.LORA_PARAMS.set(trainable)
+            metrics.LORA_BYTES.set(self.adapter_bytes)
             log.info(
                 "LoRA adapter %r: rank %d, alpha %g, dropout %g, targets %s: %d trainable params (%d bytes)",
                 lora.name,
@@ -287,10 +289,14 @@ class Learner:
         if on_policy:
             return "engine", [mb.behav_logprobs for mb in mbs]
         out = []
-        with torch.no_grad(), self._autocast():
-            for mb in mbs:
-                lp, _ = packed_logprobs(self.model, mb, mb.temperature or 1.0, "none", *head)
-                out.append(lp.detach())
+        self.model.eval()  # a logprob-only pass: no LoRA dropout
+        try:
+            with torch.no_grad(), self._autocast():
+                for mb in mbs:
+                    lp, _ = packed_logprobs(self.model, mb, mb.temperature or 1.0, "none", *head)
+                    out.append(lp.detach())
+        finally:
+            self.model.train()
         return "recompute", out
 
     def train_step(self, micro_batches: list[MicroBatch], on_policy: bool = False) -> dict[str, float]:

@@ -129,3 +129,36 @@ def test_full_fine_tuning_has_no_adapter(tiny_model_dir):
     assert all(p.requires_grad for p in ln.model.parameters())
     with pytest.raises(ValueError, match="model.lora"):
         next(ln.adapter_tensors())
+
+
+def test_dropout_trains_but_logprob_only_passes_do_not_drop(tiny_model_dir):
+    from prometheus_client import REGISTRY
+
+    spec = jobspec.from_dict(
+        {
+            "model": {"path": str(tiny_model_dir), "lora": LORA | {"dropout": 0.5}},
+            "algorithm": {"lr": 2e-2, "groups_per_step": 4, "ppo_minibatches": 2},
+            "rollout": {"group_size": 3},
+            "trainer": {"fsdp": False, "micro_batch_tokens": 24, "logprob_chunk_tokens": 16},
+        }
+    )
+    ln = _learner(spec)
+    params = sum(p.numel() for p in ln.model.parameters() if p.requires_grad)
+    assert REGISTRY.get_sample_value("slipstream_trainer_lora_trainable_params") == params
+    assert REGISTRY.get_sample_value("slipstream_trainer_lora_adapter_bytes") == ln.adapter_bytes
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    groups = _groups(base, noise=0.3)
+    _train(ln, spec, groups)  # B != 0 now: dropout changes the adapted outputs
+    from trainer.batch import build_samples, loss_aggregation
+
+    alg = spec.algorithm
+    samples = build_samples(
+        groups, alg.advantage, *loss_aggregation(alg, spec.trainer_config().response_budget)
+    )
+    mbs = ln.distribute(samples)
+    head = (ln.trainer.logprob_chunk_tokens, False)
+    _, a = ln._prox(mbs, False, head)
+    _, b = ln._prox(mbs, False, head)
+    assert ln.model.training  # back in training mode
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)  # no dropout: deterministic
