@@ -334,4 +334,5 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
         mem_fraction_static=generators.mem_fraction_static,
         fp32_lm_head=generators.fp32_lm_head,
         device="cuda" if generators.gpus_per_engine > 0 else "cpu",
+        lora=model.lora,
     )

@@ -155,8 +155,11 @@ class Request:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.rid = rid
+        self.lora_name = lora_name
+        """The LoRA adapter this request runs with (its /generate lora_path); None = the base model."""
         self.priority = priority
         """Queue order: a larger value is admitted before a smaller one, FIFO among equals (SGLang's
         `priority` with its default order). Evaluation requests take a lower one than rollouts."""

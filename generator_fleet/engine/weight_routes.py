@@ -78,7 +78,10 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
     def load(named: list) -> None:
         marks.append(time.perf_counter())
         events.append(trace_event())
-        state.runner.load_weights(named, body.weight_version)
+        if body.lora_name is not None:
+            load_adapter_bucket(state, body, named)
+        else:
+            state.runner.load_weights(named, body.weight_version)
 
     named = state.receiver.receive(body, load)
     t3 = time.perf_counter()
@@ -88,6 +91,35 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
         events.append(trace_event())
         trace_bucket(state, events, body.weight_version is not None)
     return named
+
+
+def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, named: list) -> None:
+    """A bucket of a LoRA adapter sent over the group (`lora_name`): its tensors are kept (copied out of
+    the receive buffer) until the update's last bucket (the one with the version), which loads the whole
+    adapter at once, replacing the loaded one of that name atomically, and sets the version."""
+    if body.lora_config is None:
+        raise ValueError("lora_name needs lora_config (the adapter's PEFT adapter_config)")
+    pending = state.lora_pending.setdefault(body.lora_name, {})
+    for name, t in named:
+        pending[name] = t.clone()
+    if body.weight_version is None:
+        return
+    tensors = state.lora_pending.pop(body.lora_name)
+    t0 = time.perf_counter()
+    try:
+        state.runner.load_lora(body.lora_name, body.lora_config, tensors, weight_version=body.weight_version)
+    except Exception:
+        state.metrics.lora_op("update", False)
+        raise
+    state.metrics.lora_op("update", True)
+    state.metrics.lora_op_seconds.observe(time.perf_counter() - t0)
+    log.info(
+        "LoRA adapter %s replaced from group %s (%d tensors) at version %s",
+        body.lora_name,
+        body.group_name,
+        len(tensors),
+        body.weight_version,
+    )
 
 
 def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:

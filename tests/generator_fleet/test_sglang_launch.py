@@ -10,12 +10,15 @@ server.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,6 +44,7 @@ from generator_fleet.launch import (
     sglang_command,
 )
 from jobspec import SGLangSpec
+from models.config import LoraSpec
 from weight_bus.registry import engines_key
 
 KEY = "launch-key"
@@ -140,6 +144,44 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
     )
     with pytest.raises(SystemExit):  # the shim rejects unknown flags, as SGLang's argparse does
         shim_parse([*minimal[3:], "--no-such-flag"])
+
+
+def test_lora_job_command_enables_lora_with_sglang_flags():
+    lora = LoraSpec(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "down_proj"])
+    cmd = sglang_command("/m", 30000, SGLangSpec(), lora=lora)
+    i = cmd.index("--enable-lora")
+    assert cmd[i:] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--lora-target-modules",
+        "q_proj",
+        "v_proj",
+        "down_proj",
+        "--max-loras-per-batch",
+        "2",
+    ]
+    args = shim_parse(cmd[3:])
+    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.max_loras_per_batch) == (
+        True,
+        16,
+        ["q_proj", "v_proj", "down_proj"],
+        2,
+    )
+    assert "--enable-lora" not in sglang_command("/m", 30000, SGLangSpec())
+    # the flags are SGLang's own: its ServerArgs fields (server_args.py, or its `lora` field namespace
+    # in newer versions) where SGLang is installed
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang is not installed: its server_args cannot be checked")
+    srt = Path(spec.origin).parent / "srt"
+    text = "".join(
+        f.read_text()
+        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
+        if f.exists()
+    )
+    for name in ("enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch"):
+        assert re.search(rf"^\s+{name}\s*:", text, re.M), name
 
 
 # ---- a launched server ----------------------------------------------------------------------------
