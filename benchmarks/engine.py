@@ -245,6 +245,9 @@ class EngineSide:
         self.runner = Runner(str(model_dir), device=str(device), dtype=dtype, **runner_kwargs)
         self.runner.start()
 
+    lora_name: str | None = None
+    """The adapter every request runs with (EngineLoraSide)."""
+
     def run_batch(self, tag: str, batch: list[list[int]], n: int) -> tuple[float, list]:
         params = self.SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
         _sync(self.device)
@@ -253,7 +256,10 @@ class EngineSide:
         self.runner.pause("in_place")
         try:
             t0 = perf_counter()
-            futures = [self.runner.submit(self.Request(f"{tag}-{i}", p, params)) for i, p in enumerate(batch)]
+            futures = [
+                self.runner.submit(self.Request(f"{tag}-{i}", p, params, lora_name=self.lora_name))
+                for i, p in enumerate(batch)
+            ]
         finally:
             self.runner.resume()
         completions = [f.result() for f in futures]
@@ -321,6 +327,40 @@ class EngineSide:
     def close(self) -> None:
         self.runner.stop()
         del self.runner
+
+
+class EngineLoraSide(EngineSide):
+    """The engine with one LoRA adapter of rank `rank` on every projection loaded (random A and B), every
+    request running with it: decode tokens/s next to the plain engine's."""
+
+    name = "engine_lora"
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        runner_kwargs: dict[str, Any],
+        rank: int,
+    ) -> None:
+        from generator_fleet.engine.lora import module_dims
+        from models.config import LoraSpec
+
+        spec = LoraSpec(rank=rank, alpha=2 * rank)
+        super().__init__(model_dir, dtype, device, {**runner_kwargs, "lora": spec, "max_loras": 1})
+        cfg = self.runner.config
+        dims = module_dims(cfg)
+        gen = torch.Generator().manual_seed(0)
+        tensors = {}
+        for i in range(cfg.num_hidden_layers):
+            for mod in spec.target_modules:
+                part = "self_attn" if mod.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+                base = f"base_model.model.model.layers.{i}.{part}.{mod}"
+                d_in, d_out = dims[mod]
+                tensors[f"{base}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.01
+                tensors[f"{base}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.01
+        self.runner.load_lora("bench", spec.peft_config(), tensors)
+        self.lora_name = "bench"
 
 
 class MeasureError(RuntimeError):
@@ -423,6 +463,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "prompt_len_mean": statistics.fmean(prompt_lens),
             "warmup_new_tokens": min(WARMUP_NEW_TOKENS, n_new),
             "seed": args.seed,
+            "lora_rank": args.lora,
             "env": env_info(device),
         },
     )
@@ -452,6 +493,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         hfs = sides.get((c, "hf_static"))
         if eng and hfs:
             r[f"vs_hf_static_c{c}"] = eng["tokens_per_s"] / hfs["tokens_per_s"]
+        lora = sides.get((c, "engine_lora"))
+        if eng and lora:
+            r[f"lora_vs_base_c{c}"] = lora["tokens_per_s"] / eng["tokens_per_s"]
         kv = c * m["kv_bytes_per_token"] * (statistics.fmean(prompt_lens[:c]) + n_new / 2)
         m[f"kv_bytes_per_step_c{c}"] = kv
         if eng and m.get("memory_bandwidth_bytes_per_s"):
@@ -487,9 +531,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     "hf": lambda: HFSide(model_dir, dtype, device),
                     "hf_static": lambda: HFStaticSide(model_dir, dtype, device),
                     "engine": lambda: EngineSide(model_dir, dtype, device, kw),
+                    "engine_lora": lambda: EngineLoraSide(model_dir, dtype, device, kw, args.lora),
                 }
                 peers = [x for x in args.peers.split(",") if x]
-                for name, make in [(n, makers[n]) for n in [*peers, "engine"]]:
+                order = [*peers, "engine", *(["engine_lora"] if args.lora else [])]
+                for name, make in [(n, makers[n]) for n in order]:
                     log(f"loading {name}" + (f": Runner({kw})" if name == "engine" else ""))
                     try:
                         live.append(make())
@@ -570,6 +616,13 @@ def report(result: dict) -> str:
         f"roofline_fraction_c{head}={f(f'roofline_fraction_c{head}', 1, '.3f')} "
         f"engine_tokens_per_s_c{head}={f(f'engine_tokens_per_s_c{head}', 1, '.0f')} (device={result['device']})"
     )
+    if cfg.get("lora_rank"):
+        for c in cfg["concurrency"]:
+            lines.append(
+                f"LoRA rank {cfg['lora_rank']} c={c}: engine_lora {f(f'engine_lora_tokens_per_s_c{c}', 1, '.0f')} "
+                f"tok/s vs engine {f(f'engine_tokens_per_s_c{c}', 1, '.0f')} tok/s "
+                f"(lora_vs_base={f(f'lora_vs_base_c{c}', 1, '.2f', r)})"
+            )
     return "\n".join(lines)
 
 
@@ -608,6 +661,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--peers",
         default="hf,hf_static",
         help="comma-separated HF peers: hf (eager generate), hf_static (static cache + torch.compile)",
+    )
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="also run the engine with one active LoRA adapter of this rank on every projection "
+        "(side engine_lora; ratio lora_vs_base); that side decodes without CUDA graphs",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))

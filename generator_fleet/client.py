@@ -105,13 +105,20 @@ def _server_message(resp: httpx.Response) -> str:
 
 
 def _generate_body(
-    input_ids, sampling_params, return_logprob: bool, rid: str | None, priority: int | None = None
+    input_ids,
+    sampling_params,
+    return_logprob: bool,
+    rid: str | None,
+    priority: int | None = None,
+    lora_path: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": input_ids,
         "sampling_params": sampling_params,
         "return_logprob": return_logprob,
     }
+    if lora_path is not None:  # SGLang: one adapter name for every prompt of the call
+        body["lora_path"] = lora_path
     if rid is not None:
         body["rid"] = rid
     if priority is not None:
@@ -129,8 +136,12 @@ class EngineClient:
         api_key: str | None = None,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_connections: int | None = 1024,
+        lora_path: str | None = None,
     ) -> None:
+        """`lora_path`: the LoRA adapter (its name on the engine) every generation call runs with
+        (SGLang's per-request `lora_path`); None = the base model."""
         self.base_url = base_url.rstrip("/")
+        self.lora_path = lora_path
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             headers=auth_headers(api_key),
@@ -170,7 +181,9 @@ class EngineClient:
     ) -> GenerateResult:
         """One sample for one prompt (use one call per sample: `n` > 1 gets rids you cannot abort)."""
         resp = await self._request(
-            "POST", "/generate", _generate_body(input_ids, sampling_params, return_logprob, rid)
+            "POST",
+            "/generate",
+            _generate_body(input_ids, sampling_params, return_logprob, rid, lora_path=self.lora_path),
         )
         obj = resp.json()
         if isinstance(obj, list):  # only if sampling_params asked for n > 1; keep the first
@@ -202,7 +215,9 @@ class EngineClient:
         async def request(k: int, idx: list[int]) -> list[dict[str, Any]]:
             sub_rid = f"{rid}_{k}" if rid is not None and len(parts) > 1 else rid
             prompts = [input_ids[i] for i in idx]
-            body = _generate_body(prompts, sampling_params[idx[0]], return_logprob, sub_rid, priority)
+            body = _generate_body(
+                prompts, sampling_params[idx[0]], return_logprob, sub_rid, priority, self.lora_path
+            )
             resp = await self._request("POST", "/generate", body)
             objs = resp.json()
             if not isinstance(objs, list) or len(objs) != len(idx):
@@ -225,7 +240,10 @@ class EngineClient:
     ) -> AsyncIterator[GenerateResult]:
         """Stream one sample: yields a cumulative result per server event (finish_reason "" until the
         last one). Leaving the loop early closes the connection, which aborts the request."""
-        body = {**_generate_body(input_ids, sampling_params, return_logprob, rid), "stream": True}
+        body = {
+            **_generate_body(input_ids, sampling_params, return_logprob, rid, lora_path=self.lora_path),
+            "stream": True,
+        }
         try:
             async with self._http.stream("POST", "/generate", json=body) as resp:
                 if not resp.is_success:

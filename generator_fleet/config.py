@@ -147,6 +147,9 @@ class GeneratorsSpec(Spec):
     """`builtin` on CUDA: share of the GPU's total memory for the engine's weights and KV pool (SGLang's
     --mem-fraction-static; `sglang` engines take `sglang.mem_fraction_static`), so a colocated trainer
     keeps the rest; null = the pool takes half the memory free after loading the model."""
+    fp32_lm_head: bool = engine_default("fp32_lm_head")
+    """`builtin`: logits and their log-softmax in fp32 on a bf16 model (SGLang's --enable-fp32-lm-head;
+    `sglang` engines take `sglang.enable_fp32_lm_head`): engine logprobs closer to the trainer's."""
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     urls: list[str] = msgspec.field(default_factory=list)
     """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or
@@ -173,6 +176,12 @@ class GeneratorsSpec(Spec):
                 "mem_fraction_static",
                 f"only for engine `builtin` (engine is `{self.engine}`; SGLang servers take "
                 "`sglang.mem_fraction_static`)",
+            )
+        if self.engine != "builtin" and self.fp32_lm_head:
+            raise bad(
+                "fp32_lm_head",
+                f"only for engine `builtin` (engine is `{self.engine}`; SGLang servers take "
+                "`sglang.enable_fp32_lm_head`)",
             )
         if self.sglang.enable_weights_cpu_backup and not self.sglang.enable_memory_saver:
             raise bad(
@@ -323,5 +332,7 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
         max_batch_size=generators.max_batch_size,
         torch_threads=generators.torch_threads,
         mem_fraction_static=generators.mem_fraction_static,
+        fp32_lm_head=generators.fp32_lm_head,
         device="cuda" if generators.gpus_per_engine > 0 else "cpu",
+        lora=model.lora,
     )

@@ -23,6 +23,7 @@ import httpx
 import redis
 
 from generator_fleet.launch_options import SGLangOptions
+from models.config import LoraSpec
 from weight_bus.engine_client import EngineClient, auth_headers
 from weight_bus.registry import DEFAULT_LEASE_S, EngineRegistration
 
@@ -54,11 +55,23 @@ class EngineStartError(RuntimeError):
     """An engine did not become healthy; the message carries the tail of its log when there is one."""
 
 
+LORAS_PER_BATCH = 2
+"""SGLang's --max-loras-per-batch for a LoRA job: the job's adapter and the base model (SGLang counts
+base-only requests as one adapter)."""
+
+
 def sglang_command(
-    model_path: str, port: int, sg: SGLangOptions, api_key: str | None = None, host: str = ENGINE_HOST
+    model_path: str,
+    port: int,
+    sg: SGLangOptions,
+    api_key: str | None = None,
+    host: str = ENGINE_HOST,
+    lora: LoraSpec | None = None,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine. Flag names are SGLang's (ServerArgs fields in
-    python/sglang/srt/server_args.py, `tp_size` -> `--tp-size`); options left null are left to SGLang."""
+    python/sglang/srt/server_args.py, `tp_size` -> `--tp-size`); options left null are left to SGLang.
+    `lora` (a LoRA job): --enable-lora sized for the adapter (--max-lora-rank, --lora-target-modules) and
+    --max-loras-per-batch 2 (SGLang counts the base model as one: the adapter plus base requests)."""
     cmd = [
         sg.python or sys.executable,
         "-m",
@@ -92,6 +105,18 @@ def sglang_command(
         cmd.append("--enable-memory-saver")
     if sg.enable_weights_cpu_backup:
         cmd.append("--enable-weights-cpu-backup")
+    if sg.enable_fp32_lm_head:
+        cmd.append("--enable-fp32-lm-head")
+
+    if lora is not None:
+        cmd += [
+            "--enable-lora",
+            "--max-lora-rank",
+            str(lora.rank),
+            "--lora-target-modules",
+            *lora.target_modules,
+        ]
+        cmd += ["--max-loras-per-batch", str(LORAS_PER_BATCH)]
     return cmd + list(sg.extra_args)
 
 
@@ -142,9 +167,12 @@ class SGLangServer:
         api_key: str | None = None,
         port: int = 0,
         env: dict[str, str] | None = None,
+        lora: LoraSpec | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.sg = sg
+        self.lora = lora
+        """The job's adapter shape: the server starts with LoRA enabled for it (None: no LoRA)."""
         self.log_path = Path(log_path)
         self.api_key = api_key
         self.port = port
@@ -158,7 +186,7 @@ class SGLangServer:
         return f"http://{ENGINE_HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        return sglang_command(self.model_path, self.port, self.sg, self.api_key)
+        return sglang_command(self.model_path, self.port, self.sg, self.api_key, lora=self.lora)
 
     def start(self) -> SGLangServer:
         from common.net import free_port

@@ -34,6 +34,8 @@ class SGLangOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enable_weights_cpu_backup: bool = False
     """--enable-weights-cpu-backup: a release copies the weights to host memory and the resume restores
     them; without it the resumed weights are undefined until the next weight update."""
+    enable_fp32_lm_head: bool = False
+    """--enable-fp32-lm-head: logits and their log-softmax in fp32 (engine logprobs closer to the trainer's)."""
     context_length: Annotated[int, msgspec.Meta(ge=1, le=MAX_TOKENS)] | None = None
     """--context-length (tokens); null = the model config's."""
     served_model_name: str | None = None

@@ -32,12 +32,19 @@ MAX_ATTEMPTS = 5
 """Engine errors tolerated per group before the group is given up (its admission slot is released)."""
 
 
+def adapter_name(model) -> str | None:
+    """The adapter a job's generation requests name (`lora_path`): model.lora.name, None without LoRA."""
+    return model.lora.name if model.lora is not None else None
+
+
 class EnginePool:
     """Routes each request to the live engine with the fewest outstanding requests. Membership follows
     the engine registry (`update`); a removed engine keeps its client until its in-flight calls end."""
 
-    def __init__(self, urls: list[str], api_key: str | None) -> None:
+    def __init__(self, urls: list[str], api_key: str | None, lora_path: str | None = None) -> None:
+        """`lora_path`: the LoRA adapter every generation runs with (a LoRA job's `model.lora.name`)."""
         self.api_key = api_key
+        self.lora_path = lora_path
         self.clients: dict[str, EngineClient] = {}
         self.outstanding: dict[str, int] = {}
         self.routable: list[str] = []
@@ -46,7 +53,7 @@ class EnginePool:
     def update(self, urls: list[str]) -> None:
         for u in urls:
             if u not in self.clients:
-                self.clients[u] = EngineClient(u, api_key=self.api_key)
+                self.clients[u] = EngineClient(u, api_key=self.api_key, lora_path=self.lora_path)
                 self.outstanding[u] = 0
         if sorted(urls) != sorted(self.routable):
             log.info("engines now %s (were %s)", sorted(urls), sorted(self.routable))
@@ -89,7 +96,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.task = training_task(build_task(cfg.dataset), cfg.eval)
         self.workflow = build_workflow(cfg, self.tokenizer, self.task)
-        self.engines = EnginePool(self.engine_urls, self.api_key)
+        self.engines = EnginePool(self.engine_urls, self.api_key, adapter_name(cfg.model))
         r = connect_async(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
         name = f"{socket.gethostname()}-{os.getpid()}-{self.worker_id}"

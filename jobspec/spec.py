@@ -153,6 +153,14 @@ class JobSpec(Spec):
                 "rollout.sampling.ignore_eos",
                 "single-turn rollouts only: an agent's turns end at EOS (unset it or remove `agent:`)",
             )
+        if self.model.lora is not None:
+            # The trainer trains adapters and engines serve them (routes, per-request lora_path), but a
+            # publish still sends full weights: a job with an adapter would serve a stale one.
+            raise bad(
+                "model.lora",
+                "LoRA jobs are not supported yet: the weight bus does not send adapter-only updates (the "
+                "trainer's adapters and the engines' adapter routes are usable on their own)",
+            )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.backend == "ipc":

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from models.config import ModelSpec
-from trainer import attention, flops
+from trainer import attention, flops, metrics
 from trainer.advantages import whiten
 from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
@@ -72,6 +72,25 @@ SUM_STATS = (
 MAX_STATS = ("is_weight_max", "ratio_max", "ratio_neg_min")
 
 
+ADAPTER = "default"
+"""PEFT's in-model adapter name (dropped from the saved names)."""
+
+
+def wrap_lora(model: nn.Module, lora) -> nn.Module:
+    """The HF model wrapped by PEFT with the job's adapter (models.config.LoraSpec): the base frozen, only
+    lora_A/lora_B trainable; B starts at zero so the adapted model equals the base."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = lora.peft_config()
+    cfg.pop("peft_type")
+    return get_peft_model(model, LoraConfig(**cfg), adapter_name=ADAPTER)
+
+
+def peft_name(name: str) -> str:
+    """A PeftModel parameter's name as PEFT saves it (the adapter name dropped)."""
+    return name.replace(f".{ADAPTER}.", ".")
+
+
 class Learner:
     """The policy (and reference, critic) of one rank and their optimizers, configured by the job's
     `model`, `algorithm` and `trainer` sections."""
@@ -94,6 +113,8 @@ class Learner:
         self.fsdp = tr.fsdp and pool.enabled
         self.bf16 = self.device.type == "cuda" and tr.mixed_precision == "bf16"
         self.model: nn.Module | None = None
+        self.adapter_bytes = 0
+        """Bytes of the LoRA adapter's parameters (0 without model.lora)."""
         self.ref: nn.Module | None = None
         self.critic: Critic | None = None
         self.critic_opt = None
@@ -146,7 +167,28 @@ class Learner:
 
         model = load(self.model_spec.path)
         self.config = model.config
-        self.model = self._prepare(model, model.model.layers, trainable=True)
+        layers = model.model.layers
+        lora = self.model_spec.lora
+        if lora is not None:
+            model = wrap_lora(model, lora)  # before sharding: the adapter's params are sharded with the base
+        self.model = self._prepare(model, layers, trainable=True)
+        if lora is not None:
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.adapter_bytes = sum(
+                p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad
+            )
+            metrics.LORA_PARAMS.set(trainable)
+            metrics.LORA_BYTES.set(self.adapter_bytes)
+            log.info(
+                "LoRA adapter %r: rank %d, alpha %g, dropout %g, targets %s: %d trainable params (%d bytes)",
+                lora.name,
+                lora.rank,
+                lora.alpha,
+                lora.dropout,
+                lora.target_modules,
+                trainable,
+                self.adapter_bytes,
+            )
         self.opt = self._optimizer(self.model, alg.lr)
         if alg.kl_coef > 0:
             ref = load(alg.ref_model_path or self.model_spec.path)
@@ -196,7 +238,7 @@ class Learner:
 
     def _optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         wd = self.algorithm.weight_decay
-        params = list(model.parameters())
+        params = [p for p in model.parameters() if p.requires_grad]  # a LoRA policy: the adapter only
         # Fused AdamW: one kernel per parameter group instead of foreach's ~10 passes over every state,
         # when the parameters live on the GPU (with CPU offload the step runs on the host).
         fused = all(p.device.type == "cuda" for p in params)
@@ -247,10 +289,14 @@ class Learner:
         if on_policy:
             return "engine", [mb.behav_logprobs for mb in mbs]
         out = []
-        with torch.no_grad(), self._autocast():
-            for mb in mbs:
-                lp, _ = packed_logprobs(self.model, mb, mb.temperature or 1.0, "none", *head)
-                out.append(lp.detach())
+        self.model.eval()  # a logprob-only pass: no LoRA dropout
+        try:
+            with torch.no_grad(), self._autocast():
+                for mb in mbs:
+                    lp, _ = packed_logprobs(self.model, mb, mb.temperature or 1.0, "none", *head)
+                    out.append(lp.detach())
+        finally:
+            self.model.train()
         return "recompute", out
 
     def train_step(self, micro_batches: list[MicroBatch], on_policy: bool = False) -> dict[str, float]:
@@ -515,3 +561,13 @@ class Learner:
         every rank must drain the iterator; only rank 0 needs the tensors. Tied weights appear once."""
         for name, p in self.model.named_parameters():
             yield name, full_tensor(p.detach())
+
+    def adapter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(PEFT saved name, full tensor) of every LoRA adapter parameter, gathered from the shards: the
+        names `peft.get_peft_model_state_dict` writes (`base_model.model.model.layers.{i}.self_attn.q_proj.
+        lora_A.weight` [r, in], `...lora_B.weight` [out, r]). A collective: every rank drains it."""
+        if self.model_spec.lora is None:
+            raise ValueError("adapter_tensors needs model.lora")
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                yield peft_name(name), full_tensor(p.detach())

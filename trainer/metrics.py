@@ -52,6 +52,12 @@ GRAD_NORM = Gauge("slipstream_trainer_grad_norm", "Gradient norm before clipping
 TRAIN_TOKENS_PER_S = Gauge(
     "slipstream_trainer_train_tokens_per_second", "Sequence tokens (prompt + response) per second of step"
 )
+LORA_PARAMS = Gauge(
+    "slipstream_trainer_lora_trainable_params", "Trainable LoRA adapter parameters (0: full fine-tuning)"
+)
+LORA_BYTES = Gauge(
+    "slipstream_trainer_lora_adapter_bytes", "Bytes of the LoRA adapter's parameters (what a publish sends)"
+)
 MFU = Gauge("slipstream_trainer_mfu", "Model FLOPs utilisation of the last step (bf16 peak; GPU only)")
 
 

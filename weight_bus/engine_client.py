@@ -23,7 +23,10 @@ from weight_bus.pipeline import Pipeline
 from weight_bus.schema import (
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
+    LoadLoraAdapter,
+    LoadLoraAdapterFromTensors,
     MemoryOccupation,
+    UnloadLoraAdapter,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
 )
@@ -43,7 +46,7 @@ def checked(url: str, path: str, status: int, body: bytes) -> dict:
         raise Refused(f"{url}{path}: HTTP {status}: {body[:500].decode(errors='replace')}")
     data = msgspec.json.decode(body) if body else {}
     if isinstance(data, dict) and data.get("success") is False:
-        raise Refused(f"{url}{path}: {data.get('message')}")
+        raise Refused(f"{url}{path}: {data.get('message') or data.get('error_message')}")
     return data
 
 
@@ -101,6 +104,20 @@ class EngineClient:
         """POST /update_weights_from_tensor: the engine loads the tensors `body` shares (weight_bus.ipc)
         and answers once it copied them (the sender may then reuse that memory)."""
         return self.post(url, "/update_weights_from_tensor", body)
+
+    def load_lora_adapter(self, url: str, lora_name: str, lora_path: str) -> dict:
+        """POST /load_lora_adapter: load the PEFT adapter directory `lora_path` (on the engine's host or a
+        shared filesystem) as `lora_name`. Answers {"success", "loaded_adapters", ...}."""
+        return self.post(url, "/load_lora_adapter", LoadLoraAdapter(lora_name=lora_name, lora_path=lora_path))
+
+    def load_lora_adapter_from_tensors(self, url: str, body: LoadLoraAdapterFromTensors) -> dict:
+        """POST /load_lora_adapter_from_tensors: the adapter's tensors shared as for
+        /update_weights_from_tensor (weight_bus.ipc), with its PEFT config."""
+        return self.post(url, "/load_lora_adapter_from_tensors", body)
+
+    def unload_lora_adapter(self, url: str, lora_name: str) -> dict:
+        """POST /unload_lora_adapter."""
+        return self.post(url, "/unload_lora_adapter", UnloadLoraAdapter(lora_name=lora_name))
 
     def release_memory_occupation(
         self, url: str, tags: list[str] | None = None, timeout: float | None = None
@@ -161,6 +178,9 @@ class EngineChannel:
 
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensor) -> Future:
         return self.call("/update_weights_from_tensor", req)
+
+    def load_lora_adapter_from_tensors(self, req: LoadLoraAdapterFromTensors) -> Future:
+        return self.call("/load_lora_adapter_from_tensors", req)
 
     def destroy_weights_update_group(self, group_name: str) -> Future:
         return self.call("/destroy_weights_update_group", DestroyWeightsUpdateGroup(group_name=group_name))

@@ -29,6 +29,13 @@ a pickle from the network could otherwise run anything).
 
 The sender must keep the shared memory alive, and unchanged, until every receiver answered (the bus's
 ring of bucket buffers: weight_bus/ipc_transfer.py); a receiver copies out of it before it answers.
+
+A receiver may keep what it mapped open between calls (`OpenedHandles`): torch's rebuild looks a handle up
+in its cache of storages this process already mapped (`torch.multiprocessing.reductions.shared_cache`,
+keyed by the CUDA-IPC handle and offset, or the shared-memory file's name) and skips the open while the
+storage is alive. A sender's persistent buffers (the ring's slots) are then opened once, not per call.
+Such a cache hit skips the CUDA event wait of the open, so a CUDA sender finishes writing a buffer (its
+stream synchronized) before it posts the handle.
 """
 
 from __future__ import annotations
@@ -311,3 +318,38 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
             raise ValueError("a direct payload is a list of (name, tensor) pairs")
         named.append((str(item[0]), item[1]))
     return named
+
+
+class OpenedHandles:
+    """The sender storages a receiver mapped, kept open between calls so that the next call naming the same
+    handle reuses the mapping (torch's storage cache) instead of opening it again.
+
+    An update is the calls up to the one that carries a weight version: `end_update` keeps what that
+    update used and drops the rest, so a sender buffer that changed (reallocated, a restarted sender, a
+    smaller ring) is closed after the next complete update, and at most two updates' buffers stay
+    mapped. `clear` drops everything (a failed load: the next update opens afresh)."""
+
+    def __init__(self) -> None:
+        self.kept: dict[int, torch.UntypedStorage] = {}
+        self.used: dict[int, torch.UntypedStorage] = {}
+
+    def hold(self, named: Named) -> None:
+        """Keep the storages behind `named` (tensors a payload mapped) open."""
+        for _, t in named:
+            s = t.untyped_storage()
+            self.used[s.data_ptr()] = s
+
+    def end_update(self) -> int:
+        """The update ended: keep its storages, close the others. Returns how many were closed."""
+        closed = len(self.kept.keys() - self.used.keys())
+        self.kept, self.used = self.used, {}
+        return closed
+
+    def clear(self) -> int:
+        """Close every kept storage. Returns how many there were."""
+        n = len(self.kept.keys() | self.used.keys())
+        self.kept, self.used = {}, {}
+        return n
+
+    def __len__(self) -> int:
+        return len(self.kept.keys() | self.used.keys())

@@ -118,6 +118,8 @@ class IpcTransfer(Transfer):
                 (name, shape, dtype_from_name(d), off)
                 for name, shape, d, off in zip(b.names, b.shapes, b.dtypes, b.offsets, strict=True)
             ]
+            if b.flat.is_cuda:  # an engine that kept this slot mapped reads it without an event wait
+                torch.cuda.current_stream(b.flat.device).synchronize()
             b.payload = ipc.serialize(ipc.flattened_bucket(b.flat, tensors))
             ipc.share(b.flat.untyped_storage(), len(m.engines))
         body = UpdateWeightsFromTensor(

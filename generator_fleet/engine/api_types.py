@@ -37,8 +37,8 @@ class SamplingParamsIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     no_stop_trim: bool | None = None
     # Accepted and ignored: SGLang also ignores custom_params without a custom logit processor.
     custom_params: dict[str, Any] | None = None
-    # Constrained decoding: accepted by the schema, refused when set (ignoring them would silently change
-    # what the policy generates).
+    # Grammar-constrained decoding: accepted by the schema, refused when non-empty (ignoring them would
+    # silently change what the policy generates); null, "" and [] mean unconstrained. stop_regex is served.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

@@ -81,6 +81,14 @@ class _SchedulerCollector(Collector):
         for tag in TAGS:
             g.add_metric([self.model_name, tag], 1.0 if tag in released else 0.0)
         yield g
+        if self.runner.lora is not None:
+            g = GaugeMetricFamily(
+                "slipstream_engine_lora_adapters",
+                "LoRA adapters loaded (of the engine's max_loras slots).",
+                labels=["model_name"],
+            )
+            g.add_metric([self.model_name], float(len(self.runner.lora.names)))
+            yield g
         counters = {
             "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
             "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
@@ -171,6 +179,25 @@ class EngineMetrics:
             registry=self.registry,
         )
         self.memory_seconds = {op: seconds.labels(model_name, op) for op in ("release", "resume")}
+
+        self.lora_ops = Counter(
+            "slipstream_engine_lora_ops",
+            "LoRA adapter operations by op (load: a PEFT directory, load_from_tensors, unload, "
+            "update: over the weight-update group) and outcome (ok, error).",
+            labelnames=["model_name", "op", "outcome"],
+            registry=self.registry,
+        )
+        self.lora_op_seconds = Histogram(
+            "slipstream_engine_lora_op_seconds",
+            "Time of a successful LoRA adapter load, replacement or unload (lock wait included).",
+            labelnames=["model_name"],
+            buckets=PAUSE_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name)
+        self.model_name = model_name
+
+    def lora_op(self, op: str, ok: bool) -> None:
+        self.lora_ops.labels(self.model_name, op, "ok" if ok else "error").inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

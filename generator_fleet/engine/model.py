@@ -65,9 +65,12 @@ class DecodeInputs:
 class PagedForward:
     """Forward passes of one HF Llama-family model over a `PagedKVCache`."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache, context_length: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedKVCache, context_length: int, fp32_lm_head: bool = False
+    ) -> None:
         check_supported(model.config)
         self.model = model
+        self.fp32_lm_head = fp32_lm_head
         self.decoder = model.model
         self.cache = cache
         cfg = model.config
@@ -88,6 +91,21 @@ class PagedForward:
         sin_signed = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
         self.cos, self.sin = cos[0].to(dtype), sin_signed.to(dtype)  # [positions, head_dim]
         self.half = half
+        self.lora = None
+        """A `LoraBank` when the engine serves LoRA adapters; None keeps the forward adapter-free."""
+
+    def _lora_delta(self, layer_idx: int, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` (projection `module`'s output for rows x) plus the rows' adapter deltas."""
+        d = self.lora.delta(layer_idx, module, x)
+        return out if d is None else out + d
+
+    def _select_lora(self, row_slots: list[int] | None, repeats: list[int] | None, dev) -> None:
+        if self.lora is None:
+            return
+        slots = torch.tensor(row_slots if row_slots is not None else [-1] * len(repeats or [0]), device=dev)
+        if repeats is not None:
+            slots = slots.repeat_interleave(torch.tensor(repeats, device=dev))
+        self.lora.select(slots)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for `positions`, shaped to broadcast over heads (looked up once per forward)."""
@@ -95,13 +113,18 @@ class PagedForward:
 
     # ---- shared pieces -----------------------------------------------------------------------------
 
-    def _qkv(self, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+    def _qkv(self, layer, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], idx: int = 0):
         """h [T, hidden] → q [T, H, D], k/v [T, KV, D] with RoPE applied (and Qwen3's q/k norms)."""
         attn = layer.self_attn
         T = h.shape[0]
-        q = attn.q_proj(h).view(T, self.num_heads, self.head_dim)
-        k = attn.k_proj(h).view(T, self.num_kv_heads, self.head_dim)
-        v = attn.v_proj(h).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        if self.lora is not None:
+            q = self._lora_delta(idx, "q_proj", h, q)
+            k = self._lora_delta(idx, "k_proj", h, k)
+            v = self._lora_delta(idx, "v_proj", h, v)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if hasattr(attn, "q_norm"):
             q, k = _rms_norm(attn.q_norm, q), _rms_norm(attn.k_norm, k)
         cos, sin = rope
@@ -109,20 +132,47 @@ class PagedForward:
         k = torch.addcmul(k * cos, k.roll(self.half, -1), sin)
         return q, k, v
 
-    def _layer_tail(self, layer, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _layer_tail(
+        self, layer, residual: torch.Tensor, attn_out: torch.Tensor, idx: int = 0
+    ) -> torch.Tensor:
+        if self.lora is not None:
+            return self._layer_tail_lora(layer, residual, attn_out, idx)
         h = residual + layer.self_attn.o_proj(attn_out)
         return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
 
+    def _layer_tail_lora(
+        self, layer, residual: torch.Tensor, attn_out: torch.Tensor, idx: int
+    ) -> torch.Tensor:
+        h = residual + self._lora_delta(idx, "o_proj", attn_out, layer.self_attn.o_proj(attn_out))
+        x = _rms_norm(layer.post_attention_layernorm, h)
+        mlp = layer.mlp
+        gate = self._lora_delta(idx, "gate_proj", x, mlp.gate_proj(x))
+        up = self._lora_delta(idx, "up_proj", x, mlp.up_proj(x))
+        inner = mlp.act_fn(gate) * up
+        return h + self._lora_delta(idx, "down_proj", inner, mlp.down_proj(inner))
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(_rms_norm(self.decoder.norm, hidden))
+        """Final norm + LM head. With `fp32_lm_head` the norm's output and the head's weight are cast to
+        fp32 for the matmul (SGLang's --enable-fp32-lm-head): the cast reads the live weight, so weight
+        updates and captured CUDA graphs need nothing more."""
+        h = _rms_norm(self.decoder.norm, hidden)
+        if not self.fp32_lm_head or h.dtype == torch.float32:
+            return self.model.lm_head(h)
+        head = self.model.lm_head
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(h.float(), head.weight.float(), bias)
 
     # ---- prefill -----------------------------------------------------------------------------------
 
-    def prefill(self, seqs: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, seqs: list[list[int]], slots: torch.Tensor, lora_slots: list[int] | None = None
+    ) -> torch.Tensor:
         """Run `seqs` (token lists) from position 0, writing K/V at `slots` (flat, in sequence order).
+        `lora_slots`: each sequence's adapter slot (-1 = base; only with adapters loaded).
         Returns the final hidden states [sum(len), hidden] (before the last norm)."""
         dev = slots.device
         lens = [len(s) for s in seqs]
+        self._select_lora(lora_slots, lens, dev)
         n, width, total = len(seqs), max(lens), sum(lens)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n_, device=dev) for n_ in lens])
@@ -137,7 +187,7 @@ class PagedForward:
         rope = self.rope(positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
-            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope)
+            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope, i)
             self.cache.write(i, slots, k, v)
             qp, kp, vp = (x[pad_index].transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
             if self.group > 1:
@@ -145,16 +195,19 @@ class PagedForward:
                 vp = vp.repeat_interleave(self.group, dim=1)
             o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)
             o = o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
-            h = self._layer_tail(layer, residual, o)
+            h = self._layer_tail(layer, residual, o, i)
             del q, k, v, qp, kp, vp
         assert h.shape[0] == total
         return h
 
     # ---- decode ------------------------------------------------------------------------------------
 
-    def decode(self, x: DecodeInputs) -> torch.Tensor:
-        """One token per sequence; returns fp32 logits [B, vocab]."""
+    def decode(self, x: DecodeInputs, lora_slots: list[int] | None = None) -> torch.Tensor:
+        """One token per sequence; returns fp32 logits [B, vocab]. `lora_slots`: each row's adapter slot
+        (-1 = base; only with adapters loaded)."""
         B, MB = x.block_tables.shape
+        if self.lora is not None:
+            self._select_lora(lora_slots if lora_slots is not None else [-1] * B, None, x.seq_lens.device)
         L = MB * self.cache.block_size
         paged = _paged_attention(self.cache)
         mask = None
@@ -164,7 +217,7 @@ class PagedForward:
         rope = self.rope(x.positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
-            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope)
+            q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope, i)
             self.cache.write(i, x.slots, k, v)
             if paged is not None:
                 # CUDA: the Triton kernel reads K/V through the block tables (no dense copy).
@@ -177,7 +230,7 @@ class PagedForward:
                     block_size=self.cache.block_size,
                     scale=self.scaling,
                 )
-                h = self._layer_tail(layer, residual, o.reshape(B, -1))
+                h = self._layer_tail(layer, residual, o.reshape(B, -1), i)
                 continue
             kc, vc = self.cache.gather(i, x.block_tables)  # [B, L, KV, D]
             # GQA without repeating K/V: the `group` query heads of one KV head act as query rows.
@@ -185,7 +238,7 @@ class PagedForward:
             o = F.scaled_dot_product_attention(
                 qg, kc.transpose(1, 2), vc.transpose(1, 2), attn_mask=mask, scale=self.scaling
             )
-            h = self._layer_tail(layer, residual, o.reshape(B, -1))
+            h = self._layer_tail(layer, residual, o.reshape(B, -1), i)
         return self.logits(h).float()
 
 

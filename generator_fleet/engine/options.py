@@ -9,11 +9,14 @@ import argparse
 import ast
 import functools
 import inspect
+import json
 import types
 import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
+
+from models.config import LoraSpec
 
 MAX_BATCH = 1 << 20
 """Upper bound of a batch, pool or count option: a larger value is a typo, not a plan."""
@@ -55,6 +58,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     null = the pool takes half the memory free after loading; kv_cache_tokens wins over both."""
     disable_cuda_graph: bool = False
     """Decode without CUDA graphs (SGLang's flag); graphs are only ever captured on CUDA."""
+    fp32_lm_head: bool = False
+    """Logits (final norm output x LM head weight) and their log-softmax in fp32 on a bf16/fp16 model, as
+    SGLang's --enable-fp32-lm-head: cuts the engine/trainer logprob mismatch."""
     load_format: Literal["auto", "dummy"] = "auto"
     """`dummy`: random weights from the model's config instead of loading them (benchmarks; SGLang's)."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20
@@ -64,6 +70,13 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     returns, so an unbounded `n` would stall the engine for every client."""
     fatal_exit_grace_s: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 1.0
     """After a fatal CUDA error: how long /health answers 503 with the cause before the server stops (s)."""
+    lora: LoraSpec | None = None
+    """Serve LoRA adapters of this shape (JSON on the command line): adapters up to its rank on its target
+    modules load through the /load_lora_adapter* routes (SGLang's --enable-lora with --max-lora-rank and
+    --lora-target-modules); null = no adapters, the forward untouched."""
+    max_loras: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
+    """Adapters loaded at once, with `lora` (SGLang's --max-loras-per-batch); rows of different adapters
+    and of the base model share one batch."""
 
 
 def engine_default(name: str) -> Any:
@@ -124,6 +137,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             if kw.get("default") is not False:
                 raise TypeError(f"{f.name}: a boolean flag must default to False")
             kw["action"] = "store_true"
+        elif isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+            kw["type"] = json.loads
         elif typing.get_origin(tp) is Literal:
             kw["choices"] = list(typing.get_args(tp))
         else:

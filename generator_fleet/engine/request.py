@@ -4,6 +4,7 @@ its finished Completion, and the counters the metrics read."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,34 @@ import torch
 
 GREEDY_EPS = 1e-6
 """temperature below this means greedy, as in SGLang."""
+MAX_STOP_REGEX_COUNT = 32
+MAX_STOP_REGEX_LEN = 256
+"""SGLang's limits on stop_regex: patterns per request, UTF-8 bytes per pattern."""
+UNBOUNDED = 1 << 30
+
+
+def regex_max_len(pattern: str) -> int:
+    """Most characters a match of `pattern` can span (UNBOUNDED for `*`, `+`, `{n,}`), as SGLang bounds
+    the decoded tail it searches for a stop_regex."""
+    import re._parser as sre_parse  # noqa: PLC0415 - the stdlib's regex parser, only for this bound
+
+    def walk(sub) -> int:
+        total = 0
+        for op, value in sub:
+            if op in (sre_parse.LITERAL, sre_parse.IN, sre_parse.ANY, sre_parse.NOT_LITERAL):
+                total += 1
+            elif op == sre_parse.SUBPATTERN:
+                total += walk(value[3])
+            elif op == sre_parse.BRANCH:
+                total += max(walk(b) for b in value[1])
+            elif op in (sre_parse.MAX_REPEAT, sre_parse.MIN_REPEAT):
+                hi, inner = value[1], value[2]
+                total += UNBOUNDED if hi == sre_parse.MAXREPEAT else hi * walk(inner)
+            elif op == sre_parse.GROUPREF:
+                return UNBOUNDED
+        return min(total, UNBOUNDED)
+
+    return walk(sre_parse.parse(pattern))
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -27,6 +56,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_new_tokens: int = 0
     """EOS and stop tokens are masked out until this many tokens exist."""
     stop: tuple[str, ...] = ()
+    stop_regex: tuple[str, ...] = ()
+    """A match (re.search) in the decoded output tail stops the request; the text keeps the match."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     """Also disables stop_token_ids, as in SGLang's Req.check_finished."""
@@ -59,6 +90,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if len(self.stop_regex) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(
+                f"at most {MAX_STOP_REGEX_COUNT} stop_regex patterns are allowed, got {len(self.stop_regex)}"
+            )
+        for pattern in self.stop_regex:
+            n = len(pattern.encode("utf-8"))
+            if n > MAX_STOP_REGEX_LEN:
+                raise ValueError(f"stop_regex is {n} bytes, over the {MAX_STOP_REGEX_LEN}-byte limit")
+            try:
+                re.compile(pattern)
+            except (re.error, RecursionError) as e:
+                raise ValueError(f"invalid stop_regex {pattern!r}: {e}") from None
 
     @property
     def greedy(self) -> bool:
@@ -112,8 +155,11 @@ class Request:
         logprob_start_len: int = -1,
         top_logprobs_num: int = 0,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.rid = rid
+        self.lora_name = lora_name
+        """The LoRA adapter this request runs with (its /generate lora_path); None = the base model."""
         self.priority = priority
         """Queue order: a larger value is admitted before a smaller one, FIFO among equals (SGLang's
         `priority` with its default order). Evaluation requests take a lower one than rollouts."""
@@ -134,6 +180,8 @@ class Request:
         self.done = False
         self.generator: torch.Generator | None = None
         self.stop_max_len = max((len(s) for s in params.stop), default=0)
+        self.stop_regex = [(p, re.compile(p)) for p in params.stop_regex]
+        self.stop_regex_max_len = max((regex_max_len(p) for p in params.stop_regex), default=0)
         self.listener: Callable[[], None] | None = None
         """Called from the generation thread after each new token and at finish (streaming)."""
         self.blocks: list[int] = []

@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
+from generator_fleet.engine.lora import LoraBank, LoraError, read_peft_dir
 from generator_fleet.engine.memory import (
     CUDA_GRAPH,
     KV_CACHE,
@@ -40,6 +41,7 @@ from generator_fleet.engine.memory import (
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.sampler import Choice, sample
+from models.config import LoraSpec
 from models.tokenizers import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class Runner:
         mem_fraction: float = 0.5,
         load_format: str | None = None,
         mem_fraction_static: float | None = None,
+        fp32_lm_head: bool = False,
+        lora: LoraSpec | None = None,
+        max_loras: int = 1,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -79,7 +84,10 @@ class Runner:
         colocated trainer) holds memory at the time; `kv_cache_tokens` wins over it.
         `max_prefill_tokens`: padded tokens one prefill step may take (default 16384 CUDA, 2048 CPU).
         `load_format`: None loads the weights; "dummy" (SGLang's name) initialises them randomly from the
-        config on the device, for benchmarks of models that would take minutes to save and load."""
+        config on the device, for benchmarks of models that would take minutes to save and load.
+        `fp32_lm_head`: logits from the final norm's output and the LM head's weight in fp32.
+        `lora`: serve up to `max_loras` LoRA adapters of this shape (max rank, target modules); decode then
+        runs eagerly (no CUDA graphs), the adapter deltas being per-row inputs the graphs do not take."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -105,7 +113,9 @@ class Runner:
         self._named_tensors = self.model.state_dict()
         self._weights = WeightsBackup(self.model)
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
-        self.fwd = PagedForward(self.model, self.cache, self.context_length)
+        self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
+        if lora is not None:
+            self.fwd.lora = LoraBank(lora, self.config, max_loras, self.device, self.dtype)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
         max_blocks = blocks_for(self.context_length + 1, block_size)
         self.gpu_lock = threading.Lock()
@@ -113,7 +123,7 @@ class Runner:
         DecodeGraphs), so the two never overlap. Never held while waiting for a step boundary."""
         self.graphs = (
             DecodeGraphs(self.fwd, max_batch_size, max_blocks, capture_lock=self.gpu_lock)
-            if cuda_graphs and self.device.type == "cuda"
+            if cuda_graphs and self.device.type == "cuda" and lora is None
             else None
         )
         self.stats = RunnerStats()
@@ -150,6 +160,7 @@ class Runner:
         self.on_fatal: list[Callable[[str], None]] = []
         """Called once (from the thread that hit the error) when the engine turns unhealthy."""
         self._fault = os.environ.get(FAULT_ENV) or None
+        self._lora_sources: dict[str, str] = {}
 
     def _build_cache(
         self, tokens: int | None, block_size: int, mem_fraction: float, mem_fraction_static: float | None
@@ -227,6 +238,10 @@ class Runner:
                 req.future.set_exception(EngineUnhealthy(self.fatal))
             elif self._stopping:
                 self._finish(req, _abort_reason("Engine is shutting down"))
+            elif req.lora_name is not None and (
+                self.fwd.lora is None or req.lora_name not in self.fwd.lora.names
+            ):
+                self._finish(req, _abort_reason(f"LoRA adapter {req.lora_name} is not loaded"))
             else:
                 self._enqueue(req)
                 self._cv.notify_all()
@@ -350,6 +365,76 @@ class Runner:
                 self._weight_version = str(weight_version)
 
         self.at_step_boundary(apply)
+
+    # ---- LoRA adapters -----------------------------------------------------------------------------
+
+    @property
+    def lora(self) -> LoraBank | None:
+        """The adapter bank (None when the engine was started without `lora`)."""
+        return self.fwd.lora
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name → where it came from (a PEFT directory, or "__tensor__")."""
+        return dict(self._lora_sources)
+
+    def check_lora(self, name: str | None) -> None:
+        """LoraError unless `name` (a request's lora_path) is None or a loaded adapter."""
+        if name is None:
+            return
+        if self.fwd.lora is None:
+            raise LoraError("LoRA is not enabled on this engine (start it with lora)")
+        self.fwd.lora.slot_of(name)
+
+    def load_lora(
+        self,
+        name: str,
+        config: dict,
+        named_tensors: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor],
+        source: str = "__tensor__",
+        weight_version: str | None = None,
+    ) -> int:
+        """Load adapter `name`, or replace it in place, at a step boundary: requests using it see the old
+        adapter up to one step and the new one from the next (their tokens carry the new weight_version).
+        The adapter is validated before anything is copied. Returns its slot."""
+        if self.fwd.lora is None:
+            raise LoraError("LoRA is not enabled on this engine (start it with lora)")
+        tensors = dict(named_tensors)
+
+        def apply() -> int:
+            slot = self.fwd.lora.load(name, config, tensors)
+            self._lora_sources[name] = source
+            if weight_version is not None:
+                self._weight_version = str(weight_version)
+            return slot
+
+        return self.at_step_boundary(apply)
+
+    def load_lora_from_dir(self, name: str, path: str, weight_version: str | None = None) -> int:
+        """Load a PEFT adapter directory (adapter_config.json + adapter_model.safetensors or .bin)."""
+        config, tensors = read_peft_dir(path, self.device, self.dtype)
+        return self.load_lora(name, config, tensors, source=path, weight_version=weight_version)
+
+    def unload_lora(self, name: str) -> int:
+        """Unload adapter `name` at a step boundary; its queued and running requests are aborted.
+        Returns how many were."""
+        if self.fwd.lora is None:
+            raise LoraError("LoRA is not enabled on this engine (start it with lora)")
+        self.fwd.lora.slot_of(name)
+
+        def apply() -> int:
+            with self._cv:
+                n = self._abort_matching(lambda r: r.lora_name == name, f"LoRA adapter {name} was unloaded")
+                self._reap_aborted()
+            self.fwd.lora.unload(name)
+            self._lora_sources.pop(name, None)
+            return n
+
+        return self.at_step_boundary(apply)
+
+    def _lora_slots(self, rows: list[Request]) -> list[int] | None:
+        if self.fwd.lora is None:
+            return None
+        return [self.fwd.lora.names.get(r.lora_name, -1) if r.lora_name else -1 for r in rows]
 
     def _check_weights_present(self) -> None:
         if WEIGHTS in self._released:
@@ -622,7 +707,9 @@ class Runner:
     def _prefill(self, rows: list[Request], version: str) -> None:
         fills = [_fill_tokens(r) for r in rows]
         slots = [s for r, f in zip(rows, fills, strict=True) for s in self.cache.slots(r.blocks, 0, len(f))]
-        hidden = self.fwd.prefill(fills, torch.tensor(slots, dtype=torch.long, device=self.device))
+        hidden = self.fwd.prefill(
+            fills, torch.tensor(slots, dtype=torch.long, device=self.device), self._lora_slots(rows)
+        )
         ends = list(itertools.accumulate(len(f) for f in fills))
         for r, f in zip(rows, fills, strict=True):
             r.kv_len = len(f)
@@ -688,7 +775,7 @@ class Runner:
                 ),
                 seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.long, device=dev),
             )
-            logits = self.fwd.decode(x)
+            logits = self.fwd.decode(x, self._lora_slots(rows))
         for r in rows:
             r.kv_len += 1
         self.stats.num_decode_steps_total += 1
@@ -760,6 +847,12 @@ class Runner:
             for s in p.stop:
                 if s in tail:
                     return {"type": "stop", "matched": s}
+        if r.stop_regex:
+            # SGLang: search the tail that can hold a match; `matched` is the pattern and the text keeps it.
+            tail = self.tokenizer.decode(r.output_ids[-(r.stop_regex_max_len + 1) :])
+            for pattern, compiled in r.stop_regex:
+                if compiled.search(tail):
+                    return {"type": "stop", "matched": pattern}
         return None
 
     # ---- finishing (callers hold _cv or are the generation thread) -------------------------------

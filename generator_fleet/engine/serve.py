@@ -82,6 +82,9 @@ class EngineServer:
             mem_fraction_static=o.mem_fraction_static,
             cuda_graphs=not o.disable_cuda_graph,
             load_format=o.load_format,
+            fp32_lm_head=o.fp32_lm_head,
+            lora=o.lora,
+            max_loras=o.max_loras,
         )
         self.runner.on_fatal.append(self._on_fatal)
         self.runner.start()

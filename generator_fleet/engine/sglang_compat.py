@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from generator_fleet.engine.api_types import CONSTRAINED, BadRequest, GenerateReqIn, SamplingParamsIn
+from generator_fleet.engine.lora import LoraError
 from generator_fleet.engine.request import Completion, SamplingParams
 from generator_fleet.engine.request import Request as GenRequest
 from generator_fleet.engine.runner import Runner
@@ -37,15 +38,19 @@ def per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
 
 def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> SamplingParams:
     for key in CONSTRAINED:
-        if getattr(sp, key) is not None:
+        # Empty values mean "unconstrained": SGLang's frontend sends `stop_regex: []` with every gen.
+        if key != "stop_regex" and getattr(sp, key):
             raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
     fields = {
         f: getattr(sp, f)
         for f in SamplingParams.__struct_fields__
-        if f not in ("stop", "stop_token_ids", "logit_bias") and getattr(sp, f, None) is not None
+        if f not in ("stop", "stop_regex", "stop_token_ids", "logit_bias")
+        and getattr(sp, f, None) is not None
     }
     if sp.stop is not None:
         fields["stop"] = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop)
+    if sp.stop_regex:
+        fields["stop_regex"] = (sp.stop_regex,) if isinstance(sp.stop_regex, str) else tuple(sp.stop_regex)
     if sp.stop_token_ids is not None:
         fields["stop_token_ids"] = tuple(sp.stop_token_ids)
     if sp.logit_bias:
@@ -78,7 +83,7 @@ def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> S
 def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list[Item], bool]:
     """Turn a /generate body into runner requests in response order; returns (items, is_batch).
     `max_requests`: most requests (prompts x n) one call may make."""
-    for key in ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "token_ids_logprob"):
+    for key in ("input_embeds", "image_data", "video_data", "audio_data", "token_ids_logprob"):
         if getattr(body, key) is not None:
             raise BadRequest(f"{key} is not supported by the built-in engine")
     if (body.text is None) == (body.input_ids is None):
@@ -133,6 +138,7 @@ def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list
         raise BadRequest("The rid list must match the batch size.")
     if isinstance(rids, list) and len(set(rids)) != len(rids):
         raise BadRequest("Duplicate rids in one batch.")
+    lora_names = lora_paths(body.lora_path, len(prompts), is_batch, runner)
     is_batch = is_batch or n > 1
 
     items: list[Item] = []
@@ -156,9 +162,34 @@ def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list
                 logprob_start_len=start,
                 top_logprobs_num=top_k,
                 priority=body.priority or 0,
+                lora_name=lora_names[i],
             )
             items.append(Item(req, sp))
     return items, is_batch
+
+
+def lora_paths(value: Any, n_prompts: int, is_batch: bool, runner: Runner) -> list[str | None]:
+    """Each prompt's LoRA adapter from /generate's `lora_path` (SGLang: an adapter name, or a list of one
+    per prompt; null = the base model); 400 for an adapter that is not loaded."""
+    if value is None:
+        return [None] * n_prompts
+    if isinstance(value, list):
+        if not is_batch and len(value) == 1:
+            names = value
+        elif len(value) != n_prompts:
+            raise BadRequest(f"lora_path has {len(value)} entries for a batch of {n_prompts}")
+        else:
+            names = value
+    else:
+        names = [value] * n_prompts
+    for name in names:
+        if name is not None and not isinstance(name, str):
+            raise BadRequest(f"lora_path entries are adapter names (strings) or null, got {name!r}")
+        try:
+            runner.check_lora(name)
+        except LoraError as e:
+            raise BadRequest(str(e)) from None
+    return list(names)
 
 
 def render(c: Completion, item: Item, tokenizer, return_text_in_logprobs: bool) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from fastapi import Request
 
 from generator_fleet.engine.metrics import EngineMetrics
 from generator_fleet.engine.runner import Runner
+from weight_bus import ipc
 from weight_bus.receiver import WeightReceiver
 
 
@@ -30,11 +31,15 @@ class EngineState:
         self.waiting = 0
         self.paused_at: float | None = None
         self.trace: list = []  # SLIPSTREAM_WEIGHT_TRACE
+        self.opened = ipc.OpenedHandles()
+        """Sender buffers /update_weights_from_tensor mapped, kept open for the next call naming them."""
         self.weight_lock = asyncio.Lock()  # one weight operation at a time: groups receive in order
         # Weight operations run in their own thread, not the loop's default executor: a receive blocked on
         # a sender that is gone must not hold up the server's shutdown (asyncio.run joins the default
         # executor's threads) until the group times out.
         self.weight_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        self.lora_pending: dict[str, dict] = {}
+        """Tensors of a LoRA adapter whose group update is under way, by adapter name (weight thread)."""
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
 
     async def in_weight_thread(self, fn, *args) -> Any:

@@ -78,7 +78,10 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
     def load(named: list) -> None:
         marks.append(time.perf_counter())
         events.append(trace_event())
-        state.runner.load_weights(named, body.weight_version)
+        if body.lora_name is not None:
+            load_adapter_bucket(state, body, named)
+        else:
+            state.runner.load_weights(named, body.weight_version)
 
     named = state.receiver.receive(body, load)
     t3 = time.perf_counter()
@@ -90,11 +93,41 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
     return named
 
 
+def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, named: list) -> None:
+    """A bucket of a LoRA adapter sent over the group (`lora_name`): its tensors are kept (copied out of
+    the receive buffer) until the update's last bucket (the one with the version), which loads the whole
+    adapter at once, replacing the loaded one of that name atomically, and sets the version."""
+    if body.lora_config is None:
+        raise ValueError("lora_name needs lora_config (the adapter's PEFT adapter_config)")
+    pending = state.lora_pending.setdefault(body.lora_name, {})
+    for name, t in named:
+        pending[name] = t.clone()
+    if body.weight_version is None:
+        return
+    tensors = state.lora_pending.pop(body.lora_name)
+    t0 = time.perf_counter()
+    try:
+        state.runner.load_lora(body.lora_name, body.lora_config, tensors, weight_version=body.weight_version)
+    except Exception:
+        state.metrics.lora_op("update", False)
+        raise
+    state.metrics.lora_op("update", True)
+    state.metrics.lora_op_seconds.observe(time.perf_counter() - t0)
+    log.info(
+        "LoRA adapter %s replaced from group %s (%d tensors) at version %s",
+        body.lora_name,
+        body.group_name,
+        len(tensors),
+        body.weight_version,
+    )
+
+
 def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:
     """One /update_weights_from_tensor call, in the weight thread: map the sender's memory (CUDA IPC or
-    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and wait for the
-    copy to finish before the mapping is dropped and the call answered: the sender reuses that memory
-    for its next bucket once it has the answer. Returns the number of tensors loaded."""
+    shared memory; a buffer this engine mapped before is reused, not opened again: ipc.OpenedHandles),
+    copy into the weights at a step boundary (cast to the engine dtype), and wait for the copy to finish
+    before the call is answered: the sender reuses that memory for its next bucket once it has the
+    answer. Returns the number of tensors loaded."""
     phases = state.metrics.bucket_phase
     cuda = state.runner.device.type == "cuda"
     with state.receiver.gpu_lock:  # opening IPC handles (and their events) never lands in a graph capture
@@ -105,11 +138,21 @@ def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: floa
         state.runner.load_weights(named, body.weight_version)
         if cuda:
             torch.cuda.current_stream(state.runner.device).synchronize()
+        state.opened.hold(named)
         return len(named)
+    except BaseException:
+        with state.receiver.gpu_lock:
+            closed = state.opened.clear()
+        log.info("weights from tensor: load failed, closed %d mapped sender buffers", closed)
+        raise
     finally:
         phases["load"].observe(time.perf_counter() - t2)
         with state.receiver.gpu_lock:
-            del named  # closes the IPC mappings
+            del named  # the mappings stay open only while state.opened keeps them
+            if body.weight_version is not None:
+                closed = state.opened.end_update()
+                if closed:
+                    log.info("weights from tensor: closed %d sender buffers the update did not use", closed)
 
 
 def tensor_request_problem(body: UpdateWeightsFromTensor) -> str | None:

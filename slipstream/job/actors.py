@@ -18,6 +18,7 @@ from common.logtext import PlainFormatter
 from generator_fleet.config import EvalConfig, GeneratorsSpec, RolloutConfig
 from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
+from models.config import LoraSpec
 from replay_buffer.client import connect
 from replay_buffer.keys import JobKeys
 from trainer.config import TrainerConfig
@@ -151,6 +152,7 @@ class SGLangEngineActor:
         redis_url: str,
         api_key: str,
         index: int,
+        lora: LoraSpec | None = None,
     ) -> None:
         from generator_fleet.launch import SGLangServer
 
@@ -162,6 +164,7 @@ class SGLangEngineActor:
             generators.sglang,
             log_path=Path(job.output_dir) / "logs" / f"sglang-{index}.log",
             api_key=api_key,
+            lora=lora,
         )
         self.registration = None
 

@@ -274,6 +274,7 @@ class JobDriver:
                     "mfu",
                     "lr",
                     "behav_kl",
+                    "logprob_diff_mean",
                     "is_masked_fraction",
                     "clip_fraction",
                     "optimizer_steps",

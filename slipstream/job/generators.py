@@ -100,7 +100,9 @@ def launch_engine(
     cls, _ = engine_actor(spec, placement, slot)
     if spec.generators.engine == "builtin":
         return cls.remote(job_ref(spec), engine_options(spec), redis_url, api_key, index, joining=joining)
-    return cls.remote(job_ref(spec), spec.model.path, spec.generators, redis_url, api_key, index)
+    return cls.remote(
+        job_ref(spec), spec.model.path, spec.generators, redis_url, api_key, index, spec.model.lora
+    )
 
 
 def start_engines(

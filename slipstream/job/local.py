@@ -39,6 +39,8 @@ class JobResult(msgspec.Struct):
     """The evaluations' records (a spec with `eval`), one per version evaluated."""
     lengths: dict = {}
     """The run's response-length histograms (ReplayBuffer.length_histograms): trained and stale."""
+    restarts: dict = {}
+    """Replacements during the run, by kind (rollout_workers, engines, trainer_pool)."""
 
 
 def _raise_interrupt(signum, frame):
@@ -93,7 +95,16 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
 
         write_report_logged(progress + evals, out)  # PNG plots; never fails the job
         elapsed = time.monotonic() - t0
-        return JobResult(result["version"], elapsed, result["final_model"], progress, stats, evals, lengths)
+        return JobResult(
+            result["version"],
+            elapsed,
+            result["final_model"],
+            progress,
+            stats,
+            evals,
+            lengths,
+            dict(driver.restarts),
+        )
     finally:
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop

@@ -32,3 +32,15 @@ def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
         assert m[f"engine_finish_types_c{c}"] == ["length"]
     headline = capsys.readouterr().out.strip().splitlines()[-1]
     assert headline.startswith(f"engine vs_hf_generate_c{max(concurrencies)}=")
+
+
+def test_lora_side_measures_decode_with_an_active_adapter(tmp_path, capsys):
+    result = main(
+        ["--quick", "--device", "cpu", "--device-kind", "cpu", "--out-dir", str(tmp_path), "--lora", "4"]
+    )
+    assert not result["errors"], result["errors"]
+    m, r = result["metrics"], result["ratios"]
+    for c in result["config"]["concurrency"]:
+        assert m[f"engine_lora_tokens_per_s_c{c}"] > 0 and m[f"engine_lora_output_tokens_min_c{c}"] == 8
+        assert r[f"lora_vs_base_c{c}"] == m[f"engine_lora_tokens_per_s_c{c}"] / m[f"engine_tokens_per_s_c{c}"]
+    assert "LoRA rank 4" in capsys.readouterr().out

@@ -11,9 +11,11 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SHIM = Path(__file__).with_name("sglang_shim.py")
-SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None or bool(
-    os.environ.get("SLIPSTREAM_SGLANG_PYTHON")
-)
+SGLANG_INSTALLED = (
+    importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("sgl_kernel") is not None
+) or bool(os.environ.get("SLIPSTREAM_SGLANG_PYTHON"))
+"""SGLang's server can run here: the package with its kernels (the frontend alone, `sglang.lang`, does not
+launch a server)."""
 REAL_SGLANG_ENV = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
 """The tiny test models say 64 positions; SGLang refuses a longer --context-length without this."""
 

@@ -14,6 +14,8 @@ import signal
 import sys
 
 DTYPES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""SGLang's SUPPORTED_LORA_TARGET_MODULES that a Llama-family model has."""
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -32,10 +34,28 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-memory-saver", action="store_true")
     p.add_argument("--enable-weights-cpu-backup", action="store_true")
+    p.add_argument("--enable-fp32-lm-head", action="store_true")
+
+    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGETS + ["all"])
+    p.add_argument("--max-loras-per-batch", type=int, default=8)
     args = p.parse_args(argv)
     if args.tp_size != 1:
         p.error("the shim serves one built-in engine: --tp-size must be 1")
     return args
+
+
+def lora_spec(args: argparse.Namespace):
+    """The built-in engine's LoRA shape from SGLang's LoRA flags (None without --enable-lora)."""
+    if not args.enable_lora:
+        return None
+    from models.config import LoraSpec
+
+    targets = args.lora_target_modules or LORA_TARGETS
+    if "all" in targets:
+        targets = LORA_TARGETS
+    return LoraSpec(rank=args.max_lora_rank, alpha=args.max_lora_rank, target_modules=list(targets))
 
 
 def main() -> None:
@@ -54,6 +74,8 @@ def main() -> None:
         context_length=args.context_length,
         served_model_name=args.served_model_name,
         mem_fraction_static=args.mem_fraction_static,
+        lora=lora_spec(args),
+        max_loras=args.max_loras_per_batch,
     ).start()
 
     def shutdown(signum, frame) -> None:

@@ -10,12 +10,15 @@ server.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
+import re
 import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -41,6 +44,7 @@ from generator_fleet.launch import (
     sglang_command,
 )
 from jobspec import SGLangSpec
+from models.config import LoraSpec
 from weight_bus.registry import engines_key
 
 KEY = "launch-key"
@@ -75,6 +79,7 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         skip_server_warmup=True,
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
+        enable_fp32_lm_head=True,
         extra_args=["--attention-backend", "triton"],
     )
     cmd = sglang_command("/models/qwen", 31000, sg, api_key="s3cret")
@@ -106,12 +111,16 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "--enable-metrics",
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
+        "--enable-fp32-lm-head",
         "--attention-backend",
         "triton",
     ]
     # A colocated engine's flags parse under SGLang's names (the shim's copy of its parser).
     colocated = SGLangSpec(mem_fraction_static=0.5, enable_memory_saver=True, enable_weights_cpu_backup=True)
     args = shim_parse(sglang_command("/m", 30000, colocated)[3:])
+    assert shim_parse(
+        sglang_command("/m", 30000, SGLangSpec(enable_fp32_lm_head=True))[3:]
+    ).enable_fp32_lm_head
     assert (args.mem_fraction_static, args.enable_memory_saver, args.enable_weights_cpu_backup) == (
         0.5,
         True,
@@ -130,9 +139,49 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         "0",
     )
     assert args.enable_metrics and not args.skip_server_warmup and args.mem_fraction_static is None
-    assert not args.enable_memory_saver and not args.enable_weights_cpu_backup
+    assert (
+        not args.enable_memory_saver and not args.enable_weights_cpu_backup and not args.enable_fp32_lm_head
+    )
     with pytest.raises(SystemExit):  # the shim rejects unknown flags, as SGLang's argparse does
         shim_parse([*minimal[3:], "--no-such-flag"])
+
+
+def test_lora_job_command_enables_lora_with_sglang_flags():
+    lora = LoraSpec(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "down_proj"])
+    cmd = sglang_command("/m", 30000, SGLangSpec(), lora=lora)
+    i = cmd.index("--enable-lora")
+    assert cmd[i:] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--lora-target-modules",
+        "q_proj",
+        "v_proj",
+        "down_proj",
+        "--max-loras-per-batch",
+        "2",
+    ]
+    args = shim_parse(cmd[3:])
+    assert (args.enable_lora, args.max_lora_rank, args.lora_target_modules, args.max_loras_per_batch) == (
+        True,
+        16,
+        ["q_proj", "v_proj", "down_proj"],
+        2,
+    )
+    assert "--enable-lora" not in sglang_command("/m", 30000, SGLangSpec())
+    # the flags are SGLang's own: its ServerArgs fields (server_args.py, or its `lora` field namespace
+    # in newer versions) where SGLang is installed
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang is not installed: its server_args cannot be checked")
+    srt = Path(spec.origin).parent / "srt"
+    text = "".join(
+        f.read_text()
+        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
+        if f.exists()
+    )
+    for name in ("enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch"):
+        assert re.search(rf"^\s+{name}\s*:", text, re.M), name
 
 
 # ---- a launched server ----------------------------------------------------------------------------

@@ -108,3 +108,10 @@ def test_example_dapo_math_recipe_is_valid_and_takes_any_model_path(tmp_path):
     assert cfg.agent == spec.agent and cfg.tools == spec.tools and cfg.reward == spec.reward
     other = jobspec.load("examples/dapo_math.yaml", [f"model.path={tmp_path}", "model.build=null"])
     assert other.model.path == str(tmp_path) and other.model.build is None and other.eval == ev
+
+
+def test_lora_job_is_refused_at_its_key_until_the_bus_sends_adapters():
+    with pytest.raises(jobspec.JobSpecError, match=r"adapter-only.*\$\.model\.lora|\$\.model\.lora"):
+        jobspec.from_dict({"model": {"path": "m", "lora": {"rank": 8}}})
+    spec = jobspec.from_dict({"model": {"path": "m"}})
+    assert spec.model.lora is None

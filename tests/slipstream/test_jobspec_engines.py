@@ -60,9 +60,22 @@ def test_overrides_reach_the_new_keys(tmp_path):
             "",
         ),
         ({"engine": "vllm"}, "$.generators.engine", "vllm"),
+        (
+            {"engine": "sglang", "fp32_lm_head": True},
+            "$.generators.fp32_lm_head",
+            "sglang.enable_fp32_lm_head",
+        ),
     ],
 )
 def test_bad_engine_combinations_fail_with_their_path(generators, path, words):
     with pytest.raises(jobspec.JobSpecError) as e:
         jobspec.from_dict({"generators": generators})
     assert str(e.value).endswith(f"- at `{path}`") and words in str(e.value)
+
+
+def test_fp32_lm_head_reaches_the_builtin_engines_options():
+    from generator_fleet.config import engine_options
+
+    spec = jobspec.from_dict({"generators": {"fp32_lm_head": True}})
+    assert engine_options(spec.model, spec.generators).fp32_lm_head
+    assert not engine_options(spec.model, jobspec.from_dict({}).generators).fp32_lm_head

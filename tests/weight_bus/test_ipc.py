@@ -116,7 +116,10 @@ def test_publish_over_ipc_bit_for_bit_and_ring_reused(engines, tmp_path):
             bus.publish(named.items(), version=v)
             assert [s.data_ptr() for s in ring.slots] == ptrs
             assert [s.untyped_storage()._share_filename_cpu_()[1] for s in ring.slots] == handles
-            assert ring.nbytes == held and _torch_shm_files() == shm
+            # No new shared memory: the ring's files, and (until this update ended) the engines' mappings
+            # of slots the first update outgrew, which they close now.
+            assert ring.nbytes == held and _torch_shm_files() <= shm
+            assert {h.decode().lstrip("/") for h in handles} <= _torch_shm_files()
         for e in engines:
             _assert_holds(e.weights(), named)
             assert version(e.url) == "14"
@@ -486,3 +489,41 @@ def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path)
     finally:
         bus.close()
         engine.kill()
+
+
+def test_engines_keep_ring_mapped_and_close_a_replaced_ring(engines, tmp_path):
+    """Engines keep the trainer's ring slots mapped between updates (no reopen per call) and close the
+    mappings of a ring the trainer replaced once an update through the new ring completes: the old
+    ring's shared-memory files outlive the trainer's own reference only until then."""
+    model = noisy_model(tmp_path / "r", 2)
+    named = dict(model.state_dict())
+    before = _torch_shm_files()
+    bus = WeightBus([e.url for e in engines], api_key=KEY, backend="ipc", bucket_bytes=1)
+    bus.connect()
+    try:
+        bus.publish(named.items(), version=21)
+        old = _torch_shm_files() - before
+        assert old  # the ring's slots
+    finally:
+        bus.close()
+    del bus
+    import gc
+
+    gc.collect()
+    # The trainer dropped its ring; the engines still map it, so its files are still there.
+    assert old <= _torch_shm_files()
+    bus = WeightBus([e.url for e in engines], api_key=KEY, backend="ipc", bucket_bytes=1)
+    bus.connect()
+    try:
+        with torch.no_grad():
+            for t in named.values():
+                t.add_(0.5)
+        bus.publish(named.items(), version=22)
+        now = _torch_shm_files()
+        assert not (old & now)  # the replaced ring is closed everywhere
+        assert now - before  # the new ring stays mapped
+        for e in engines:
+            _assert_holds(e.weights(), named)
+            assert version(e.url) == "22"
+    finally:
+        bus.close()

@@ -1,0 +1,167 @@
+"""SGLang's own frontend (`sglang.lang`: `@sgl.function`, `sgl.gen`, RuntimeEndpoint) runs unmodified against
+a real built-in engine on the tiny model. The frontend sends `stop_regex: []` (and the other constrained
+keys empty) with every gen; the engine takes empty values as unconstrained."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+sgl = pytest.importorskip("sglang", reason="SGLang's frontend (sglang.lang) is not installed")
+
+API_KEY = "frontend-test-key"
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model_dir):
+    from generator_fleet.engine import EngineServer
+
+    server = EngineServer(str(tiny_model_dir), api_key=API_KEY, context_length=256).start()
+    try:
+        yield sgl.RuntimeEndpoint(server.url, api_key=API_KEY)
+    finally:
+        server.stop()
+
+
+@sgl.function
+def _complete(s, prompt, stop=None):
+    s += prompt
+    s += sgl.gen("out", max_tokens=16, temperature=0.0, stop=stop)
+
+
+def test_gen_with_stop_runs_and_matches_the_unstopped_greedy_output(backend):
+    free = _complete.run(prompt="12+34=", stop=None, backend=backend)
+    full = free["out"]
+    assert full, "greedy generation produced no text"
+    cut = next((c for c in full[1:] if not c.isspace()), None)
+    assert cut is not None, f"greedy text {full!r} has no stop candidate"
+    stopped = _complete.run(prompt="12+34=", stop=cut, backend=backend)
+    # SGLang trims the stop string: the output is the greedy text up to its first occurrence.
+    assert stopped["out"] == full[: full.index(cut)]
+
+
+def test_streaming_text_iter_yields_the_same_text(backend):
+    whole = _complete.run(prompt="7+8=", stop=None, backend=backend)["out"]
+    state = _complete.run(prompt="7+8=", stop=None, backend=backend, stream=True)
+    pieces = list(state.text_iter("out"))
+    assert "".join(pieces) == whole
+
+
+def test_run_batch(backend):
+    prompts = ["1+1=", "23+5=", "9+90="]
+    singles = [_complete.run(prompt=p, stop=None, backend=backend)["out"] for p in prompts]
+    states = _complete.run_batch([{"prompt": p, "stop": None} for p in prompts], backend=backend)
+    assert [s["out"] for s in states] == singles
+
+
+def test_non_empty_grammar_keys_are_refused_and_empty_ones_accepted(backend):
+    for key, value in (
+        ("regex", "[0-9]+"),
+        ("json_schema", "{}"),
+        ("ebnf", 'root ::= "a"'),
+        ("structural_tag", "{}"),
+    ):
+        r = httpx.post(
+            backend.base_url + "/generate",
+            json={"text": "1+2=", "sampling_params": {"max_new_tokens": 2, key: value}},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+        )
+        assert r.status_code == 400, (key, r.text)
+        assert f"sampling_params.{key} is not supported" in r.text
+    empties = {
+        "stop_regex": ([], "", None),
+        "regex": ("", None),
+        "json_schema": ("", None),
+        "ebnf": ("", None),
+    }
+    for key, values in empties.items():
+        for empty in values:
+            r = httpx.post(
+                backend.base_url + "/generate",
+                json={"text": "1+2=", "sampling_params": {"max_new_tokens": 2, key: empty}},
+                headers={"Authorization": f"Bearer {API_KEY}"},
+            )
+            assert r.status_code == 200, (key, empty, r.text)
+
+
+def _post(backend, body: dict) -> httpx.Response:
+    return httpx.post(
+        backend.base_url + "/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
+    )
+
+
+def _first_match_prefix(text: str, pattern: str) -> str:
+    """The shortest prefix of `text` in which `pattern` matches (the tiny model's tokens are characters)."""
+    for end in range(1, len(text) + 1):
+        if re.search(pattern, text[:end]):
+            return text[:end]
+    raise AssertionError(f"{pattern!r} never matches {text!r}")
+
+
+def test_stop_regex_stops_at_the_first_match_and_keeps_it(backend):
+    prompt, n_tokens = "12+34=", 16
+    full = _post(backend, {"text": prompt, "sampling_params": {"max_new_tokens": n_tokens, "temperature": 0}})
+    full_text = full.json()["text"]
+    stop_char = next((c for c in full_text[1:] if not c.isspace()), None)
+    assert stop_char is not None, f"greedy text {full_text!r} has no stop candidate"
+    pattern = re.escape(stop_char) + "|zzz[0-9]+"
+    expected = _first_match_prefix(full_text, pattern)
+    sp = {"max_new_tokens": n_tokens, "temperature": 0, "stop_regex": [pattern]}
+
+    one = _post(backend, {"text": prompt, "sampling_params": sp}).json()
+    assert one["text"] == expected  # SGLang keeps the regex match in the text
+    assert one["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+
+    # n > 1 and a batch: every copy stops at the same point.
+    batch = _post(backend, {"text": [prompt, prompt], "sampling_params": {**sp, "n": 2}}).json()
+    assert [b["text"] for b in batch] == [expected] * 4
+
+    # Streaming ends at the same point.
+    chunks = []
+    with httpx.stream(
+        "POST",
+        backend.base_url + "/generate",
+        json={"text": prompt, "sampling_params": {**sp, "stop_regex": pattern}, "stream": True},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=120,
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data:") and line.strip() != "data: [DONE]":
+                chunks.append(json.loads(line[len("data:") :]))
+    assert chunks[-1]["text"] == expected
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
+
+
+def test_bad_stop_regex_is_a_400(backend):
+    r = _post(backend, {"text": "1+2=", "sampling_params": {"stop_regex": "(unclosed"}})
+    assert r.status_code == 400 and "invalid stop_regex" in r.text, r.text
+    r = _post(backend, {"text": "1+2=", "sampling_params": {"stop_regex": ["a"] * 33}})
+    assert r.status_code == 400 and "at most 32 stop_regex" in r.text, r.text
+
+
+def test_frontend_gen_with_stop_regex(backend):
+    @sgl.function
+    def prog(s):
+        s += "12+34="
+        s += sgl.gen("out", max_tokens=16, temperature=0.0, stop_regex=r"[0-9]|={3}")
+
+    free = _complete.run(prompt="12+34=", backend=backend)["out"]
+    out = prog.run(backend=backend)["out"]
+    assert re.search(r"[0-9]|={3}", free), f"greedy text {free!r} has nothing to stop at"
+    assert out == _first_match_prefix(free, r"[0-9]|={3}")
+
+
+def test_select_picks_a_choice(backend):
+    @sgl.function
+    def prog(s):
+        s += "12+34="
+        s += sgl.select("pick", choices=["46", "=====", "7"])
+
+    state = prog.run(backend=backend)
+    scores = state.get_meta_info("pick")["normalized_prompt_logprobs"]
+    # select scores each choice with the engine's prompt logprobs and takes the best normalized one.
+    assert len(scores) == 3 and all(x < 0 for x in scores), scores
+    assert state["pick"] == ["46", "=====", "7"][max(range(3), key=scores.__getitem__)]
