@@ -237,10 +237,10 @@ def test_every_pause_mode_returns_only_after_the_step_in_flight(small_model):
     entered, release = threading.Event(), threading.Event()
     decode = runner.fwd.decode
 
-    def held_decode(x):  # the step in flight stays in flight until the test lets it go
+    def held_decode(x, *lora):  # the step in flight stays in flight until the test lets it go
         entered.set()
         assert release.wait(120)
-        return decode(x)
+        return decode(x, *lora)
 
     runner.fwd.decode = held_decode
     runner.start()

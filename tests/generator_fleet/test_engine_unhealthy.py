@@ -163,8 +163,8 @@ server = EngineServer(sys.argv[1], device="cuda", fatal_exit_grace_s=3600).start
 fwd = server.runner.fwd
 prefill = fwd.prefill
 
-def faulty_prefill(seqs, slots):  # an out-of-range gather on the device: a device-side assert
-    h = prefill(seqs, slots)
+def faulty_prefill(seqs, slots, *lora):  # an out-of-range gather on the device: a device-side assert
+    h = prefill(seqs, slots, *lora)
     return h[torch.full((h.shape[0],), 1 << 40, device=h.device)]
 
 fwd.prefill = faulty_prefill

@@ -230,6 +230,11 @@ def test_launched_server_serves_registers_and_stops(
                 "enable_metrics": True,
                 "enable_memory_saver": False,
                 "enable_weights_cpu_backup": False,
+                "enable_fp32_lm_head": False,
+                "enable_lora": False,
+                "max_lora_rank": None,
+                "lora_target_modules": None,
+                "max_loras_per_batch": 8,
             }
 
         pgid = server.proc.pid
