@@ -4,38 +4,38 @@ for the bus carry PEFT's saved names and shapes."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 from oracles import build_batch, policy_loss, token_logprobs
-from test_minibatch import _groups, _train
+from test_minibatch import _groups, _learner, _train
 from transformers import AutoModelForCausalLM
 
 import jobspec
-from trainer.distributed import DistInfo, Pool
-from trainer.learner import Learner, wrap_lora
+from models.config import LoraSpec
+from trainer.learner import wrap_lora
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
+def _lora_spec(d: dict, lora: dict):
+    """A job spec with `model.lora` set on its model section (a whole job with LoRA is refused at submit
+    until the weight bus sends adapter-only updates; the trainer takes the section as it is)."""
+    spec = jobspec.from_dict(d)
+    spec.model.lora = msgspec.convert(lora, LoraSpec)
+    return spec
+
+
 def _spec(model_dir, loss: str = "ppo"):
-    return jobspec.from_dict(
+    return _lora_spec(
         {
-            "model": {"path": str(model_dir), "lora": LORA},
+            "model": {"path": str(model_dir)},
             "algorithm": {"lr": 2e-2, "clip_eps": 0.05, "groups_per_step": 4, "loss": loss},
             "rollout": {"group_size": 3},
             "trainer": {"fsdp": False, "micro_batch_tokens": 24, "logprob_chunk_tokens": 16},
-        }
+        },
+        LORA,
     )
-
-
-def _learner(spec) -> Learner:
-    pool = Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
-    ln = Learner(
-        spec.model, spec.algorithm, spec.trainer, pool, response_budget=spec.trainer_config().response_budget
-    )
-    ln.setup()
-    ln.model.double()
-    return ln
 
 
 @pytest.mark.parametrize("loss", ["ppo", "gspo"])
@@ -134,13 +134,14 @@ def test_full_fine_tuning_has_no_adapter(tiny_model_dir):
 def test_dropout_trains_but_logprob_only_passes_do_not_drop(tiny_model_dir):
     from prometheus_client import REGISTRY
 
-    spec = jobspec.from_dict(
+    spec = _lora_spec(
         {
-            "model": {"path": str(tiny_model_dir), "lora": LORA | {"dropout": 0.5}},
+            "model": {"path": str(tiny_model_dir)},
             "algorithm": {"lr": 2e-2, "groups_per_step": 4, "ppo_minibatches": 2},
             "rollout": {"group_size": 3},
             "trainer": {"fsdp": False, "micro_batch_tokens": 24, "logprob_chunk_tokens": 16},
-        }
+        },
+        LORA | {"dropout": 0.5},
     )
     ln = _learner(spec)
     params = sum(p.numel() for p in ln.model.parameters() if p.requires_grad)
