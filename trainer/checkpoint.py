@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer.learner import peft_name
+
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
@@ -115,6 +117,26 @@ def load(learner, path: str | Path) -> dict:
     return state
 
 
+ADAPTER_DIR = "adapter"
+"""A LoRA job's export: the PEFT adapter directory inside the HF model's."""
+
+
+def save_adapter(tensors: dict, lora, path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+    """A PEFT adapter directory: adapter_config.json + adapter_model.safetensors (PEFT's saved names),
+    loadable by `peft.PeftModel.from_pretrained(base, path)` and SGLang's /load_lora_adapter."""
+
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(path / "adapter_model.safetensors")
+    )
+    (path / "adapter_config.json").write_text(json.dumps(lora.peft_config(), indent=2))
+    log.info("wrote LoRA adapter %r (%d tensors) to %s", lora.name, len(tensors), path)
+    return path
+
+
 def export_hf(learner, path: str | Path, tokenizer=None, dtype: torch.dtype = torch.float32) -> Path | None:
     """Gather the full policy on rank 0 and write it as a transformers directory (safetensors) in
     `dtype`; a collective. Returns the path on rank 0, None elsewhere."""
@@ -128,6 +150,15 @@ def export_hf(learner, path: str | Path, tokenizer=None, dtype: torch.dtype = to
         return None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    lora = learner.model_spec.lora
+    if lora is not None:  # the base under its HF names; the adapter goes to its own PEFT directory
+        adapter = {peft_name(k): v for k, v in full.items() if ".lora_A." in k or ".lora_B." in k}
+        full = {
+            k.removeprefix("base_model.model.").replace(".base_layer.", "."): v
+            for k, v in full.items()
+            if k not in adapter and ".lora_A." not in k and ".lora_B." not in k
+        }
+        save_adapter(adapter, lora, path / ADAPTER_DIR, dtype)
     config = type(learner.config).from_dict(learner.config.to_dict())
     config._attn_implementation = "sdpa"  # our packed kernel is a training detail, not the checkpoint's
     with torch.device("meta"):

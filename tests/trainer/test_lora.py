@@ -163,3 +163,29 @@ def test_dropout_trains_but_logprob_only_passes_do_not_drop(tiny_model_dir):
     assert ln.model.training  # back in training mode
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)  # no dropout: deterministic
+
+
+def test_export_writes_the_base_and_a_peft_adapter_with_the_trainers_logits(tiny_model_dir, tmp_path):
+    from peft import PeftModel
+
+    from trainer import checkpoint
+
+    spec = _spec(tiny_model_dir)
+    ln = _learner(spec)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64).eval()
+    _train(ln, spec, _groups(base, noise=0.3))  # B != 0: the adapter changes the logits
+    ln.model.float()
+    out = checkpoint.export_hf(ln, tmp_path / "hf")
+    assert (out / "adapter" / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for n, p in base.named_parameters():  # the exported base is the frozen base
+        torch.testing.assert_close(dict(loaded.named_parameters())[n].double(), p, rtol=0, atol=0, msg=n)
+    peft_model = PeftModel.from_pretrained(loaded, out / "adapter").eval()
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    ln.model.eval()
+    with torch.no_grad():
+        want = ln.model(input_ids=ids).logits
+        got = peft_model(input_ids=ids).logits
+        plain = base.float()(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(plain, want, atol=1e-4)  # the adapter is in the comparison
