@@ -324,7 +324,12 @@ def test_payload_pickles_sglangs_names():
         "torch.uint8",
         "torch.float32",
     }
-    assert not [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]
+    # (SGLang's frontend may be imported by other tests in this process: only stand-ins are checked)
+    assert not [
+        m
+        for m in list(sys.modules)
+        if (m == "sglang" or m.startswith("sglang.")) and getattr(sys.modules[m], "_slipstream_alias", False)
+    ]
 
 
 FAKE_TENSOR_BUCKET = """
