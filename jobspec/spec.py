@@ -161,6 +161,11 @@ class JobSpec(Spec):
                 "LoRA jobs are not supported yet: the weight bus does not send adapter-only updates (the "
                 "trainer's adapters and the engines' adapter routes are usable on their own)",
             )
+        if self.trainer.export_merged and self.model.lora is None:
+            raise bad(
+                "trainer.export_merged",
+                "only with model.lora: a full fine-tuning's HF export already is the whole model",
+            )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
         if self.bus.backend == "ipc":

@@ -176,13 +176,21 @@ class TrainerSpec(Spec):
     restored weights before rollouts start."""
     export_hf: bool = True
     """Write the final policy as an HF directory (config + safetensors + tokenizer) to
-    <output_dir>/final_model, loadable by transformers and SGLang."""
+    <output_dir>/final_model, loadable by transformers and SGLang. With model.lora: the frozen base there
+    and the trained adapter as a PEFT directory in final_model/adapter."""
+    export_merged: bool = False
+    """With model.lora: also write the adapter merged into the base weights (W + alpha / rank * B @ A,
+    PEFT's `merge_and_unload`) as a plain transformers directory in final_model/merged, for servers
+    without LoRA support (verl: `python -m verl.model_merger merge` on a checkpoint; PEFT:
+    `merge_and_unload()` then `save_pretrained`). Needs export_hf."""
 
     def __post_init__(self) -> None:
         if self.num_trainers > 1 and not self.fsdp:
             raise bad("num_trainers", "more than one trainer rank needs fsdp: true")
         if self.offload_optimizer and not self.fsdp:
             raise bad("offload_optimizer", "CPU offload is FSDP2's: needs fsdp: true")
+        if self.export_merged and not self.export_hf:
+            raise bad("export_merged", "the merged model is part of the HF export: needs export_hf: true")
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True):

@@ -39,6 +39,7 @@ from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
 from trainer.critic import Critic, gae_targets
 from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
+from trainer.fingerprint import base_fingerprint
 from trainer.logprobs import packed_logprobs
 from trainer.losses import (
     LOG_RATIO_CLAMP,
@@ -115,6 +116,9 @@ class Learner:
         self.model: nn.Module | None = None
         self.adapter_bytes = 0
         """Bytes of the LoRA adapter's parameters (0 without model.lora)."""
+        self.base_fingerprint: dict[str, str] | None = None
+        """With model.lora: the frozen base's `base_fingerprint`, stored in checkpoints and checked at
+        resume."""
         self.ref: nn.Module | None = None
         self.critic: Critic | None = None
         self.critic_opt = None
@@ -170,6 +174,7 @@ class Learner:
         layers = model.model.layers
         lora = self.model_spec.lora
         if lora is not None:
+            self.base_fingerprint = base_fingerprint(model)
             model = wrap_lora(model, lora)  # before sharding: the adapter's params are sharded with the base
         self.model = self._prepare(model, layers, trainable=True)
         if lora is not None:

@@ -460,7 +460,8 @@ class Trainer:
     def save(self, path: str | Path) -> str | None:
         """Export the policy as an HF directory with the tokenizer (every rank; rank 0 writes)."""
         dtype = torch.bfloat16 if self.learner.bf16 else torch.float32
-        out = checkpoint.export_hf(self.learner, path, self.tokenizer, dtype)
+        merged = self.config.trainer.export_merged
+        out = checkpoint.export_hf(self.learner, path, self.tokenizer, dtype, merged=merged)
         if out is not None:
             log.info("saved final model to %s", out)
         return str(out) if out is not None else None
