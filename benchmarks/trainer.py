@@ -19,10 +19,19 @@ sum(len_i^2) (causal attention), i.e. fwd + bwd matmuls, no credit for recomputa
 for H100/H200 (dense bf16), or --peak-tflops. Timing: torch.cuda.synchronize() around each step, the
 first --warmup steps excluded, mean and median over the rest.
 
-Run (one GPU / two ranks on one host / CPU smoke):
+LoRA vs full fine-tuning (--lora RANK): each model is trained twice on the same data in one run, full
+fine-tuning then a LoRA adapter of that rank on every linear projection of the decoder (q/k/v/o, gate/up/down;
+alpha = 2 x rank), and `ratios.lora_vs_full_tokens_per_s` / `ratios.lora_vs_full_peak_memory` compare them
+(the largest model's; per model with a `_<model>` suffix). Peak memory: torch.cuda.max_memory_allocated on
+GPU; on CPU the tracked bytes of parameters, gradients (of the trained parameters) and optimizer state,
+activations not counted. The FLOPs (and mfu) of a LoRA run use the same formula: it skips the frozen
+weights' gradient GEMMs, so its mfu is the full-fine-tuning-equivalent rate.
+
+Run (one GPU / two ranks on one host / CPU smoke / LoRA vs full on one GPU):
     python benchmarks/trainer.py --device-kind nvidia-h200
     torchrun --nproc_per_node 2 benchmarks/trainer.py --device-kind nvidia-h200-x2
     python benchmarks/trainer.py --model tiny --device cpu --ranks 2 --steps 2 --warmup 1 --micro-batch-tokens 512
+    python benchmarks/trainer.py --model qwen2.5-1.5b-shape --lora 16 --steps 5 --warmup 2 --device-kind nvidia-h200
 """
 
 from __future__ import annotations
@@ -100,20 +109,62 @@ def make_bins(rng: np.random.Generator, bins: int, args) -> list[list]:
     return out
 
 
-def bench_model(name: str, args, pool) -> dict:
+def make_model_dir(name: str, args, pool) -> str:
+    """Rank 0 builds the random-weight model in a temporary directory; every rank gets its path."""
+    model_dir = None
+    if pool.is_main:
+        model_dir = tempfile.mkdtemp(prefix=f"trainer-bench-{name}-", dir=args.tmp_dir)
+        t = time.perf_counter()
+        build_model_dir(Path(model_dir), name, args.seed)
+        log(f"{name}: built random-weight model in {time.perf_counter() - t:.1f} s at {model_dir}")
+    return pool.broadcast(model_dir)
+
+
+def bench_pair(name: str, args, pool) -> list[dict]:
+    """Full fine-tuning, then a LoRA adapter (--lora), of one model on the same data (the same seed)."""
+    model_dir = make_model_dir(name, args, pool)
+    try:
+        return [bench_model(name, args, pool, model_dir, lora=lora) for lora in (False, True)]
+    finally:
+        pool.barrier()
+        if pool.is_main:
+            shutil.rmtree(model_dir, ignore_errors=True)
+
+
+def lora_spec(rank: int):
+    """The benchmark's adapter: every linear projection of the decoder, alpha = 2 x rank."""
+    from models.config import LORA_TARGETS, LoraSpec
+
+    return LoraSpec(rank=rank, alpha=2.0 * rank, target_modules=list(LORA_TARGETS))
+
+
+def tracked_bytes(learner) -> int:
+    """This rank's bytes of parameters, gradients of the trained parameters, and optimizer state."""
+
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    params = list(learner.model.parameters())
+    total = sum(nbytes(p) for p in params) + sum(nbytes(p) for p in params if p.requires_grad)
+    for state in learner.opt.state.values():
+        total += sum(nbytes(v) for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+def bench_model(name: str, args, pool, model_dir: str | None = None, lora: bool = False) -> dict:
+    """One model's timed steps; `model_dir`: built already (and removed by the caller), else built and
+    removed here. lora: train an --lora adapter instead of the full model."""
     import jobspec
     from trainer import attention
     from trainer.learner import Learner
     from trainer.packing import pack
 
     main = pool.is_main
-    model_dir = None
-    if main:
-        model_dir = tempfile.mkdtemp(prefix=f"trainer-bench-{name}-", dir=args.tmp_dir)
-        t = time.perf_counter()
-        build_model_dir(Path(model_dir), name, args.seed)
-        log(f"{name}: built random-weight model in {time.perf_counter() - t:.1f} s at {model_dir}")
-    model_dir = pool.broadcast(model_dir)
+    own_dir = model_dir is None
+    if own_dir:
+        model_dir = make_model_dir(name, args, pool)
+    label = f"{name}-lora" if lora else name
     spec = jobspec.from_dict(
         {
             "model": {"path": model_dir},
@@ -130,13 +181,17 @@ def bench_model(name: str, args, pool) -> dict:
             },
         }
     )
+    if lora:  # on the section: the trainer takes model.lora as a job hands it over
+        spec.model.lora = lora_spec(args.lora)
     learner = Learner(spec.model, spec.algorithm, spec.trainer, pool)
     t = time.perf_counter()
     learner.setup()
     n_params = sum(p.numel() for p in learner.model.parameters())  # DTensor numel is the global one
+    n_trained = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
     if main:
         log(
-            f"{name}: {n_params / 1e6:.0f} M params (sharded over {pool.world_size}) ready in {time.perf_counter() - t:.1f} s"
+            f"{label}: {n_params / 1e6:.0f} M params, {n_trained / 1e6:.1f} M trained (sharded over "
+            f"{pool.world_size}) ready in {time.perf_counter() - t:.1f} s"
         )
     rng = np.random.default_rng(args.seed)
     steps = []
@@ -194,22 +249,22 @@ def bench_model(name: str, args, pool) -> dict:
                 else float("nan")
             )
             log(
-                f"{name} step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if warm else ''}: "
+                f"{label} step {step + 1}/{args.warmup + args.steps}{' (warm-up)' if warm else ''}: "
                 f"{step_s * 1e3:.1f} ms, prep {prep_s * 1e3:.0f} ms, {rec['tokens']} tokens in "
                 f"{rec['samples']} samples, {len(mbs)} micro-batches/rank, "
                 f"{rec['flops'] / step_s / pool.world_size / 1e12:.1f} TFLOP/s/GPU, mfu {mfu:.3f}, loss {rec['loss']:+.4f}"
             )
-    peak_mem = 0.0
-    if cuda:
-        mem = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device=pool.device)
-        peak_mem = float(pool.all_reduce(mem, torch.distributed.ReduceOp.MAX)[0])
+    # the largest rank's: CUDA's peak allocation, or on CPU the tracked state (module docstring)
+    mem = torch.cuda.max_memory_allocated() if cuda else tracked_bytes(learner)
+    mem = torch.tensor([mem / 2**30], dtype=torch.float64, device=pool.device)
+    peak_mem = float(pool.all_reduce(mem, torch.distributed.ReduceOp.MAX)[0])
     config = dict(learner.config.to_dict())
     del learner
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
     pool.barrier()
-    if main:
+    if main and own_dir:
         shutil.rmtree(model_dir, ignore_errors=True)
     times = [r["step_s"] for r in steps]
     mean_s = statistics.mean(times)
@@ -217,7 +272,13 @@ def bench_model(name: str, args, pool) -> dict:
     tokens = statistics.mean(r["tokens"] for r in steps)
     out = {
         "model": name,
+        "label": label,
+        "mode": "lora" if lora else "full",
+        "lora": {"rank": args.lora, "alpha": 2.0 * args.lora, "target_modules": "all linear"}
+        if lora
+        else None,
         "params": n_params,
+        "trained_params": n_trained,
         "world_size": pool.world_size,
         "shape": {
             k: config[k]
@@ -245,6 +306,9 @@ def bench_model(name: str, args, pool) -> dict:
         "tflops_per_gpu": flops_step / mean_s / pool.world_size / 1e12,
         "mfu": flops_step / mean_s / (args.peak_flops * pool.world_size) if args.peak_flops else None,
         "peak_mem_gib": peak_mem,
+        "peak_mem_source": "cuda.max_memory_allocated"
+        if cuda
+        else "tracked: params + grads of trained params + optimizer state",
         "loss_first": steps[0]["loss"],
         "loss_last": steps[-1]["loss"],
         "profile": profile_top if (args.profile and main) else None,
@@ -329,7 +393,10 @@ def worker(rank: int, world: int, port: int, args) -> dict | None:
         args.peak_flops = args.peak_tflops * 1e12
     else:
         args.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    results = [bench_model(m, args, pool) for m in args.model]
+    if args.lora:
+        results = [r for m in args.model for r in bench_pair(m, args, pool)]
+    else:
+        results = [bench_model(m, args, pool) for m in args.model]
     result = None
     if pool.is_main:
         result = write_result(results, args, device)
@@ -347,7 +414,7 @@ def logging_setup() -> None:
 def write_result(results: list[dict], args, device: torch.device) -> dict:
     import transformers
 
-    head = max(results, key=lambda r: r["params"])
+    head = max((r for r in results if r["mode"] == "full"), key=lambda r: r["params"])
     metrics = {
         "mfu": head["mfu"],
         "tokens_per_s": head["tokens_per_s"],
@@ -355,11 +422,12 @@ def write_result(results: list[dict], args, device: torch.device) -> dict:
         "headline_model": head["model"],
     }
     for r in results:
-        metrics[f"mfu_{r['model']}"] = r["mfu"]
-        metrics[f"tokens_per_s_{r['model']}"] = r["tokens_per_s"]
-        metrics[f"tflops_per_gpu_{r['model']}"] = r["tflops_per_gpu"]
-        metrics[f"step_s_{r['model']}"] = r["step_s_mean"]
-        metrics[f"peak_mem_gib_{r['model']}"] = r["peak_mem_gib"]
+        metrics[f"mfu_{r['label']}"] = r["mfu"]
+        metrics[f"tokens_per_s_{r['label']}"] = r["tokens_per_s"]
+        metrics[f"tflops_per_gpu_{r['label']}"] = r["tflops_per_gpu"]
+        metrics[f"step_s_{r['label']}"] = r["step_s_mean"]
+        metrics[f"peak_mem_gib_{r['label']}"] = r["peak_mem_gib"]
+    ratios = lora_ratios(results, head["model"])
     env = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -391,27 +459,54 @@ def write_result(results: list[dict], args, device: torch.device) -> dict:
             "logprob_chunk_tokens": args.logprob_chunk,
             "cpu_offload": args.offload,
             "reference_model": args.kl,
+            "lora_rank": args.lora,
             "peak_flops_per_gpu": args.peak_flops,
             "flops_formula": "6*N_trunk*T + 6*hidden*vocab*T_response + 6*layers*d_attn*sum(L_i^2)",
             "env": env,
         },
         "metrics": metrics,
-        "ratios": {},
+        "ratios": ratios,
         "runs": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"trainer-{args.device_kind}-{today:%Y%m%d}.json"
+    path = result_path(args, today)
     path.write_text(json.dumps(result, indent=2) + "\n")
     log(f"wrote {path}")
     for r in results:
         mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
         print(
             f"trainer mfu={mfu} tokens_per_s={r['tokens_per_s']:.0f} step_s={r['step_s_mean']:.4f} "
-            f"tflops_per_gpu={r['tflops_per_gpu']:.1f} (model={r['model']}, ranks={r['world_size']}, "
-            f"device={args.device_kind})",
+            f"tflops_per_gpu={r['tflops_per_gpu']:.1f} peak_mem_gib={r['peak_mem_gib']:.3f} "
+            f"(model={r['label']}, ranks={r['world_size']}, device={args.device_kind})",
             flush=True,
         )
+    if ratios:
+        print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()), flush=True)
     return result
+
+
+def lora_ratios(results: list[dict], headline: str) -> dict:
+    """LoRA ÷ full fine-tuning of each model run both ways: tokens/s and peak memory, suffixed with the
+    model's name, and unsuffixed for `headline` (the largest model)."""
+    out = {}
+    for full in (r for r in results if r["mode"] == "full"):
+        lora = next((r for r in results if r["mode"] == "lora" and r["model"] == full["model"]), None)
+        if lora is None:
+            continue
+        tok = lora["tokens_per_s"] / full["tokens_per_s"]
+        mem = lora["peak_mem_gib"] / full["peak_mem_gib"]
+        out[f"lora_vs_full_tokens_per_s_{full['model']}"] = tok
+        out[f"lora_vs_full_peak_memory_{full['model']}"] = mem
+        if full["model"] == headline:
+            out["lora_vs_full_tokens_per_s"] = tok
+            out["lora_vs_full_peak_memory"] = mem
+    return out
+
+
+def result_path(args, day: datetime.date) -> Path:
+    """benchmarks/results/trainer-<device>[-lora<rank>]-<YYYYMMDD>.json"""
+    label = f"-lora{args.lora}" if args.lora else ""
+    return args.out / f"trainer-{args.device_kind}{label}-{day:%Y%m%d}.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -450,6 +545,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of params/grads/optimizer")
     p.add_argument("--kl", action="store_true", help="also run a frozen reference model (KL penalty)")
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="RANK",
+        help="run each model twice, full fine-tuning and a LoRA adapter of this rank on every linear "
+        "projection, and report the ratios (0: full fine-tuning only)",
+    )
     p.add_argument("--peak-tflops", type=float, help="peak bf16 TFLOP/s per device (default: by GPU name)")
     p.add_argument(
         "--profile", action="store_true", help="one extra untimed step under torch.profiler: top kernels"
@@ -483,8 +586,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     )
     while not ctx.join():
         pass
-    path = args.out / f"trainer-{args.device_kind}-{datetime.date.today():%Y%m%d}.json"
-    return json.loads(path.read_text())
+    return json.loads(result_path(args, datetime.date.today()).read_text())
 
 
 def free_port() -> int:
