@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainer import metrics
 from trainer.learner import peft_name
 
 log = logging.getLogger(__name__)
@@ -100,6 +102,7 @@ def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None
     """Write a checkpoint (a collective: every rank calls it). `trainer_state` (JSON-able) is rank 0's."""
     path = Path(path)
     pool = learner.pool
+    t0 = time.monotonic()
     if pool.is_main and path.exists():
         shutil.rmtree(path)  # a half-written earlier attempt at the same step
     pool.barrier()
@@ -116,7 +119,16 @@ def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None
         if keep:
             for old in sorted(path.parent.glob("step-*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint %s written by %d ranks", path, pool.world_size)
+        size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        metrics.CHECKPOINT_BYTES.set(size)
+        metrics.CHECKPOINT_SECONDS.observe(time.monotonic() - t0)
+        log.info(
+            "checkpoint %s written by %d ranks (%d bytes, %.1f s)",
+            path,
+            pool.world_size,
+            size,
+            time.monotonic() - t0,
+        )
         if lora is not None:
             log.info(
                 "checkpoint %s holds LoRA adapter %r only (%d bytes of adapter weights + their AdamW state); "

@@ -58,6 +58,14 @@ LORA_PARAMS = Gauge(
 LORA_BYTES = Gauge(
     "slipstream_trainer_lora_adapter_bytes", "Bytes of the LoRA adapter's parameters (what a publish sends)"
 )
+CHECKPOINT_SECONDS = Histogram(
+    "slipstream_trainer_checkpoint_seconds",
+    "Time to write a checkpoint (every rank's shards, then the state)",
+)
+CHECKPOINT_BYTES = Gauge(
+    "slipstream_trainer_checkpoint_bytes",
+    "Bytes on disk of the last checkpoint written (a LoRA job's: the adapter and its optimizer state only)",
+)
 MFU = Gauge("slipstream_trainer_mfu", "Model FLOPs utilisation of the last step (bf16 peak; GPU only)")
 
 

@@ -218,7 +218,14 @@ def saved(tmp_path_factory, tiny_model_dir):
     learner = _local(spec)
     _step(learner, spec, 0, learner.config.vocab_size)
     path = checkpoint.save(learner, out / "ckpt", {"step": 1, "version": 1})
+    assert _checkpoint_bytes() == sum(f.stat().st_size for f in path.iterdir())
     return path, dict(learner.adapter_tensors()), learner.opt.state_dict()
+
+
+def _checkpoint_bytes() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("slipstream_trainer_checkpoint_bytes")
 
 
 def test_same_base_at_another_path_resumes_the_adapter_and_optimizer(saved, tiny_model_dir, tmp_path, caplog):
@@ -267,6 +274,9 @@ def test_another_adapter_or_full_weights_are_refused_at_model_lora(saved, tiny_m
     with pytest.raises(checkpoint.CheckpointMismatch, match=r"^model\.lora: .*holds a LoRA adapter"):
         checkpoint.load(full, path)
     full_ckpt = checkpoint.save(full, tmp_path / "full", {"step": 0, "version": 0})
+    # the full checkpoint's weights and AdamW moments are 3x the base; the adapter's are a sliver of it
+    lora_bytes = sum(f.stat().st_size for f in path.iterdir())
+    assert lora_bytes * 10 < _checkpoint_bytes()
     with pytest.raises(checkpoint.CheckpointMismatch, match=r"^model\.lora: .*holds full weights"):
         checkpoint.load(_local(_spec(tiny_model_dir, 1, fsdp=False)), full_ckpt)
 
