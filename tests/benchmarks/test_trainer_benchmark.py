@@ -41,7 +41,7 @@ def test_tiny_cpu_run_writes_result_file_with_headline_names(tmp_path, capsys):
 
 
 def test_lora_mode_runs_full_and_lora_side_by_side_with_ratios(tmp_path, capsys):
-    argv = ["--model", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1", "--lora", "16"]
+    argv = ["--model", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0", "--lora", "16"]
     argv += ["--micro-batch-tokens", "128", "--micro-batches", "2", "--min-len", "16", "--max-len", "64"]
     argv += ["--out", str(tmp_path)]
     result = main(argv)
