@@ -9,7 +9,7 @@ last, so a crash mid-save leaves the previous one as latest.
 
 A LoRA job's checkpoint (model.lora) holds the adapter's tensors and their AdamW state only, not the
 frozen base: that comes from model.path when the job resumes. Its trainer_state carries `lora` (the adapter's
-rank, alpha, targets) and `base` (trainer/fingerprint.py: hashes of the base's config and weights); a resume
+rank, alpha, targets) and `base` (trainer/fingerprint.py: the base's config and a hash of its weights); a resume
 with another base, another adapter shape, or a full-weight checkpoint for a LoRA job (or the reverse) is
 refused with the spec key to fix. Resharding works as for full weights.
 
@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer import metrics
+from trainer.fingerprint import config_differences
 from trainer.learner import peft_name
 
 log = logging.getLogger(__name__)
@@ -132,12 +133,11 @@ def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None
         if lora is not None:
             log.info(
                 "checkpoint %s holds LoRA adapter %r only (%d bytes of adapter weights + their AdamW state); "
-                "the frozen base is model.path %s (config %s, weights %s)",
+                "the frozen base is model.path %s (weights fingerprint %s)",
                 path,
                 lora.name,
                 learner.adapter_bytes,
                 learner.model_spec.path,
-                learner.base_fingerprint["config"],
                 learner.base_fingerprint["weights"],
             )
     pool.barrier()
@@ -188,13 +188,18 @@ def check_compatible(learner, state: dict, path: Path) -> None:
             + ", ".join(f"{k} {a} in the checkpoint, {b} in the spec" for k, (a, b) in diff.items())
         )
     base, fp = state.get("base", {}), learner.base_fingerprint
-    wrong = [k for k in ("config", "weights") if base.get(k) != fp[k]]
-    if wrong:
+    config = config_differences(base.get("config", {}), fp["config"])
+    if config or base.get("weights") != fp["weights"]:
+        what = (
+            "config: "
+            + ", ".join(f"{k} {a!r} in the checkpoint's base, {b!r} now" for k, (a, b) in config.items())
+            if config
+            else f"weights: fingerprint {base.get('weights')} in the checkpoint, {fp['weights']} now"
+        )
         raise CheckpointMismatch(
-            f"model.path: checkpoint {path} holds a LoRA adapter trained on base {base.get('path')!r} "
-            f"(config {base.get('config')}, weights {base.get('weights')}); model.path "
-            f"{learner.model_spec.path!r} is another model (its {' and '.join(wrong)} differ: config "
-            f"{fp['config']}, weights {fp['weights']}): resume with the base the adapter was trained on"
+            f"model.path: checkpoint {path} holds a LoRA adapter trained on base {base.get('path')!r}; "
+            f"model.path {learner.model_spec.path!r} is another model ({what}): resume with the base the "
+            "adapter was trained on"
         )
 
 
@@ -228,13 +233,12 @@ def load(learner, path: str | Path) -> dict:
     if learner.model_spec.lora is not None:
         log.info(
             "resumed LoRA adapter %r (rank %d, %d bytes) and its AdamW state from %s; base model.path %s "
-            "matches the checkpoint's (config %s, weights %s)",
+            "matches the checkpoint's (config, weights fingerprint %s)",
             learner.model_spec.lora.name,
             learner.model_spec.lora.rank,
             learner.adapter_bytes,
             path,
             learner.model_spec.path,
-            learner.base_fingerprint["config"],
             learner.base_fingerprint["weights"],
         )
     return state

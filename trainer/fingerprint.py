@@ -12,17 +12,35 @@ from torch import nn
 
 FINGERPRINT_SAMPLES = 4096
 """Values of each base tensor hashed into its fingerprint (evenly spaced over the flattened tensor)."""
-_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation")
-"""Config keys that name where or how a model was loaded, not which model it is."""
+_VOLATILE_CONFIG = ("transformers_version", "dtype", "torch_dtype")
+"""Config keys that say how a model was saved or loaded, not which model it is (so are keys starting with
+`_`: its path, the attention implementation)."""
 
 
-def base_fingerprint(model: nn.Module) -> dict[str, str]:
-    """Which frozen base a LoRA adapter was trained on, as stored in its checkpoints: `config`, a hash of
-    the HF config (less where and how it was loaded), and `weights`, a hash of every parameter's name,
-    shape and FINGERPRINT_SAMPLES evenly spaced values (in fp32, as the trainer loads them). Takes the
-    unsharded HF model, before the adapter is added; cheap next to loading it."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _VOLATILE_CONFIG}
-    config_hash = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+def base_config(model: nn.Module) -> dict:
+    """The HF config's entries that describe the model (JSON values), less where and how it was loaded."""
+    config = model.config.to_dict()
+    return json.loads(
+        json.dumps(
+            {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG},
+            default=str,
+        )
+    )
+
+
+def config_differences(saved: dict, current: dict) -> dict[str, tuple]:
+    """Entries the two configs both have and disagree on (a key only one has, as a newer transformers
+    adds, is no difference)."""
+    return {
+        k: (saved[k], current[k]) for k in sorted(saved.keys() & current.keys()) if saved[k] != current[k]
+    }
+
+
+def base_fingerprint(model: nn.Module) -> dict:
+    """Which frozen base a LoRA adapter was trained on, as stored in its checkpoints: `config`, the HF
+    config's describing entries (base_config), and `weights`, a hash of every parameter's name, shape and
+    FINGERPRINT_SAMPLES evenly spaced values (in fp32, as the trainer loads them). Takes the unsharded HF
+    model, before the adapter is added; cheap next to loading it."""
     h = hashlib.sha256()
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
@@ -30,4 +48,4 @@ def base_fingerprint(model: nn.Module) -> dict[str, str]:
             idx = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_SAMPLES)).long()
             h.update(f"{name}:{tuple(p.shape)}".encode())
             h.update(flat[idx].float().cpu().numpy().tobytes())
-    return {"config": config_hash[:16], "weights": h.hexdigest()[:16]}
+    return {"config": base_config(model), "weights": h.hexdigest()[:16]}

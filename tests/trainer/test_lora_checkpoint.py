@@ -165,7 +165,10 @@ def test_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_only(runs, ti
         "target_modules": sorted(LORA["target_modules"]),
     }
     assert state["base"]["path"] == str(tiny_model_dir)
-    assert len(state["base"]["config"]) == len(state["base"]["weights"]) == 16
+    assert len(state["base"]["weights"]) == 16
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    assert state["base"]["config"]["hidden_size"] == config["hidden_size"]
+    assert not [k for k in state["base"]["config"] if k.startswith("_") or k == "transformers_version"]
     base_bytes = sum(f.stat().st_size for f in tiny_model_dir.glob("*.safetensors"))
     ckpt_bytes = sum(f.stat().st_size for f in path.glob("*.distcp"))
     assert ckpt_bytes < base_bytes / 2  # the frozen base is not in it
@@ -259,7 +262,15 @@ def test_another_base_is_refused_at_model_path(saved, tiny_model_dir, tmp_path):
         model.model.layers[1].mlp.up_proj.weight.mul_(1.01)  # same architecture, other weights
     model.save_pretrained(other)
     learner = _local(_spec(other, 1, fsdp=False))
-    with pytest.raises(checkpoint.CheckpointMismatch, match=r"^model\.path: .*weights differ"):
+    with pytest.raises(checkpoint.CheckpointMismatch, match=r"^model\.path: .*another model \(weights: "):
+        checkpoint.load(learner, saved[0])
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    shutil.copytree(tiny_model_dir, tmp_path / "eps")  # same weights, another norm epsilon
+    (tmp_path / "eps" / "config.json").write_text(json.dumps(config | {"rms_norm_eps": 0.125}))
+    learner = _local(_spec(tmp_path / "eps", 1, fsdp=False))
+    with pytest.raises(
+        checkpoint.CheckpointMismatch, match=r"^model\.path: .*\(config: rms_norm_eps .* 0\.125 now"
+    ):
         checkpoint.load(learner, saved[0])
 
 
