@@ -297,3 +297,56 @@ def test_export_merged_spec_checks():
         jobspec.from_dict({"trainer": {"export_merged": True}})
     with pytest.raises(jobspec.JobSpecError, match=r"needs export_hf.*\$\.trainer\.export_merged`"):
         jobspec.from_dict({"trainer": {"export_merged": True, "export_hf": False}})
+
+
+# --- the trainer's own checkpoint, resume and final export (real redis-server, no engines) ------------------
+
+
+def _trainer(job_id, model_dir, out, redis_url, **trainer):
+    from trainer.trainer import Trainer
+
+    spec = jobspec.from_dict(
+        {
+            "name": job_id,
+            "output_dir": str(out),
+            "model": {"path": str(model_dir)},
+            "algorithm": {"groups_per_step": 2},
+            "bus": {"backend": "gloo", "timeout_s": 10.0},
+        }
+    )
+    spec.model.lora = LoraSpec(**LORA)  # on the section: a whole job with model.lora is refused at submit
+    for key, value in trainer.items():
+        setattr(spec.trainer, key, value)
+    t = Trainer(spec.trainer_config(), redis_url, [], None)
+    t.setup()
+    return t
+
+
+def test_trainer_checkpoints_resumes_and_exports_merged(redis_server, job_id, tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    first = _trainer(job_id, tiny_model_dir, tmp_path / "out", redis_server.url, export_merged=True)
+    try:
+        with torch.no_grad():  # an adapter that changes the outputs (B = 0 at the start)
+            for name, p in first.learner.model.named_parameters():
+                if ".lora_B." in name:
+                    p.add_(0.05)
+        path = first.checkpoint(0)
+        adapter = dict(first.learner.adapter_tensors())
+        first.learner.model.eval()
+        with torch.no_grad():
+            want = first.learner.model(input_ids=torch.tensor(PROBE)).logits
+        final = first.save(tmp_path / "out" / "final_model")
+    finally:
+        first.close()
+    merged = AutoModelForCausalLM.from_pretrained(f"{final}/merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=torch.tensor(PROBE)).logits, want, rtol=1e-5, atol=1e-5)
+
+    second = _trainer(job_id, tiny_model_dir, tmp_path / "out", redis_server.url, resume_from=str(path))
+    try:
+        assert second._resumed == (0, path)
+        for name, t in second.learner.adapter_tensors():
+            assert torch.equal(t, adapter[name]), name
+    finally:
+        second.close()
