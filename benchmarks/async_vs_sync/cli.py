@@ -101,8 +101,11 @@ def run_fp32_head(args: argparse.Namespace, argv: list[str]) -> dict:
         try:
             if args.device == "cuda":
                 os.environ[ENGINE_KEY_ENV] = secrets.token_hex(16)
-            model = build_tiny_arith(args, work) if args.device == "cpu" else build_cuda_model(args, work)
-            raw = base_spec(args, model)
+            # the tiny a+b model has trained logits; a random-weight shape model's are near zero (its bf16
+            # logits lose next to nothing), so on cuda the a+b job on the same GPU stack is the default
+            tiny = args.device == "cpu" or args.fp32_head_model == "tiny-arith"
+            model = build_tiny_arith(args, work) if tiny else build_cuda_model(args, work)
+            raw = base_spec(args, model, task="arith" if tiny else None)
             make_spec(with_fp32_heads(raw), name="x", out=work / "x", max_staleness=0, total_steps=1)
             samples_per_step = step_samples(raw)
             result["config"] = {
@@ -112,7 +115,7 @@ def run_fp32_head(args: argparse.Namespace, argv: list[str]) -> dict:
                 "samples_per_step": samples_per_step,
                 "job": json.loads(json.dumps(raw)),
                 "fp32_head_job": json.loads(json.dumps(with_fp32_heads(raw))),
-                "model_shape": "tiny-arith (demo)" if args.device == "cpu" else args.model_shape,
+                "model_shape": "tiny-arith (demo)" if tiny else args.model_shape,
                 "placement": args.placement,
                 "definitions": {
                     "logprob_abs_diff": "mean |trainer - engine| logprob of the trained tokens (progress "
@@ -412,7 +415,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=["off", "on", "both"],
         default="off",
         help="the LM heads of engine and trainer in fp32: off, on (every job), or both: only each "
-        "--staleness job without and with them, side by side (mismatch figures and samples/s)",
+        "--staleness job (default 0 here) without and with them, side by side (mismatch figures and samples/s)",
+    )
+    p.add_argument(
+        "--fp32-head-model",
+        choices=["tiny-arith", "job"],
+        default="tiny-arith",
+        help="--fp32-lm-head both on cuda: the a+b job on the tiny SFT-warmed model (default), or the "
+        "throughput job (random-weight --model-shape, word problems)",
     )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
@@ -427,6 +437,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pool the learning seeds of these result files (same job and device) into one result; runs nothing",
     )
     args = p.parse_args(argv)
+    if args.fp32_lm_head == "both" and args.staleness is None:
+        args.staleness = "0"  # on-policy: the mismatch is the two sides' arithmetic alone
     from benchmarks.common import apply_presets  # here: the script runs without PYTHONPATH
 
     apply_presets(args, DEFAULTS, CUDA_DEFAULTS, QUICK)
@@ -449,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         import importlib.util
 
-        if importlib.util.find_spec("math_verify") is None:  # the cuda job's reward (word problems)
+        arith_only = args.fp32_lm_head == "both" and args.fp32_head_model == "tiny-arith"
+        if not arith_only and importlib.util.find_spec("math_verify") is None:  # the cuda job's reward
             sys.exit(
                 "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
             )

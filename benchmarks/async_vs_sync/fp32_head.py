@@ -10,6 +10,10 @@ tokens (`logprob_diff_mean`) and the k3 estimate of KL(behaviour || trainer) (`b
 all the job's steps, and samples/s and tokens/s over the timed steps (module measure.rates). Ratios:
 fp32 / bf16 of each.
 
+The figures compare the engine's logprobs with the trainer's on the same tokens at training time, so at
+max_staleness > 0 they include the policy's drift over the data's staleness; max_staleness 0 (the
+default of `--fp32-lm-head both`) leaves the two sides' arithmetic alone.
+
 Both sides only compute in bf16 on a GPU: on CPU the engine and the trainer are fp32 and the option has
 nothing to change, so a CPU run checks the mechanics (both figures of both jobs, side by side), not the
 effect.

@@ -263,7 +263,7 @@ def test_fp32_head_ratios_and_side_by_side_figures():
 
 @pytest.mark.slow
 def test_fp32_head_both_runs_each_job_with_and_without(tmp_path, capsys):
-    argv = ["--quick", "--fp32-lm-head", "both", "--staleness", "2", "--steps", "2", "--warmup", "1"]
+    argv = ["--quick", "--fp32-lm-head", "both", "--steps", "2", "--warmup", "1"]
     result = main([*argv, "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
     [path] = tmp_path.glob("async_vs_sync-cpu-fp32-head-*.json")
     on_disk = json.loads(path.read_text())
@@ -271,7 +271,8 @@ def test_fp32_head_both_runs_each_job_with_and_without(tmp_path, capsys):
     cfg, m, r = on_disk["config"], on_disk["metrics"], on_disk["ratios"]
     assert cfg["fp32_head_job"]["generators"]["fp32_lm_head"] is True
     assert "fp32_lm_head" not in cfg["job"]["generators"]
-    runs = m["runs"]["2"]
+    assert cfg["max_staleness"] == [0]  # on-policy by default: the arithmetic alone
+    runs = m["runs"]["0"]
     assert runs.keys() == {"bf16_head", "fp32_head"}
     for run in runs.values():
         assert len(run["progress"]) == 3 and run["buffer"]["consumed"] == 3 * 4
@@ -286,7 +287,7 @@ def test_fp32_head_both_runs_each_job_with_and_without(tmp_path, capsys):
     )
     assert r["fp32_vs_bf16_head_kl_k3"] == fp["kl_k3_mean"] / bf["kl_k3_mean"]
     assert r["fp32_vs_bf16_head_samples_per_s"] == fp["samples_per_s"] / bf["samples_per_s"]
-    assert m["samples_per_s_fp32_head_staleness_2"] == fp["samples_per_s"]
+    assert m["samples_per_s_fp32_head_staleness_0"] == fp["samples_per_s"]
     assert (
         capsys.readouterr()
         .out.splitlines()[-1]
