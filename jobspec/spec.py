@@ -87,10 +87,13 @@ class JobSpec(Spec):
     @property
     def trainer_fp32_lm_head(self) -> bool:
         """trainer.fp32_lm_head, its null resolved: the engines' fp32 head (builtin
-        `generators.fp32_lm_head`, sglang `generators.sglang.enable_fp32_lm_head`; external: off)."""
+        `generators.fp32_lm_head`, sglang `generators.sglang.enable_fp32_lm_head`; external: off), off
+        with `trainer.mixed_precision: fp32` (the head is fp32 there already)."""
         if self.trainer.fp32_lm_head is not None:
             return self.trainer.fp32_lm_head
         g = self.generators
+        if self.trainer.mixed_precision == "fp32":
+            return False
         if g.engine == "builtin":
             return g.fp32_lm_head
         return g.engine == "sglang" and g.sglang.enable_fp32_lm_head

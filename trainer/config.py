@@ -154,7 +154,8 @@ class TrainerSpec(Spec):
     behind every ratio come from fp32 logits like the engines' with their fp32 head (TRL
     `cast_lm_head_to_fp32`, the trainer half of SGLang's `--enable-fp32-lm-head`). null = as the engines:
     on with `generators.fp32_lm_head` (builtin) or `generators.sglang.enable_fp32_lm_head` (sglang), off
-    with external engines (set it to match how they run). No effect on fp32 compute (a CPU trainer)."""
+    with external engines (set it to match how they run) and with mixed_precision fp32. No effect on fp32
+    compute (a CPU trainer)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, about 1/3 more compute)."""
     offload_optimizer: bool = False

@@ -484,8 +484,8 @@ def main(argv: list[str] | None = None) -> dict:
         r = result["ratios"]
         if "fp32_vs_bf16_head_logprob_abs_diff" in r:
             print(
-                f"async_vs_sync fp32_vs_bf16_head_logprob_abs_diff={r['fp32_vs_bf16_head_logprob_abs_diff']} "
-                f"fp32_vs_bf16_head_kl_k3={r['fp32_vs_bf16_head_kl_k3']} "
+                f"async_vs_sync fp32_vs_bf16_head_logprob_abs_diff={r['fp32_vs_bf16_head_logprob_abs_diff']:.4g} "
+                f"fp32_vs_bf16_head_kl_k3={r['fp32_vs_bf16_head_kl_k3']:.4g} "
                 f"fp32_vs_bf16_head_samples_per_s={r['fp32_vs_bf16_head_samples_per_s']:.3f}",
                 flush=True,
             )

@@ -133,7 +133,7 @@ def fp32_head_report(metrics: dict[str, Any]) -> str:
         for head, m in by_head.items():
             lp, kl = m["logprob_abs_diff_mean"], m["kl_k3_mean"]
             lines.append(
-                f"{f'max_staleness {ms} {head}':<28} {'-' if lp is None else f'{lp:.5f}':>10} "
-                f"{'-' if kl is None else f'{kl:.6f}':>10} {m['samples_per_s']:>10.1f} {m['tokens_per_s']:>10.0f}"
+                f"{f'max_staleness {ms} {head}':<28} {'-' if lp is None else f'{lp:.4g}':>10} "
+                f"{'-' if kl is None else f'{kl:.4g}':>10} {m['samples_per_s']:>10.1f} {m['tokens_per_s']:>10.0f}"
             )
     return "\n".join(lines)

@@ -97,6 +97,7 @@ def test_fp32_lm_head_reaches_the_builtin_engines_options():
             True,
         ),
         ({"generators": {"fp32_lm_head": True}, "trainer": {"fp32_lm_head": False}}, False),
+        ({"generators": {"fp32_lm_head": True}, "trainer": {"mixed_precision": "fp32"}}, False),
     ],
 )
 def test_trainer_fp32_lm_head_follows_the_engines_unless_set(raw, on):
