@@ -225,9 +225,13 @@ def test_fp32_heads_job_sets_both_sides(tmp_path):
     cuda = base_spec(parse_args(["--device", "cuda"]), tmp_path / "m")
     spec = _valid(with_fp32_heads(cuda), tmp_path)
     assert spec.generators.engine == "external" and spec.trainer.fp32_lm_head and spec.trainer_fp32_lm_head
-    colocated = base_spec(parse_args(["--device", "cuda", "--placement", "colocated"]), tmp_path / "m")
+    # the GPU command's job: the a+b task colocated on one GPU (--fp32-head-model tiny-arith, the default)
+    args = parse_args(["--device", "cuda", "--placement", "colocated", "--fp32-lm-head", "both"])
+    assert args.fp32_head_model == "tiny-arith" and args.staleness == "0"
+    colocated = base_spec(args, tmp_path / "m", task="arith")
     spec = _valid(with_fp32_heads(colocated), tmp_path)
     assert spec.generators.fp32_lm_head and spec.trainer_fp32_lm_head and spec.trainer.fp32_lm_head is None
+    assert spec.placement == "colocated" and spec.trainer.device == "cuda" and spec.dataset.name == "arith"
 
 
 def test_fp32_head_ratios_and_side_by_side_figures():
