@@ -67,6 +67,7 @@ def summarize(spec, result, error: str | None, wall_s: float, window: int) -> di
         "restarts": restarts,
         "finish_abort": sum(r.get("finish_abort", 0) or 0 for r in records),
         "fp32_lm_head": spec.generators.fp32_lm_head,
+        "trainer_fp32_lm_head": spec.trainer_fp32_lm_head,
         "error": error,
         "problems": problems,
         "clean": not problems,

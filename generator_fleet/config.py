@@ -149,7 +149,8 @@ class GeneratorsSpec(Spec):
     keeps the rest; null = the pool takes half the memory free after loading the model."""
     fp32_lm_head: bool = engine_default("fp32_lm_head")
     """`builtin`: logits and their log-softmax in fp32 on a bf16 model (SGLang's --enable-fp32-lm-head;
-    `sglang` engines take `sglang.enable_fp32_lm_head`): engine logprobs closer to the trainer's."""
+    `sglang` engines take `sglang.enable_fp32_lm_head`): engine logprobs closer to the trainer's. The
+    trainer's own fp32 head follows it unless `trainer.fp32_lm_head` is set."""
     sglang: SGLangSpec = msgspec.field(default_factory=SGLangSpec)
     urls: list[str] = msgspec.field(default_factory=list)
     """`external`: base URLs (http://host:port) of servers that speak SGLang's native API, SGLang or

@@ -84,6 +84,20 @@ class JobSpec(Spec):
         """Response tokens one sample may have."""
         return self.agent.max_total_tokens if self.agent is not None else self.rollout.sampling.max_new_tokens
 
+    @property
+    def trainer_fp32_lm_head(self) -> bool:
+        """trainer.fp32_lm_head, its null resolved: the engines' fp32 head (builtin
+        `generators.fp32_lm_head`, sglang `generators.sglang.enable_fp32_lm_head`; external: off), off
+        with `trainer.mixed_precision: fp32` (the head is fp32 there already)."""
+        if self.trainer.fp32_lm_head is not None:
+            return self.trainer.fp32_lm_head
+        g = self.generators
+        if self.trainer.mixed_precision == "fp32":
+            return False
+        if g.engine == "builtin":
+            return g.fp32_lm_head
+        return g.engine == "sglang" and g.sglang.enable_fp32_lm_head
+
     def trainer_config(self) -> TrainerConfig:
         """The sections a trainer rank uses."""
         budget = self.response_budget
@@ -92,7 +106,7 @@ class JobSpec(Spec):
             output_dir=self.output_dir,
             model=self.model,
             algorithm=self.algorithm,
-            trainer=self.trainer,
+            trainer=msgspec.structs.replace(self.trainer, fp32_lm_head=self.trainer_fp32_lm_head),
             buffer=self.buffer,
             bus=self.bus,
             response_budget=budget,

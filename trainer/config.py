@@ -148,6 +148,14 @@ class TrainerSpec(Spec):
     mixed_precision: Literal["bf16", "fp32"] = "bf16"
     """Compute dtype on cuda; master weights, optimizer state and gradient reduction stay fp32. CPU
     runs are fp32 whatever this says."""
+    fp32_lm_head: bool | None = None
+    """The LM head's matmul in fp32 on bf16 compute: the final norm's output and the head's weight (the
+    bf16 compute copy, the tied embedding's when tied) are cast to fp32 for the logits, so the logprobs
+    behind every ratio come from fp32 logits like the engines' with their fp32 head (TRL
+    `cast_lm_head_to_fp32`, the trainer half of SGLang's `--enable-fp32-lm-head`). null = as the engines:
+    on with `generators.fp32_lm_head` (builtin) or `generators.sglang.enable_fp32_lm_head` (sglang), off
+    with external engines (set it to match how they run) and with mixed_precision fp32. No effect on fp32
+    compute (a CPU trainer)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward (less memory, about 1/3 more compute)."""
     offload_optimizer: bool = False
@@ -191,6 +199,8 @@ class TrainerSpec(Spec):
             raise bad("offload_optimizer", "CPU offload is FSDP2's: needs fsdp: true")
         if self.export_merged and not self.export_hf:
             raise bad("export_merged", "the merged model is part of the HF export: needs export_hf: true")
+        if self.fp32_lm_head and self.mixed_precision == "fp32":
+            raise bad("fp32_lm_head", "mixed_precision fp32 computes the LM head in fp32 already")
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True):

@@ -113,6 +113,8 @@ class Learner:
         tr = trainer
         self.fsdp = tr.fsdp and pool.enabled
         self.bf16 = self.device.type == "cuda" and tr.mixed_precision == "bf16"
+        self.fp32_head = bool(tr.fp32_lm_head) and self.bf16
+        """trainer.fp32_lm_head on bf16 compute: the LM head's matmul in fp32 (trainer/logprobs.py)."""
         self.model: nn.Module | None = None
         self.adapter_bytes = 0
         """Bytes of the LoRA adapter's parameters (0 without model.lora)."""
@@ -202,14 +204,16 @@ class Learner:
             critic = Critic.from_pretrained(alg.critic_model_path or self.model_spec.path, attn)
             self.critic = self._prepare(critic, critic.backbone.layers, trainable=True)
             self.critic_opt = self._optimizer(self.critic, alg.critic_lr)
+        metrics.FP32_HEAD.set(int(self.fp32_head))
         log.info(
-            "learner rank %d/%d on %s: fsdp %s, bf16 %s, activation checkpointing %s, cpu offload %s, "
-            "ref %s, critic %s",
+            "learner rank %d/%d on %s: fsdp %s, bf16 %s, fp32 LM head %s, activation checkpointing %s, "
+            "cpu offload %s, ref %s, critic %s",
             self.pool.rank,
             self.pool.world_size,
             self.device,
             self.fsdp,
             self.bf16,
+            self.fp32_head if self.bf16 else f"{bool(tr.fp32_lm_head)} (fp32 compute: no effect)",
             tr.activation_checkpointing,
             tr.offload_optimizer,
             self.ref is not None,
@@ -321,7 +325,8 @@ class Learner:
         # per optimizer step: loss, clipped tokens, tokens (reduced once, with the step's other sums)
         per_update = torch.zeros(3, self.updates, device=self.device, dtype=torch.float64)
         entropy_mode = "grad" if alg.entropy_coef > 0 else "no_grad"
-        head = (self.trainer.logprob_chunk_tokens, self.trainer.compile)  # fused LM head
+        # fused LM head; fp32 head matmul (bf16 compute only: fp32 compute is fp32 already)
+        head = (self.trainer.logprob_chunk_tokens, self.trainer.compile, self.fp32_head)
         seq_terms = (
             alg.loss == "gspo" or alg.is_level == "sequence" or alg.is_mask in ("sequence", "geometric")
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 
 def pad_batch(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +48,7 @@ def packed_logprobs(
     entropy: str = "none",
     chunk_tokens: int = 0,
     compiled: bool = False,
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprob of each target [T] fp32, entropy [T] or None) for a packed micro-batch.
 
@@ -58,15 +60,21 @@ def packed_logprobs(
     positions (`head_logprobs`), so no [K, V] tensor is ever whole and backward recomputes each chunk's
     logits; compiled: those per-chunk kernels go through torch.compile. chunk_tokens = 0: the plain path,
     one fp32 log-softmax over all K positions (its output the only [K, V] tensor kept for backward).
+
+    fp32_head (trainer.fp32_lm_head): the head's matmul runs in fp32 on bf16 compute, from the final
+    norm's output and the head's bf16 compute weight (FSDP2's bf16 copy, tied to embed_tokens when tied;
+    under autocast the master weight rounded to bf16) cast to fp32, as the engines' fp32 head computes it
+    from the bf16 weights they were sent. Gradients reach the weight and hidden states through the
+    casts. No effect on an fp32 model without autocast.
     """
     if entropy not in ("none", "no_grad", "grad"):
         raise ValueError(f"entropy must be none, no_grad or grad, not {entropy!r}")
     keep = mb.logit_index
     head = model.get_output_embeddings()
     if chunk_tokens > 0 and getattr(head, "bias", None) is None:
-        lp, ent = _fused_head_forward(model, head, mb, temperature, chunk_tokens, compiled)
+        lp, ent = _fused_head_forward(model, head, mb, temperature, chunk_tokens, compiled, fp32_head)
     else:
-        lp, ent = _plain_head_forward(model, mb, temperature, entropy)
+        lp, ent = _plain_head_forward(model, head, mb, temperature, entropy, fp32_head)
     if entropy == "none":
         ent = None
     elif entropy == "no_grad":
@@ -77,11 +85,31 @@ def packed_logprobs(
     return full, ent
 
 
+def fp32_logits(head: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's logits computed in fp32: hidden states, weight and bias cast up. Under autocast the
+    weight and bias are first rounded to autocast's dtype (`compute_weight`)."""
+    dev = hidden.device.type
+    weight, bias = compute_weight(head.weight), getattr(head, "bias", None)
+    with torch.autocast(dev, enabled=False):
+        return F.linear(_fp32(hidden), _fp32(weight), None if bias is None else _fp32(compute_weight(bias)))
+
+
+def compute_weight(w: torch.Tensor) -> torch.Tensor:
+    """w as the bf16 compute sees it: rounded to autocast's dtype when autocast is on (the values every
+    other matmul and the engines use; the fp32 master weight would differ from the engines' head by its
+    rounding), else w itself (FSDP2's bf16 compute copy, or an fp32 model's weight)."""
+    dev = w.device.type
+    return w.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else w
+
+
 def _plain_head_forward(
-    model, mb, temperature: float, entropy: str
+    model, head, mb, temperature: float, entropy: str, fp32_head: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     keep = mb.logit_index
-    logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0]
+    if fp32_head:
+        logits = _run_with_head_hook(model, head, mb, fp32_logits)[0]
+    else:
+        logits = model(**packed_forward_kwargs(mb), logits_to_keep=keep).logits[0]
     if temperature > 0 and temperature != 1.0:
         logits = logits.float() / temperature
     logp_all = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
@@ -96,25 +124,20 @@ def _plain_head_forward(
     return lp, ent
 
 
-def _fused_head_forward(
-    model, head, mb, temperature: float, chunk_tokens: int, compiled: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Runs the model with the fused head in place of its LM head's matmul.
+def _run_with_head_hook(model, head, mb, fn):
+    """Runs the model with `fn(head, hidden)` in place of its LM head's matmul and returns fn's result.
 
-    A forward pre-hook on the LM head takes the final hidden states at the trained positions, computes
-    the fused logprobs and entropy from them and the head's weight, and hands the head an empty input.
-    The work stays inside the model's forward call, so under FSDP2 the weight is the unsharded parameter
-    the root module gathered for its forward (tied to embed_tokens in Qwen), and its gradient reaches
-    the sharded parameter through FSDP's own post-backward like the plain head's.
+    A forward pre-hook on the LM head takes the final hidden states at the trained positions, hands them
+    to fn and the head an empty input. The work stays inside the model's forward call, so under FSDP2 the
+    weight is the unsharded parameter the root module gathered for its forward (tied to embed_tokens in
+    Qwen), and its gradient reaches the sharded parameter through FSDP's own post-backward like the plain
+    head's.
     """
-    targets = mb.targets[mb.logit_index]
-    out: dict[str, torch.Tensor] = {}
+    out = []
 
     def pre_hook(module, args):
         hidden = args[0]
-        out["lp"], out["ent"] = head_logprobs(
-            hidden[0], module.weight, targets, temperature, chunk_tokens, compiled
-        )
+        out.append(fn(module, hidden))
         return (hidden[:, :0],)
 
     handle = head.register_forward_pre_hook(pre_hook)
@@ -122,7 +145,23 @@ def _fused_head_forward(
         model(**packed_forward_kwargs(mb), logits_to_keep=mb.logit_index)
     finally:
         handle.remove()
-    return out["lp"], out["ent"]
+    return out[0]
+
+
+def _fused_head_forward(
+    model, head, mb, temperature: float, chunk_tokens: int, compiled: bool, fp32_head: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the model with the fused head (`head_logprobs`) in place of its LM head's matmul
+    (`_run_with_head_hook`): the fused logprobs and entropy from the final hidden states at the trained
+    positions and the head's weight."""
+    targets = mb.targets[mb.logit_index]
+
+    def fused(module, hidden):
+        return head_logprobs(
+            hidden[0], module.weight, targets, temperature, chunk_tokens, compiled, fp32_head
+        )
+
+    return _run_with_head_hook(model, head, mb, fused)
 
 
 # --- fused, chunked LM head + log-softmax + gather + entropy ------------------------------------------
@@ -174,16 +213,20 @@ def _compiled(fn):
 
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk, compiled):
+    def forward(ctx, hidden, weight, targets, temperature, chunk, compiled, fp32):
         fwd = _compiled(_chunk_forward) if compiled else _chunk_forward
         k = hidden.shape[0]
         lp = _fp32(hidden.new_empty(k))
         ent, lse = torch.empty_like(lp), torch.empty_like(lp)
+        # fp32: the fp32 copy of the weight lives for this loop only (backward makes its own).
+        w = _fp32(weight) if fp32 else weight
         for s in range(0, k, chunk):
             e = min(s + chunk, k)
-            lp[s:e], ent[s:e], lse[s:e] = fwd(hidden[s:e], weight, targets[s:e], temperature)
+            h = _fp32(hidden[s:e]) if fp32 else hidden[s:e]
+            lp[s:e], ent[s:e], lse[s:e] = fwd(h, w, targets[s:e], temperature)
+        del w
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
-        ctx.temperature, ctx.chunk, ctx.compiled = temperature, chunk, compiled
+        ctx.temperature, ctx.chunk, ctx.compiled, ctx.fp32 = temperature, chunk, compiled, fp32
         ctx.set_materialize_grads(False)
         return lp, ent
 
@@ -192,11 +235,12 @@ class _HeadLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[:2]
         if (g_lp is None and g_ent is None) or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         g_lp = g_lp if g_lp is not None else torch.zeros_like(lse)
         g_ent = g_ent if g_ent is not None else torch.zeros_like(lse)
         grad_fn = _compiled(_chunk_grad_logits) if ctx.compiled else _chunk_grad_logits
-        k, chunk = hidden.shape[0], ctx.chunk
+        k, chunk, fp32 = hidden.shape[0], ctx.chunk, ctx.fp32
+        w = _fp32(weight) if fp32 else weight
         gh = torch.empty_like(hidden) if need_h else None
         # Several chunks add into the weight gradient: in fp32, then one rounding like the plain head's.
         gw = None
@@ -204,10 +248,10 @@ class _HeadLogprobs(torch.autograd.Function):
             gw = _fp32(torch.zeros_like(weight))
         for s in range(0, k, chunk):
             e = min(s + chunk, k)
-            h = hidden[s:e]
-            g = grad_fn(h, weight, targets[s:e], lse[s:e], ent[s:e], g_lp[s:e], g_ent[s:e], ctx.temperature)
+            h = _fp32(hidden[s:e]) if fp32 else hidden[s:e]
+            g = grad_fn(h, w, targets[s:e], lse[s:e], ent[s:e], g_lp[s:e], g_ent[s:e], ctx.temperature)
             if need_h:
-                gh[s:e] = g @ weight
+                gh[s:e] = g @ w
             if need_w:
                 if gw is None:
                     gw = g.t() @ h
@@ -215,7 +259,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     gw += g.t() @ h
         if gw is not None:
             gw = gw.to(weight.dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def head_logprobs(
@@ -225,6 +269,7 @@ def head_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 2048,
     compiled: bool = False,
+    fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob of targets [K] fp32, entropy [K] fp32) under logits = hidden @ weight.T / temperature.
 
@@ -233,12 +278,19 @@ def head_logprobs(
     largest tensor is one chunk's [chunk, V] fp32 logits, and backward recomputes them per chunk
     (one more head matmul) instead of keeping [K, V] fp32 for backward. The matmul runs in autocast's
     dtype when autocast is on (as the plain head's would), else in hidden's dtype; softmax math in fp32.
+    fp32: the matmul in fp32 whatever the inputs' dtype (an fp32 LM head): each chunk's hidden states and
+    the weight (under autocast: rounded to its dtype first, `compute_weight`) are cast up inside, and the
+    gradients come back in their own dtypes.
     """
     if not (temperature > 0 and temperature != 1.0):
         temperature = 1.0  # greedy rollouts (0) and 1: plain logits
     dev = hidden.device.type
     dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    if fp32:
+        weight = compute_weight(weight)
+    else:
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
     with torch.autocast(dev, enabled=False):
         return _HeadLogprobs.apply(
-            hidden.to(dtype), weight.to(dtype), targets, float(temperature), int(chunk_tokens), compiled
+            hidden, weight, targets, float(temperature), int(chunk_tokens), compiled, bool(fp32)
         )

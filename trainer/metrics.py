@@ -33,6 +33,10 @@ KL = Gauge(
     "slipstream_trainer_behav_kl",
     "KL(pi_behav || pi_trainer) on the batch's tokens (k3 with r = pi_trainer/pi_behav: unbiased, >= 0)",
 )
+FP32_HEAD = Gauge(
+    "slipstream_trainer_fp32_lm_head",
+    "1 when the trainer's LM head matmul runs in fp32 on bf16 compute (trainer.fp32_lm_head)",
+)
 LOGPROB_DIFF = Gauge(
     "slipstream_trainer_logprob_abs_diff", "Mean |trainer - rollout| logprob of the trained tokens"
 )

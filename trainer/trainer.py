@@ -409,6 +409,7 @@ class Trainer:
             "placement": "colocated" if cfg.schedule else "disaggregated",
             "schedule": cfg.schedule,
             "bus_backend": cfg.bus.backend,
+            "fp32_lm_head": self.learner.fp32_head,
             **(
                 {
                     "release_s": self.handoff.release_s,

@@ -67,9 +67,15 @@ Length bias (`--length-bias`, its own result file `async_vs_sync-<device>-length
 response lengths trained vs generated under each admission rule (sync, `buffer.admission: version`,
 `buffer.admission: oldest`), with two-sample KS statistics; benchmarks/async_vs_sync/lengths.py.
 
+fp32 LM heads (`--fp32-lm-head both`, its own result file `async_vs_sync-<device>-fp32-head-<date>.json`):
+each --staleness job without and with the fp32 LM head on engine and trainer, the train/infer mismatch
+(mean |trainer - engine| logprob, k3 KL(behaviour || trainer)) and samples/s side by side, ratios
+fp32 / bf16; on cuda the a+b job on the tiny-arith model by default (`--fp32-head-model job`: the
+throughput job); benchmarks/async_vs_sync/fp32_head.py. `--fp32-lm-head on` runs every job with them.
+
 Modules: job (the job, its model, the external engine), measure (one job run and its rates, the engine
 sampler), pipeline (the two bounds), learning (learning equivalence, merging runs), lengths (length bias),
-plots, cli.
+fp32_head (fp32 LM heads), plots, cli.
 """
 
 from benchmarks.async_vs_sync.cli import main, parse_args, report, run, summarise

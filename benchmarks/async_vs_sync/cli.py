@@ -14,6 +14,13 @@ import time
 import traceback
 from pathlib import Path
 
+from benchmarks.async_vs_sync.fp32_head import (
+    fp32_head_jobs,
+    fp32_head_ratios,
+    fp32_head_report,
+    side_by_side,
+    with_fp32_heads,
+)
 from benchmarks.async_vs_sync.job import (
     CUDA_DEFAULTS,
     DEFAULTS,
@@ -81,11 +88,75 @@ def run_lengths(args: argparse.Namespace, argv: list[str]) -> dict:
     return result
 
 
+def run_fp32_head(args: argparse.Namespace, argv: list[str]) -> dict:
+    """--fp32-lm-head both: each staleness's job without and with the fp32 LM heads (fp32_head.py)."""
+    from benchmarks.common import ResultFile
+
+    stalenesses = [int(s) for s in args.staleness.split(",")]
+    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, "fp32-head")
+    result = rf.result
+    work_root = Path(args.work_dir) if args.work_dir else None
+    with tempfile.TemporaryDirectory(prefix="async-vs-sync-fp32-head-", dir=work_root) as tmp:
+        work = Path(tmp)
+        try:
+            if args.device == "cuda":
+                os.environ[ENGINE_KEY_ENV] = secrets.token_hex(16)
+            # the tiny a+b model has trained logits; a random-weight shape model's are near zero (its bf16
+            # logits lose next to nothing), so on cuda the a+b job on the same GPU stack is the default
+            tiny = args.device == "cpu" or args.fp32_head_model == "tiny-arith"
+            model = build_tiny_arith(args, work) if tiny else build_cuda_model(args, work)
+            raw = base_spec(args, model, task="arith" if tiny else None)
+            make_spec(with_fp32_heads(raw), name="x", out=work / "x", max_staleness=0, total_steps=1)
+            samples_per_step = step_samples(raw)
+            result["config"] = {
+                "max_staleness": stalenesses,
+                "steps_timed": args.steps,
+                "warmup_steps": args.warmup,
+                "samples_per_step": samples_per_step,
+                "job": json.loads(json.dumps(raw)),
+                "fp32_head_job": json.loads(json.dumps(with_fp32_heads(raw))),
+                "model_shape": "tiny-arith (demo)" if tiny else args.model_shape,
+                "placement": args.placement,
+                "definitions": {
+                    "logprob_abs_diff": "mean |trainer - engine| logprob of the trained tokens (progress "
+                    "records' logprob_diff_mean), averaged over all the job's steps",
+                    "kl_k3": "k3 estimate of KL(behaviour || trainer) on the trained tokens (progress "
+                    "records' behav_kl), averaged over all the job's steps",
+                    "samples_per_s": "trained samples / trainer wall time over the steps after warmup_steps",
+                    "fp32_vs_bf16_head": "the fp32_head job's figure / the bf16_head job's",
+                    "trainer_fp32_lm_head": "the values of the progress records' fp32_lm_head: the trainer's "
+                    "head ran in fp32 (false on CPU: fp32 compute, nothing to change)",
+                },
+                "env": env_info(args),
+            }
+            rf.save()
+
+            def partial(metrics: dict) -> None:
+                result["metrics"] = metrics | side_by_side(metrics["runs"])
+                result["ratios"] = fp32_head_ratios(metrics["runs"])
+                rf.save()
+
+            result["metrics"] = fp32_head_jobs(
+                args, raw, model, work, stalenesses, samples_per_step, on_job=partial
+            )
+            result["ratios"] = fp32_head_ratios(result["metrics"]["runs"])
+        except BaseException as exc:  # what was measured is still written
+            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            rf.save()
+            log(f"wrote {rf.path}")
+    return result
+
+
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.common import ResultFile  # here: the script runs without PYTHONPATH
 
     if args.length_bias:
         return run_lengths(args, argv)
+    if args.fp32_lm_head == "both":
+        return run_fp32_head(args, argv)
 
     stalenesses = [int(s) for s in args.staleness.split(",")]
     label = "learning" if args.learning_only else None  # not to overwrite a full run's file
@@ -107,6 +178,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             model = build_cuda_model(args, work)
         log(f"model at {model} in {time.monotonic() - t:.1f} s")
         raw = base_spec(args, model)
+        if args.fp32_lm_head == "on":
+            raw = with_fp32_heads(raw)
         make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)  # a bad job fails here
         samples_per_step = step_samples(raw)
         result["config"] = {
@@ -337,6 +410,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--length-max-new-tokens", type=int, default=48, help="--length-bias: the response budget (tokens)"
     )
+    p.add_argument(
+        "--fp32-lm-head",
+        choices=["off", "on", "both"],
+        default="off",
+        help="the LM heads of engine and trainer in fp32: off, on (every job), or both: only each "
+        "--staleness job (default 0 here) without and with them, side by side (mismatch figures and samples/s)",
+    )
+    p.add_argument(
+        "--fp32-head-model",
+        choices=["tiny-arith", "job"],
+        default="tiny-arith",
+        help="--fp32-lm-head both on cuda: the a+b job on the tiny SFT-warmed model (default), or the "
+        "throughput job (random-weight --model-shape, word problems)",
+    )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
@@ -350,6 +437,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="pool the learning seeds of these result files (same job and device) into one result; runs nothing",
     )
     args = p.parse_args(argv)
+    if args.fp32_lm_head == "both" and args.staleness is None:
+        args.staleness = "0"  # on-policy: the mismatch is the two sides' arithmetic alone
     from benchmarks.common import apply_presets  # here: the script runs without PYTHONPATH
 
     apply_presets(args, DEFAULTS, CUDA_DEFAULTS, QUICK)
@@ -372,7 +461,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         import importlib.util
 
-        if importlib.util.find_spec("math_verify") is None:  # the cuda job's reward (word problems)
+        arith_only = args.fp32_lm_head == "both" and args.fp32_head_model == "tiny-arith"
+        if not arith_only and importlib.util.find_spec("math_verify") is None:  # the cuda job's reward
             sys.exit(
                 "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
             )
@@ -386,6 +476,19 @@ def main(argv: list[str] | None = None) -> dict:
     if args.length_bias:
         if result["metrics"].get("jobs"):
             print(length_report(result["metrics"]), flush=True)
+        return result
+    if args.fp32_lm_head == "both":
+        print(fp32_head_report(result["metrics"]), flush=True)
+        for e in result["errors"]:
+            print(f"ERROR {e['error']}", flush=True)
+        r = result["ratios"]
+        if "fp32_vs_bf16_head_logprob_abs_diff" in r:
+            print(
+                f"async_vs_sync fp32_vs_bf16_head_logprob_abs_diff={r['fp32_vs_bf16_head_logprob_abs_diff']:.4g} "
+                f"fp32_vs_bf16_head_kl_k3={r['fp32_vs_bf16_head_kl_k3']:.4g} "
+                f"fp32_vs_bf16_head_samples_per_s={r['fp32_vs_bf16_head_samples_per_s']:.3f}",
+                flush=True,
+            )
         return result
     print(report(result), flush=True)
     return result

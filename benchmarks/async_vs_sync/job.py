@@ -177,13 +177,18 @@ def build_cuda_model(args: argparse.Namespace, work: Path) -> Path:
 
 class ExternalEngine:
     """cuda path: one built-in engine process on --engine-gpu, loading the model directory; a fresh one per
-    job (a job starts at version 0; an engine that served an earlier job holds that job's weights)."""
+    job (a job starts at version 0; an engine that served an earlier job holds that job's weights).
+    fp32_lm_head: the engine's fp32 LM head (--fp32-lm-head), for a job whose trainer has its own on."""
 
-    def __init__(self, args: argparse.Namespace, model: Path, log_path: Path, api_key: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, model: Path, log_path: Path, api_key: str, fp32_lm_head: bool = False
+    ) -> None:
         t0 = time.monotonic()
         cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model), "--port", "0"]
         cmd += ["--api-key", api_key, "--device", "cuda", "--dtype", "bfloat16", "--log-level", "WARNING"]
         cmd += ["--max-batch-size", str(args.engine_max_batch)]
+        if fp32_lm_head:
+            cmd.append("--fp32-lm-head")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.engine_gpu), "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())

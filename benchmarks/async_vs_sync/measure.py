@@ -107,6 +107,7 @@ def rates(progress: list[dict], arrivals: list[float], warmup: int, samples_per_
 def slim(progress: list[dict]) -> list[dict]:
     keys = ("step", "reward_mean", "staleness_mean", "staleness_max", "response_tokens", "wait_s", "step_s")
     keys += ("publish_s", "pause_s", "publish_call_s", "release_s", "resume_s", "elapsed_s")
+    keys += ("logprob_diff_mean", "behav_kl")
     return [{k: r.get(k) for k in keys} for r in progress]
 
 
@@ -118,7 +119,13 @@ def run_config(args, raw: dict, model: Path, work: Path, label: str, max_stalene
     spec = make_spec(raw, name=label, out=out, max_staleness=max_staleness, total_steps=steps, **over)
     engine = None
     if args.device == "cuda" and not colocated(args):
-        engine = ExternalEngine(args, model, work / f"{label}-engine.log", os.environ[ENGINE_KEY_ENV])
+        engine = ExternalEngine(
+            args,
+            model,
+            work / f"{label}-engine.log",
+            os.environ[ENGINE_KEY_ENV],
+            fp32_lm_head=spec.trainer_fp32_lm_head,  # the engine's head as the trainer's
+        )
         spec = _with_urls(spec, [engine.url])
     sampler = EngineSampler(out, label, args.sample_interval_s, engine.url if engine else None)
     progress, arrivals = [], []

@@ -211,3 +211,89 @@ def test_length_statistics_of_histograms():
     half = ks_2samp({1: 20}, {1: 10, 9: 10})
     assert half["d"] == 0.5 and 0.001 < half["p"] < 0.05
     assert ks_2samp({1: 3}, {})["d"] is None
+
+
+def test_fp32_heads_job_sets_both_sides(tmp_path):
+    """--fp32-lm-head: built-in engines take generators.fp32_lm_head (the trainer's follows); with the cuda
+    path's external engine the job sets trainer.fp32_lm_head (and the engine is started with the flag)."""
+    from benchmarks.async_vs_sync.fp32_head import with_fp32_heads
+
+    cpu = base_spec(parse_args([]), tmp_path / "m")
+    spec = _valid(with_fp32_heads(cpu), tmp_path)
+    assert spec.generators.fp32_lm_head and spec.trainer_fp32_lm_head
+    assert not _valid(cpu, tmp_path).trainer_fp32_lm_head and "fp32_lm_head" not in cpu["generators"]
+    cuda = base_spec(parse_args(["--device", "cuda"]), tmp_path / "m")
+    spec = _valid(with_fp32_heads(cuda), tmp_path)
+    assert spec.generators.engine == "external" and spec.trainer.fp32_lm_head and spec.trainer_fp32_lm_head
+    # the GPU command's job: the a+b task colocated on one GPU (--fp32-head-model tiny-arith, the default)
+    args = parse_args(["--device", "cuda", "--placement", "colocated", "--fp32-lm-head", "both"])
+    assert args.fp32_head_model == "tiny-arith" and args.staleness == "0"
+    colocated = base_spec(args, tmp_path / "m", task="arith")
+    spec = _valid(with_fp32_heads(colocated), tmp_path)
+    assert spec.generators.fp32_lm_head and spec.trainer_fp32_lm_head and spec.trainer.fp32_lm_head is None
+    assert spec.placement == "colocated" and spec.trainer.device == "cuda" and spec.dataset.name == "arith"
+
+
+def test_fp32_head_ratios_and_side_by_side_figures():
+    from benchmarks.async_vs_sync.fp32_head import fp32_head_ratios, mismatch, side_by_side
+
+    recs = [{"logprob_diff_mean": 0.03, "behav_kl": 0.002}, {"logprob_diff_mean": 0.01, "behav_kl": None}]
+    m = mismatch(recs)
+    assert m["logprob_abs_diff_mean"] == pytest.approx(0.02) and m["kl_k3_mean"] == 0.002
+    assert m["trainer_fp32_lm_head"] == [False]
+
+    def run(lp, kl, sps):
+        return {"logprob_abs_diff_mean": lp, "kl_k3_mean": kl, "samples_per_s": sps, "tokens_per_s": 10 * sps}
+
+    runs = {
+        "0": {"bf16_head": run(0.04, 0.002, 100.0), "fp32_head": run(0.03, 0.001, 80.0)},
+        "2": {"bf16_head": run(0.02, 0.004, 200.0), "fp32_head": run(0.01, 0.001, 150.0)},
+        "4": {"bf16_head": run(0.02, 0.004, 200.0)},  # the fp32 job did not finish: no ratio
+    }
+    r = fp32_head_ratios(runs)
+    assert (
+        r["fp32_vs_bf16_head_logprob_abs_diff"] == r["fp32_vs_bf16_head_logprob_abs_diff_staleness_2"] == 0.5
+    )
+    assert r["fp32_vs_bf16_head_kl_k3"] == 0.25 and r["fp32_vs_bf16_head_samples_per_s"] == 0.75
+    assert r["fp32_vs_bf16_head_kl_k3_staleness_0"] == 0.5
+    assert not any(k.endswith("_staleness_4") for k in r)
+    flat = side_by_side(runs)
+    assert (
+        flat["logprob_abs_diff_fp32_head_staleness_0"] == 0.03
+        and flat["kl_k3_bf16_head_staleness_2"] == 0.004
+    )
+    assert flat["samples_per_s_bf16_head_staleness_4"] == 200.0
+
+
+@pytest.mark.slow
+def test_fp32_head_both_runs_each_job_with_and_without(tmp_path, capsys):
+    argv = ["--quick", "--fp32-lm-head", "both", "--steps", "1", "--warmup", "1"]
+    result = main([*argv, "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
+    [path] = tmp_path.glob("async_vs_sync-cpu-fp32-head-*.json")
+    on_disk = json.loads(path.read_text())
+    assert on_disk == json.loads(json.dumps(result)) and on_disk["errors"] == []
+    cfg, m, r = on_disk["config"], on_disk["metrics"], on_disk["ratios"]
+    assert cfg["fp32_head_job"]["generators"]["fp32_lm_head"] is True
+    assert "fp32_lm_head" not in cfg["job"]["generators"]
+    assert cfg["max_staleness"] == [0]  # on-policy by default: the arithmetic alone
+    runs = m["runs"]["0"]
+    assert runs.keys() == {"bf16_head", "fp32_head"}
+    for run in runs.values():
+        assert len(run["progress"]) == 2 and run["buffer"]["consumed"] == 2 * 4
+        # every step's records carry both figures; the job's means are theirs
+        lps = [p["logprob_diff_mean"] for p in run["progress"]]
+        assert run["logprob_abs_diff_mean"] == pytest.approx(sum(lps) / 2) and run["kl_k3_mean"] is not None
+        assert run["samples_per_s"] > 0
+        assert run["trainer_fp32_lm_head"] == [False]  # a CPU trainer computes in fp32: nothing to change
+    bf, fp = runs["bf16_head"], runs["fp32_head"]
+    assert (
+        r["fp32_vs_bf16_head_logprob_abs_diff"] == fp["logprob_abs_diff_mean"] / bf["logprob_abs_diff_mean"]
+    )
+    assert r["fp32_vs_bf16_head_kl_k3"] == fp["kl_k3_mean"] / bf["kl_k3_mean"]
+    assert r["fp32_vs_bf16_head_samples_per_s"] == fp["samples_per_s"] / bf["samples_per_s"]
+    assert m["samples_per_s_fp32_head_staleness_0"] == fp["samples_per_s"]
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith("async_vs_sync fp32_vs_bf16_head_logprob_abs_diff=")
+    )

@@ -79,3 +79,35 @@ def test_fp32_lm_head_reaches_the_builtin_engines_options():
     spec = jobspec.from_dict({"generators": {"fp32_lm_head": True}})
     assert engine_options(spec.model, spec.generators).fp32_lm_head
     assert not engine_options(spec.model, jobspec.from_dict({}).generators).fp32_lm_head
+
+
+@pytest.mark.parametrize(
+    "raw, on",
+    [
+        ({}, False),
+        ({"generators": {"fp32_lm_head": True}}, True),
+        ({"generators": {"engine": "sglang", "sglang": {"enable_fp32_lm_head": True}}}, True),
+        ({"generators": {"engine": "sglang"}}, False),
+        ({"generators": {"engine": "external", "urls": ["http://127.0.0.1:1"]}}, False),
+        (
+            {
+                "generators": {"engine": "external", "urls": ["http://127.0.0.1:1"]},
+                "trainer": {"fp32_lm_head": True},
+            },
+            True,
+        ),
+        ({"generators": {"fp32_lm_head": True}, "trainer": {"fp32_lm_head": False}}, False),
+        ({"generators": {"fp32_lm_head": True}, "trainer": {"mixed_precision": "fp32"}}, False),
+    ],
+)
+def test_trainer_fp32_lm_head_follows_the_engines_unless_set(raw, on):
+    """trainer.fp32_lm_head null: the engines' fp32 head drives the trainer's; set: it decides."""
+    spec = jobspec.from_dict(raw)
+    assert spec.trainer_fp32_lm_head is on
+    assert spec.trainer_config().trainer.fp32_lm_head is on
+
+
+def test_trainer_fp32_lm_head_on_fp32_compute_fails_with_its_path():
+    with pytest.raises(jobspec.JobSpecError) as e:
+        jobspec.from_dict({"trainer": {"fp32_lm_head": True, "mixed_precision": "fp32"}})
+    assert str(e.value).endswith("- at `$.trainer.fp32_lm_head`") and "mixed_precision fp32" in str(e.value)
