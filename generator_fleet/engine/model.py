@@ -4,7 +4,7 @@ functions walk its modules in a packed token layout instead of calling its forwa
 
 - `prefill`: several sequences at once, padded to one [N, L] batch for causal SDPA; K/V are written to
   the pool at each token's slot.
-- `decode`: one new token for each of B sequences. On CUDA with SLIPSTREAM_ENGINE_TRITON_DECODE=1
+- `decode`: one new token for each of B sequences. On CUDA (unless SLIPSTREAM_ENGINE_TRITON_DECODE=0)
   attention is the Triton paged decode kernel (decode_attention.py), reading K/V through the block
   tables; otherwise K/V are gathered from the pool through block tables and attention is SDPA with a
   length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length) bucket so a step is one graph
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 TRITON_DECODE_ENV = "SLIPSTREAM_ENGINE_TRITON_DECODE"
-"""Set to 1 to run CUDA decode attention as the Triton paged kernel (off by default until its end-to-end
-run in the engine on GPU is measured; gather + SDPA otherwise)."""
+"""Set to 0 to run CUDA decode attention as gather + SDPA instead of the Triton paged kernel (the
+default on CUDA; CPU always gathers)."""
 
 
 def check_supported(config) -> None:
@@ -248,7 +248,7 @@ def _paged_attention(cache: PagedKVCache):
     interpreter."""
     if cache.device.type != "cuda" or cache.block_size & (cache.block_size - 1):
         return None
-    if os.environ.get(TRITON_DECODE_ENV, "0") != "1":
+    if os.environ.get(TRITON_DECODE_ENV, "1") == "0":
         return None
     from generator_fleet.engine import decode_attention
 
