@@ -5,7 +5,9 @@ several PyTorch kernels per layer (the step is bound by kernel count at small ba
 - `rope_kv_write`: RoPE on the fused q/k/v projection's output, q written to its own tensor and k/v
   written straight into the paged pool at each row's slot (replaces the rotate-half arithmetic, the
   splits and the two index copies);
-- `silu_mul`: SwiGLU's act(gate) * up on the fused gate/up projection's output.
+- `silu_mul`: SwiGLU's act(gate) * up on the fused gate/up projection's output;
+- `sample_rows`: the decode graph's sampling (greedy, or temperature through the Gumbel-max race) with
+  each chosen token's logprob, in one pass over the logits instead of about ten.
 
 fp32 arithmetic inside, any float dtype in and out. The same kernels run on CPU under `TRITON_INTERPRET=1`
 (tests compare them with the PyTorch ops they replace).
@@ -94,6 +96,78 @@ if triton is not None:
         y = g / (1.0 + tl.exp(-g)) * u
         tl.store(OUT + row * N + col, y.to(OUT.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _sample_stage1(
+        LOGITS,  # [B, V] fp32
+        TEMPS,  # [B] fp32 (<= 0: greedy)
+        SEED,  # [1] int64
+        PART,  # [B, S, 5] fp32: max, sum of exp(z - max), best score, its index, its z
+        V,
+        stride_l,
+        per_split,
+        NUM_SPLITS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        split = tl.program_id(1)
+        t = tl.load(TEMPS + row)
+        greedy = t <= 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, t))
+        seed = tl.load(SEED)
+        start = split * per_split
+        end = tl.minimum(start + per_split, V)
+        m = float("-inf")
+        s = 0.0
+        best = float("-inf")
+        best_i = 0
+        best_z = 0.0
+        for c0 in range(start, end, BLOCK):
+            offs = c0 + tl.arange(0, BLOCK)
+            mask = offs < end
+            z = tl.load(LOGITS + row * stride_l + offs, mask=mask, other=float("-inf")) * inv_t
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.where(mask, tl.exp(z - m_new), 0.0), axis=0)
+            m = m_new
+            if greedy:
+                score = z
+            else:
+                # Gumbel-max: argmax(z + G), G = -log(-log U), samples softmax(z) exactly
+                u = tl.rand(seed, row * V + offs)
+                score = tl.where(mask, z - tl.log(-tl.log(u)), float("-inf"))
+            c_best = tl.max(score, axis=0)
+            c_i = tl.argmax(score, axis=0)
+            c_z = tl.sum(tl.where(tl.arange(0, BLOCK) == c_i, z, 0.0), axis=0)
+            better = c_best > best
+            best_i = tl.where(better, c0 + c_i, best_i)
+            best_z = tl.where(better, c_z, best_z)
+            best = tl.where(better, c_best, best)
+        base = PART + (row * NUM_SPLITS + split) * 5
+        tl.store(base, m)
+        tl.store(base + 1, s)
+        tl.store(base + 2, best)
+        tl.store(base + 3, best_i.to(tl.float32))
+        tl.store(base + 4, best_z)
+
+    @triton.jit
+    def _sample_stage2(PART, OUT, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_S)
+        mask = offs < NUM_SPLITS
+        base = PART + (row * NUM_SPLITS + offs) * 5
+        m = tl.load(base, mask=mask, other=float("-inf"))
+        s = tl.load(base + 1, mask=mask, other=0.0)
+        best = tl.load(base + 2, mask=mask, other=float("-inf"))
+        idx = tl.load(base + 3, mask=mask, other=0.0)
+        z = tl.load(base + 4, mask=mask, other=0.0)
+        mm = tl.max(m, axis=0)
+        lse = mm + tl.log(tl.sum(tl.where(mask, s * tl.exp(m - mm), 0.0), axis=0))
+        k = tl.argmax(best, axis=0)  # the first split on ties: the lowest token id
+        sel = tl.arange(0, BLOCK_S) == k
+        tok = tl.sum(tl.where(sel, idx, 0.0), axis=0)
+        lp = tl.sum(tl.where(sel, z, 0.0), axis=0) - lse
+        tl.store(OUT + row * 2, tok.to(tl.float64))
+        tl.store(OUT + row * 2 + 1, lp.to(tl.float64))
+
 
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -162,4 +236,29 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.stride(1) == 1
     out = torch.empty((T, n), dtype=gate_up.dtype, device=gate_up.device)
     _silu_mul_kernel[(T, triton.cdiv(n, SILU_BLOCK))](gate_up, out, n, gate_up.stride(0), BLOCK=SILU_BLOCK)
+    return out
+
+
+SAMPLE_BLOCK = 2048
+SAMPLE_SPLITS = 8
+"""Programs per row over the vocabulary (rows × splits programs fill the GPU at small batch)."""
+
+
+def sample_rows(
+    logits: torch.Tensor, temps: torch.Tensor, seed: torch.Tensor, block: int = SAMPLE_BLOCK
+) -> torch.Tensor:
+    """One token per row of fp32 `logits` [B, V]: argmax where temps <= 0, else a sample of
+    softmax(logits / temp) (Gumbel-max with Philox uniforms from `seed`, a one-element int64 device
+    tensor: a different value each call gives independent draws). Returns [B, 2] float64: token id and
+    its logprob under the row's (temperature-scaled) distribution."""
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    per_split = triton.cdiv(triton.cdiv(V, SAMPLE_SPLITS), block) * block
+    splits = triton.cdiv(V, per_split)
+    part = torch.empty((B, splits, 5), dtype=torch.float32, device=logits.device)
+    out = torch.empty((B, 2), dtype=torch.float64, device=logits.device)
+    _sample_stage1[(B, splits)](
+        logits, temps, seed, part, V, logits.stride(0), per_split, NUM_SPLITS=splits, BLOCK=block
+    )
+    _sample_stage2[(B,)](part, out, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
     return out

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 from dataclasses import dataclass
 
@@ -390,6 +391,12 @@ def _paged_attention(cache: PagedKVCache):
     return decode_attention.paged_decode_attention if decode_attention.available() else None
 
 
+def _fused_ops_available() -> bool:
+    from generator_fleet.engine import fused_ops
+
+    return fused_ops.available()
+
+
 def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The HF RMSNorm module's function as one fused op (HF's forward is several kernels)."""
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
@@ -399,7 +406,7 @@ class DecodeGraphs:
     """CUDA graphs of one decode step, one per (batch bucket, block-table width bucket), captured on first
     use into one shared memory pool. A step is one host→device copy of a pinned int64 block holding every
     input, one replay, and one device→host copy of the chosen tokens and their logprobs: the graph also
-    samples (greedy, or temperature through the exponential race) for rows with plain sampling settings.
+    samples (greedy, or temperature through the Gumbel-max race: fused_ops.sample_rows) for rows with plain sampling settings.
     Padding rows write to the cache's scratch slot and attend to it alone.
 
     A capture holds `capture_lock`, which every weight-bus operation on this device takes too (its CUDA
@@ -410,8 +417,8 @@ class DecodeGraphs:
     Captures use `capture_error_mode="thread_local"`, so a CUDA call of any other thread of the process
     (the NCCL watchdog's event queries, a library's thread) cannot invalidate one either."""
 
-    COLS = 4
-    """input_ids, positions, slots, seq_lens; block tables follow."""
+    COLS = 5
+    """input_ids, positions, slots, seq_lens, the step's sampling seed; block tables follow."""
 
     def __init__(
         self,
@@ -436,6 +443,9 @@ class DecodeGraphs:
         self.temps = torch.zeros(B, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.fused_sampling = os.environ.get(FUSED_DECODE_ENV, "1") != "0" and _fused_ops_available()
+        """Sample with fused_ops.sample_rows (one pass over the logits); else PyTorch ops."""
+        self._seeds = random.Random(torch.initial_seed())
 
     def drop(self) -> int:
         """Forget every captured graph (release_memory_occupation: they hold the addresses of the KV pool
@@ -455,6 +465,10 @@ class DecodeGraphs:
     def _step(self, b: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.fwd.decode(self._view(b, mb))
         temps = self.temps[:b]
+        if self.fused_sampling:
+            from generator_fleet.engine import fused_ops
+
+            return logits, fused_ops.sample_rows(logits, temps, self.inputs[0:1, 4])
         greedy = temps <= 0
         lp_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
         race = lp_all - torch.empty_like(lp_all).exponential_().log()  # argmax p/E, E ~ Exp(1)
@@ -502,6 +516,7 @@ class DecodeGraphs:
         h = self.host_np
         h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, slots
         h[:B, 3] = h[:B, 1] + 1
+        h[0, 4] = self._seeds.getrandbits(62)
         tab = h[:b, self.COLS : self.COLS + mb]
         tab.fill(scratch)
         for i, t in enumerate(tables):

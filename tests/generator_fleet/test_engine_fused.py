@@ -73,6 +73,43 @@ def _check_ops(device, dtype, tol):
         assert got.shape == want.shape, name
         err = ((got.float() - want.float()).norm() / want.float().norm()).item()
         assert err < tol, f"{name}: relative error {err}"
+    _check_sampling(device)
+
+
+def _check_sampling(device):
+    """Greedy rows: the argmax and its logprob; temperature rows: the chosen token's logprob under
+    softmax(logits / T), and draws whose frequencies match that distribution."""
+    from generator_fleet.engine import fused_ops
+
+    g = torch.Generator().manual_seed(5)
+    B, V = 6, 5000  # several vocabulary splits
+    logits = (torch.randn((B, V), generator=g) * 3).to(device)
+    logits[1, 4321] = logits[1, 17] = 50.0  # a tie: the lower id wins, as torch.argmax
+    temps = torch.tensor([0.0, 0.0, 0.7, 1.0, 1.5, -1.0], device=device)
+    seed = torch.tensor([1234], device=device)
+    out = fused_ops.sample_rows(logits, temps, seed).cpu()
+    tok = out[:, 0].long()
+    greedy = (temps <= 0).cpu()
+    assert torch.equal(tok[greedy], logits.argmax(-1).cpu()[greedy])
+    assert tok[1] == 17
+    scaled = logits.cpu() / torch.where(greedy, 1.0, temps.cpu())[:, None]
+    want = torch.log_softmax(scaled.double(), -1).gather(1, tok[:, None]).squeeze(1)
+    assert (out[:, 1] - want).abs().max() < 1e-4
+    again = fused_ops.sample_rows(logits, temps, seed).cpu()
+    assert torch.equal(again, out)  # the same seed draws the same tokens
+
+    n, T = (20000, 0.7) if device == "cuda" else (500, 0.7)  # the interpreter draws ~20 rows/s
+    row = torch.tensor([1.0, 0.0, -1.0, 2.0, 0.5, -3.0])
+    draws = (
+        fused_ops.sample_rows(
+            row.repeat(n, 1).to(device), torch.full((n,), T, device=device), torch.tensor([99], device=device)
+        )[:, 0]
+        .long()
+        .cpu()
+    )
+    freq = torch.bincount(draws, minlength=6).double() / n
+    p = torch.softmax(row.double() / T, -1)
+    assert (freq - p).abs().max() < 2 / n**0.5, (freq, p)  # 4 standard deviations at most
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the compiled kernels (the GPU test)")
