@@ -406,8 +406,8 @@ class DecodeGraphs:
     """CUDA graphs of one decode step, one per (batch bucket, block-table width bucket), captured on first
     use into one shared memory pool. A step is one host→device copy of a pinned int64 block holding every
     input, one replay, and one device→host copy of the chosen tokens and their logprobs: the graph also
-    samples (greedy, or temperature through the Gumbel-max race: fused_ops.sample_rows) for rows with plain sampling settings.
-    Padding rows write to the cache's scratch slot and attend to it alone.
+    samples (greedy, or temperature through the Gumbel-max race in fused_ops.sample_rows, seeded per step
+    through the input block) for rows with plain sampling settings. Padding rows write to the cache's scratch slot and attend to it alone.
 
     A capture holds `capture_lock`, which every weight-bus operation on this device takes too (its CUDA
     work: buffers, the broadcast, the gloo copy to the device), so no such call can land inside a
