@@ -112,6 +112,13 @@ class PagedForward:
         self.gate_up_b: list[torch.Tensor | None] | None = None
         self.fuse_weights()
         self._fused_kernels = self._fused_kernels_usable()
+        log.info(
+            "decode path: attention %s, %s",
+            "Triton paged" if _paged_attention(cache) is not None else "gather + SDPA",
+            "fused Triton kernels"
+            if self._fused_kernels
+            else "PyTorch ops around fused q/k/v and gate/up GEMMs",
+        )
 
     # ---- fused projections -------------------------------------------------------------------------
 
