@@ -50,56 +50,66 @@ if triton is not None:
         stride_btb,
         stride_btm,
         stride_sl,
-        MB,
-        blocks_per_split,
+        tokens_per_split,
         GROUP: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         offs_h = tl.arange(0, BLOCK_H)
         offs_d = tl.arange(0, BLOCK_D)
-        offs_t = tl.arange(0, BLOCK_SIZE)
+        offs_n = tl.arange(0, BLOCK_N)
         h_mask = offs_h < GROUP
         d_mask = offs_d < HEAD_DIM
         heads = kvh * GROUP + offs_h
+        # The group's query heads are the rows of one [BLOCK_H, D] tile (padded to a tensor-core size), so
+        # each K/V tile is loaded once per KV head and both products run on tensor cores.
         q = tl.load(
             Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
             mask=h_mask[:, None] & d_mask[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         seq_len = tl.load(SL + b * stride_sl)
-        first = split * blocks_per_split
-        last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+        start = split * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
         m = tl.full([BLOCK_H], float("-inf"), tl.float32)
         s_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for blk in range(first, last):
-            block_id = tl.load(BT + b * stride_btb + blk * stride_btm)
-            pos = blk * BLOCK_SIZE + offs_t
-            t_mask = pos < seq_len
-            slots = block_id * BLOCK_SIZE + offs_t
-            kv_mask = t_mask[:, None] & d_mask[None, :]
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + offs_n
+            n_mask = pos < end
+            block_id = tl.load(BT + b * stride_btb + (pos // BLOCK_SIZE) * stride_btm, mask=n_mask, other=0)
+            slots = block_id * BLOCK_SIZE + pos % BLOCK_SIZE
+            kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(
                 K + slots[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0
-            ).to(tl.float32)
-            v = tl.load(
-                V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
-            ).to(tl.float32)
-            scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [BLOCK_H, BLOCK_SIZE]
-            scores = tl.where(t_mask[None, :], scores, float("-inf"))
+            )
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(n_mask[None, :], scores * scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             s_sum = s_sum * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            v = tl.load(
+                V + slots[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0
+            )
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             m = m_new
-        has = last > first
+        has = end > start
         out = tl.where(has, acc / tl.where(has, s_sum, 1.0)[:, None], 0.0)
         lse = tl.where(has, m + tl.log(tl.where(has, s_sum, 1.0)), float("-inf"))
         base = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
@@ -136,9 +146,29 @@ if triton is not None:
         tl.store(OUT + row * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty), mask=d_mask)
 
 
-def num_splits_for(max_blocks: int) -> int:
-    """Splits over the sequence for a block-table width: up to 8, at least one block each."""
-    return max(1, min(8, max_blocks))
+BLOCK_N = 64
+"""KV positions per tile of the first stage (a multiple of 16 for the tensor cores; tiles cross page
+boundaries: each position's slot comes from its own block-table entry)."""
+MAX_SPLITS = 16
+
+
+def num_splits_for(batch: int, kv_heads: int, max_tokens: int, num_sms: int) -> int:
+    """Splits over the sequence: enough (batch × KV head × split) programs for about two per
+    multiprocessor, at most MAX_SPLITS and at least one tile of positions each."""
+    want = triton.cdiv(2 * num_sms, max(1, batch * kv_heads))
+    return max(1, min(MAX_SPLITS, want, triton.cdiv(max_tokens, BLOCK_N)))
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 
 
 def paged_decode_attention(
@@ -151,24 +181,30 @@ def paged_decode_attention(
     block_size: int,
     scale: float,
     num_splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged K/V.
 
     q [B, H, D]; k_pool/v_pool [num_blocks·block_size, KV, D] (one layer's pool); block_tables [B, MB]
-    int64; seq_lens [B] int64 (>= 1); both may be strided views (the decode graphs' input block). Returns [B, H, D] in q's dtype. `block_size` must be a power of 2."""
+    int64; seq_lens [B] int64 (>= 1); both may be strided views (the decode graphs' input block). Returns
+    [B, H, D] in q's dtype. `block_size` must be a power of 2. The split count depends only on the shapes
+    (not on `seq_lens`), so one CUDA graph per shape bucket replays for any lengths that fit."""
     if triton is None:
         raise RuntimeError("paged decode attention needs triton")
     B, H, D = q.shape
     KV = k_pool.shape[1]
     group = H // KV
     MB = block_tables.shape[1]
-    S = num_splits or num_splits_for(MB)
-    per_split = triton.cdiv(MB, S)
+    max_tokens = MB * block_size
+    S = num_splits or num_splits_for(B, KV, max_tokens, _num_sms(q.device))
+    per_split = triton.cdiv(triton.cdiv(max_tokens, S), block_n) * block_n
     q = q.contiguous()
     o_part = torch.empty((B, H, S, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     out = torch.empty((B, H, D), dtype=q.dtype, device=q.device)
-    block_d = triton.next_power_of_2(D)
+    block_d = max(16, triton.next_power_of_2(D))
     _decode_stage1[(B, KV, S)](
         q,
         k_pool,
@@ -187,14 +223,17 @@ def paged_decode_attention(
         block_tables.stride(0),
         block_tables.stride(1),
         seq_lens.stride(0),
-        MB,
         per_split,
         GROUP=group,
-        BLOCK_H=max(triton.next_power_of_2(group), 1),
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
         HEAD_DIM=D,
         BLOCK_D=block_d,
         NUM_SPLITS=S,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     _decode_stage2[(B * H,)](
         o_part,

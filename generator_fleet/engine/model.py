@@ -4,17 +4,24 @@ functions walk its modules in a packed token layout instead of calling its forwa
 
 - `prefill`: several sequences at once, padded to one [N, L] batch for causal SDPA; K/V are written to
   the pool at each token's slot.
-- `decode`: one new token for each of B sequences. On CUDA with SLIPSTREAM_ENGINE_TRITON_DECODE=1
+- `decode`: one new token for each of B sequences. On CUDA (unless SLIPSTREAM_ENGINE_TRITON_DECODE=0)
   attention is the Triton paged decode kernel (decode_attention.py), reading K/V through the block
   tables; otherwise K/V are gathered from the pool through block tables and attention is SDPA with a
   length mask. On CUDA `DecodeGraphs` captures it per (batch, KV-length) bucket so a step is one graph
   replay instead of hundreds of kernel launches.
+
+Each layer's q/k/v projections run as one GEMM and gate/up as another (`fuse_weights`: the HF parameters
+become views into one buffer per layer, so an in-place copy by HF name updates the fused weights). On CUDA
+the decode step also runs the fused kernels of fused_ops.py (residual add + RMSNorm, RoPE with the K/V pool
+write, SwiGLU): about 10 kernels per layer instead of 25 (SLIPSTREAM_ENGINE_FUSED_DECODE=0 turns them off;
+LoRA decode and Qwen3's q/k norms take the unfused path).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 from dataclasses import dataclass
 
@@ -28,8 +35,12 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 
 TRITON_DECODE_ENV = "SLIPSTREAM_ENGINE_TRITON_DECODE"
-"""Set to 1 to run CUDA decode attention as the Triton paged kernel (off by default until its end-to-end
-run in the engine on GPU is measured; gather + SDPA otherwise)."""
+"""Set to 0 to run CUDA decode attention as gather + SDPA instead of the Triton paged kernel (the
+default on CUDA; CPU always gathers)."""
+
+
+FUSED_DECODE_ENV = "SLIPSTREAM_ENGINE_FUSED_DECODE"
+"""Set to 0 to decode on CUDA with the unfused PyTorch ops (the fused Triton kernels are the default)."""
 
 
 def check_supported(config) -> None:
@@ -93,6 +104,60 @@ class PagedForward:
         self.half = half
         self.lora = None
         """A `LoraBank` when the engine serves LoRA adapters; None keeps the forward adapter-free."""
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_w: list[torch.Tensor] | None = None
+        self.qkv_b: list[torch.Tensor | None] | None = None
+        self.gate_up_w: list[torch.Tensor] | None = None
+        self.gate_up_b: list[torch.Tensor | None] | None = None
+        self.fuse_weights()
+        self._fused_kernels = self._fused_kernels_usable()
+        log.info(
+            "decode path: attention %s, %s",
+            "Triton paged" if _paged_attention(cache) is not None else "gather + SDPA",
+            "fused Triton kernels"
+            if self._fused_kernels
+            else "PyTorch ops around fused q/k/v and gate/up GEMMs",
+        )
+
+    # ---- fused projections -------------------------------------------------------------------------
+
+    def fuse_weights(self) -> None:
+        """Concatenate each layer's q/k/v weights (and biases) into one tensor and gate/up into another,
+        and make the HF parameters views into them: a weight update's in-place copy by HF name lands in
+        the fused tensor. Called again after the weights come back from host memory (WeightsBackup
+        restores each parameter to its own storage); a state_dict taken before is stale after it."""
+        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = [], [], [], []
+        for layer in self.decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            w, b = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            self.qkv_w.append(w)
+            self.qkv_b.append(b)
+            w, b = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+            self.gate_up_w.append(w)
+            self.gate_up_b.append(b)
+
+    def unfuse_weights(self) -> None:
+        """Drop the references to the fused tensors (before the parameters are moved to host memory, so
+        their device memory goes with the parameters'); `fuse_weights` makes them again."""
+        self.qkv_w = self.qkv_b = self.gate_up_w = self.gate_up_b = None
+
+    def _fused_kernels_usable(self) -> bool:
+        if self.cache.device.type != "cuda" or os.environ.get(FUSED_DECODE_ENV, "1") == "0":
+            return False
+        if _paged_attention(self.cache) is None or getattr(self.model.config, "hidden_act", None) != "silu":
+            return False
+        if any(hasattr(layer.self_attn, "q_norm") for layer in self.decoder.layers):
+            return False
+        from generator_fleet.engine import fused_ops
+
+        return fused_ops.available()
+
+    def _gate_up(self, idx: int, mlp, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate_up_w is None:
+            return mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = F.linear(x, self.gate_up_w[idx], self.gate_up_b[idx]).chunk(2, dim=-1)
+        return gate, up
 
     def _lora_delta(self, layer_idx: int, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (projection `module`'s output for rows x) plus the rows' adapter deltas."""
@@ -117,7 +182,11 @@ class PagedForward:
         """h [T, hidden] → q [T, H, D], k/v [T, KV, D] with RoPE applied (and Qwen3's q/k norms)."""
         attn = layer.self_attn
         T = h.shape[0]
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        if self.qkv_w is None:
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        else:
+            qkv = F.linear(h, self.qkv_w[idx], self.qkv_b[idx])
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.lora is not None:
             q = self._lora_delta(idx, "q_proj", h, q)
             k = self._lora_delta(idx, "k_proj", h, k)
@@ -138,7 +207,9 @@ class PagedForward:
         if self.lora is not None:
             return self._layer_tail_lora(layer, residual, attn_out, idx)
         h = residual + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(_rms_norm(layer.post_attention_layernorm, h))
+        mlp = layer.mlp
+        gate, up = self._gate_up(idx, mlp, _rms_norm(layer.post_attention_layernorm, h))
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
 
     def _layer_tail_lora(
         self, layer, residual: torch.Tensor, attn_out: torch.Tensor, idx: int
@@ -146,8 +217,9 @@ class PagedForward:
         h = residual + self._lora_delta(idx, "o_proj", attn_out, layer.self_attn.o_proj(attn_out))
         x = _rms_norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
-        gate = self._lora_delta(idx, "gate_proj", x, mlp.gate_proj(x))
-        up = self._lora_delta(idx, "up_proj", x, mlp.up_proj(x))
+        gate, up = self._gate_up(idx, mlp, x)
+        gate = self._lora_delta(idx, "gate_proj", x, gate)
+        up = self._lora_delta(idx, "up_proj", x, up)
         inner = mlp.act_fn(gate) * up
         return h + self._lora_delta(idx, "down_proj", inner, mlp.down_proj(inner))
 
@@ -155,7 +227,10 @@ class PagedForward:
         """Final norm + LM head. With `fp32_lm_head` the norm's output and the head's weight are cast to
         fp32 for the matmul (SGLang's --enable-fp32-lm-head): the cast reads the live weight, so weight
         updates and captured CUDA graphs need nothing more."""
-        h = _rms_norm(self.decoder.norm, hidden)
+        return self._head(_rms_norm(self.decoder.norm, hidden))
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """The LM head over final-normed hidden states (fp32 with `fp32_lm_head`)."""
         if not self.fp32_lm_head or h.dtype == torch.float32:
             return self.model.lm_head(h)
         head = self.model.lm_head
@@ -208,6 +283,8 @@ class PagedForward:
         B, MB = x.block_tables.shape
         if self.lora is not None:
             self._select_lora(lora_slots if lora_slots is not None else [-1] * B, None, x.seq_lens.device)
+        if self._fused_kernels and self.lora is None and self.qkv_w is not None:
+            return self._decode_fused(x)
         L = MB * self.cache.block_size
         paged = _paged_attention(self.cache)
         mask = None
@@ -241,6 +318,72 @@ class PagedForward:
             h = self._layer_tail(layer, residual, o.reshape(B, -1), i)
         return self.logits(h).float()
 
+    def _decode_fused(self, x: DecodeInputs) -> torch.Tensor:
+        """CUDA decode with the fused kernels: per layer add+norm, one q/k/v GEMM, RoPE + pool write, paged
+        attention (two kernels), o_proj, add+norm, one gate/up GEMM, SwiGLU, down_proj. The residual
+        stream is carried as (delta, residual) so each add happens inside the next norm."""
+        from generator_fleet.engine import decode_attention, fused_ops
+
+        B = x.block_tables.shape[0]
+        delta = self.decoder.embed_tokens(x.input_ids)
+        res = None
+        for i, layer in enumerate(self.decoder.layers):
+            norm = layer.input_layernorm
+            normed, res = fused_ops.add_rms_norm(delta, res, norm.weight, norm.variance_epsilon)
+            qkv = F.linear(normed, self.qkv_w[i], self.qkv_b[i])
+            q = fused_ops.rope_kv_write(
+                qkv,
+                x.positions,
+                self.cos,
+                self.sin,
+                x.slots,
+                self.cache.k[i],
+                self.cache.v[i],
+                self.num_heads,
+            )
+            o = decode_attention.paged_decode_attention(
+                q,
+                self.cache.k[i],
+                self.cache.v[i],
+                x.block_tables,
+                x.seq_lens,
+                block_size=self.cache.block_size,
+                scale=self.scaling,
+            )
+            a = layer.self_attn.o_proj(o.view(B, -1))
+            norm = layer.post_attention_layernorm
+            normed, res = fused_ops.add_rms_norm(a, res, norm.weight, norm.variance_epsilon)
+            gate_up = F.linear(normed, self.gate_up_w[i], self.gate_up_b[i])
+            delta = layer.mlp.down_proj(fused_ops.silu_mul(gate_up))
+        norm = self.decoder.norm
+        normed, _ = fused_ops.add_rms_norm(delta, res, norm.weight, norm.variance_epsilon)
+        return self._head(normed).float()
+
+
+def _fuse_linears(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) tensor holding `mods`' outputs in order; each module's parameters become
+    views into it (same values, same parameter objects)."""
+    with torch.no_grad():
+        w = torch.cat([m.weight.data for m in mods])
+        has_bias = [m.bias is not None for m in mods]
+        b = torch.cat([m.bias.data for m in mods]) if all(has_bias) else None
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = w[off : off + n]
+            if b is not None:
+                m.bias.data = b[off : off + n]
+            off += n
+    if any(has_bias) and b is None:  # some biased, some not: the fused GEMM adds the biases after
+        b = torch.cat([m.bias.data if m.bias is not None else w.new_zeros(m.weight.shape[0]) for m in mods])
+        off = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            if m.bias is not None:
+                m.bias.data = b[off : off + n]
+            off += n
+    return w, b
+
 
 def _paged_attention(cache: PagedKVCache):
     """The Triton paged decode attention on CUDA (power-of-2 block sizes), else None (CPU keeps gather +
@@ -248,11 +391,17 @@ def _paged_attention(cache: PagedKVCache):
     interpreter."""
     if cache.device.type != "cuda" or cache.block_size & (cache.block_size - 1):
         return None
-    if os.environ.get(TRITON_DECODE_ENV, "0") != "1":
+    if os.environ.get(TRITON_DECODE_ENV, "1") == "0":
         return None
     from generator_fleet.engine import decode_attention
 
     return decode_attention.paged_decode_attention if decode_attention.available() else None
+
+
+def _fused_ops_available() -> bool:
+    from generator_fleet.engine import fused_ops
+
+    return fused_ops.available()
 
 
 def _rms_norm(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -264,8 +413,8 @@ class DecodeGraphs:
     """CUDA graphs of one decode step, one per (batch bucket, block-table width bucket), captured on first
     use into one shared memory pool. A step is one host→device copy of a pinned int64 block holding every
     input, one replay, and one device→host copy of the chosen tokens and their logprobs: the graph also
-    samples (greedy, or temperature through the exponential race) for rows with plain sampling settings.
-    Padding rows write to the cache's scratch slot and attend to it alone.
+    samples (greedy, or temperature through the Gumbel-max race in fused_ops.sample_rows, seeded per step
+    through the input block) for rows with plain sampling settings. Padding rows write to the cache's scratch slot and attend to it alone.
 
     A capture holds `capture_lock`, which every weight-bus operation on this device takes too (its CUDA
     work: buffers, the broadcast, the gloo copy to the device), so no such call can land inside a
@@ -275,8 +424,8 @@ class DecodeGraphs:
     Captures use `capture_error_mode="thread_local"`, so a CUDA call of any other thread of the process
     (the NCCL watchdog's event queries, a library's thread) cannot invalidate one either."""
 
-    COLS = 4
-    """input_ids, positions, slots, seq_lens; block tables follow."""
+    COLS = 5
+    """input_ids, positions, slots, seq_lens, the step's sampling seed; block tables follow."""
 
     def __init__(
         self,
@@ -301,6 +450,9 @@ class DecodeGraphs:
         self.temps = torch.zeros(B, dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        self.fused_sampling = os.environ.get(FUSED_DECODE_ENV, "1") != "0" and _fused_ops_available()
+        """Sample with fused_ops.sample_rows (one pass over the logits); else PyTorch ops."""
+        self._seeds = random.Random(torch.initial_seed())
 
     def drop(self) -> int:
         """Forget every captured graph (release_memory_occupation: they hold the addresses of the KV pool
@@ -320,6 +472,10 @@ class DecodeGraphs:
     def _step(self, b: int, mb: int) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.fwd.decode(self._view(b, mb))
         temps = self.temps[:b]
+        if self.fused_sampling:
+            from generator_fleet.engine import fused_ops
+
+            return logits, fused_ops.sample_rows(logits, temps, self.inputs[0:1, 4])
         greedy = temps <= 0
         lp_all = torch.log_softmax(logits / torch.where(greedy, 1.0, temps)[:, None], dim=-1)
         race = lp_all - torch.empty_like(lp_all).exponential_().log()  # argmax p/E, E ~ Exp(1)
@@ -367,6 +523,7 @@ class DecodeGraphs:
         h = self.host_np
         h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, slots
         h[:B, 3] = h[:B, 1] + 1
+        h[0, 4] = self._seeds.getrandbits(62)
         tab = h[:b, self.COLS : self.COLS + mb]
         tab.fill(scratch)
         for i, t in enumerate(tables):

@@ -107,13 +107,13 @@ class Runner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        # Live views of the parameters keyed by HF name (tied weights appear under both names), so a
-        # weight update is an in-place copy_ and never re-allocates what the forward pass (and the
-        # captured CUDA graphs) use.
-        self._named_tensors = self.model.state_dict()
         self._weights = WeightsBackup(self.model)
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
+        # Live views of the parameters keyed by HF name (tied weights appear under both names), taken
+        # after the forward fused the projections, so a weight update is an in-place copy_ into the fused
+        # tensors and never re-allocates what the forward pass (and the captured CUDA graphs) use.
+        self._named_tensors = self.model.state_dict()
         if lora is not None:
             self.fwd.lora = LoraBank(lora, self.config, max_loras, self.device, self.dtype)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
@@ -489,6 +489,7 @@ class Runner:
                     freed[KV_CACHE] = self.cache.free_pool()
                 if WEIGHTS in new:
                     self._named_tensors = {}  # its views would keep the device copies alive
+                    self.fwd.unfuse_weights()  # and so would the fused projections
                     freed[WEIGHTS] = self._weights.offload()
                 empty_cache(self.device)
             log.info(
@@ -515,6 +516,7 @@ class Runner:
             with self.gpu_lock:
                 if WEIGHTS in todo:
                     self._weights.restore()
+                    self.fwd.fuse_weights()
                     self._named_tensors = self.model.state_dict()
                 if KV_CACHE in todo:
                     self.cache.allocate_pool()

@@ -43,7 +43,7 @@ def make_adapter(model, spec: LoraSpec, seed: int):
     return pm, peft.get_peft_model_state_dict(pm)
 
 
-def engine(model, spec: LoraSpec | None, max_loras: int = 2):
+def engine(model, spec: LoraSpec | None, max_loras: int = 2, device: str = "cpu"):
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = PagedKVCache(
@@ -53,21 +53,22 @@ def engine(model, spec: LoraSpec | None, max_loras: int = 2):
         num_blocks=64,
         block_size=16,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device(device),
     )
     fwd = PagedForward(model, cache, context_length=256)
     if spec is not None:
-        fwd.lora = LoraBank(spec, cfg, max_loras, torch.device("cpu"), torch.float32)
+        fwd.lora = LoraBank(spec, cfg, max_loras, torch.device(device), torch.float32)
     return fwd
 
 
 def prefill_last_logits(fwd: PagedForward, seqs, lora_slots=None):
     total = sum(len(s) for s in seqs)
-    slots = torch.arange(16, 16 + total)
+    dev = fwd.cache.device
+    slots = torch.arange(16, 16 + total, device=dev)
     with torch.no_grad():
         h = fwd.prefill(seqs, slots, lora_slots)
-        ends = torch.tensor([len(s) for s in seqs]).cumsum(0) - 1
-        return fwd.logits(h[ends]).float(), slots
+        ends = torch.tensor([len(s) for s in seqs], device=dev).cumsum(0) - 1
+        return fwd.logits(h[ends]).float().cpu(), slots
 
 
 def ref_logits(model, seqs):
@@ -78,8 +79,18 @@ def ref_logits(model, seqs):
 SEQS = [[1, 5, 7, 9, 3], [2, 4, 6], [8, 8, 1, 2, 3, 4, 5, 6, 7], [3, 1]]
 
 
-def test_prefill_and_decode_match_peft_mixed_with_base_and_other_adapter(base):
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_and_decode_match_peft_mixed_with_base_and_other_adapter(base, device):
+    """On CUDA too: eager decode with the adapters (fused q/k/v and gate/up GEMMs with the deltas added
+    to their slices, the Triton paged attention)."""
     model, _ = base
+    tol = TOL if device == "cpu" else 1e-3
     spec = LoraSpec(
         rank=8,
         alpha=16,
@@ -88,7 +99,7 @@ def test_prefill_and_decode_match_peft_mixed_with_base_and_other_adapter(base):
     pa, sa = make_adapter(model, spec, seed=1)
     small = LoraSpec(rank=4, alpha=4, target_modules=["q_proj", "down_proj"], name="other")
     pb, sb = make_adapter(model, small, seed=2)
-    fwd = engine(model, spec)
+    fwd = engine(copy.deepcopy(model).to(device), spec, device=device)
     fwd.lora.load("policy", spec.peft_config(), sa)
     fwd.lora.load("other", small.peft_config(), sb)
     rows = [fwd.lora.slot_of(n) for n in ("policy", None, "other", "policy")]
@@ -101,7 +112,7 @@ def test_prefill_and_decode_match_peft_mixed_with_base_and_other_adapter(base):
             ref_logits(pa, SEQS[3:]),
         ]
     )
-    assert (got - want).abs().max() < TOL
+    assert (got - want).abs().max() < tol
     # the adapter really changes the outputs (else the comparison above proves nothing)
     assert (ref_logits(pa, SEQS[:1]) - ref_logits(model, SEQS[:1])).abs().max() > 0.1
     # merged weights give the same greedy tokens
@@ -117,20 +128,20 @@ def test_prefill_and_decode_match_peft_mixed_with_base_and_other_adapter(base):
         blocks = [1 + 2 * i, 2 + 2 * i]
         tables.append(blocks)
         slot_rows.append([blocks[p // bs] * bs + p % bs for p in range(len(s) + 1)])
-    flat_slots = torch.tensor([x for i, s in enumerate(SEQS) for x in slot_rows[i][: len(s)]])
+    flat_slots = torch.tensor([x for i, s in enumerate(SEQS) for x in slot_rows[i][: len(s)]], device=device)
     with torch.no_grad():
         fwd.prefill(SEQS, flat_slots, rows)
         x = DecodeInputs(
-            input_ids=torch.tensor(nxt),
-            positions=torch.tensor(lens),
-            slots=torch.tensor([r[-1] for r in slot_rows]),
-            block_tables=torch.tensor(tables),
-            seq_lens=torch.tensor(lens) + 1,
+            input_ids=torch.tensor(nxt, device=device),
+            positions=torch.tensor(lens, device=device),
+            slots=torch.tensor([r[-1] for r in slot_rows], device=device),
+            block_tables=torch.tensor(tables, device=device),
+            seq_lens=torch.tensor(lens, device=device) + 1,
         )
-        dec = fwd.decode(x, rows)
+        dec = fwd.decode(x, rows).cpu()
     refs = [pa, model, pb, pa]
     want2 = torch.cat([ref_logits(m, [s + [t]]) for m, s, t in zip(refs, SEQS, nxt, strict=True)])
-    assert (dec - want2).abs().max() < TOL
+    assert (dec - want2).abs().max() < tol
 
 
 def test_replace_unload_and_errors(base):
