@@ -45,7 +45,9 @@ def base_fingerprint(model: nn.Module) -> dict:
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             flat = p.detach().reshape(-1)
-            idx = torch.linspace(0, flat.numel() - 1, min(flat.numel(), FINGERPRINT_SAMPLES)).long()
+            n = min(flat.numel(), FINGERPRINT_SAMPLES)
+            # integer spacing: a float linspace rounds past the last index on tensors of 2**24+ elements
+            idx = torch.arange(n, dtype=torch.int64, device=flat.device) * (flat.numel() - 1) // max(n - 1, 1)
             h.update(f"{name}:{tuple(p.shape)}".encode())
             h.update(flat[idx].float().cpu().numpy().tobytes())
     return {"config": base_config(model), "weights": h.hexdigest()[:16]}
