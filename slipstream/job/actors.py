@@ -98,6 +98,7 @@ class EngineActor:
 
         _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
+        self.lora = options.lora
         self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:
@@ -105,6 +106,14 @@ class EngineActor:
         from weight_bus.registry import EngineRegistration
 
         self.server.start()
+        if self.lora is not None and not self.joining:
+            # A LoRA job's version 0 is its untrained adapter (B = 0: the base model's outputs), served
+            # from the start so that rollouts and the version-0 eval can name it; the trainer's first
+            # publish replaces it. An engine joining mid-job gets the current adapter before traffic.
+            self.server.runner.load_lora(self.lora.name, self.lora.peft_config(), {})
+            logging.getLogger(__name__).info(
+                "engine serves the untrained adapter %r at version 0", self.lora.name
+            )
         _export(self.server.app.state.engine.metrics.registry)
         self.registration = EngineRegistration(
             connect(self.redis_url), self.job, self.server.url, joining=self.joining
