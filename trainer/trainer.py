@@ -5,8 +5,8 @@ Each step, in order (the order is the durability contract, docs/design.md §3):
   2. optimizer steps (ppo_minibatches x ppo_epochs) over packed micro-batches, split
      across the trainer ranks                                                         (every rank)
   3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
-  4. publish      — full weights gathered from the FSDP shards, sent over the bus to every engine;
-                    only when all acknowledged:
+  4. publish      — full weights gathered from the FSDP shards (a LoRA job: the adapter only), sent
+                    over the bus to every engine; only when all acknowledged:
   5. version      — bump `version` in Redis; rollout admission and staleness follow it
 
 Every rank runs `Trainer.run`; rank 0 owns the buffer and the bus and tells the others, once per step,

@@ -33,6 +33,11 @@ SGLang's MultiprocessingSerializer payload, load_format flattened_bucket) and PO
 weights, and a buffer is packed again only after every engine answered for the bucket in it. An engine
 that dies or times out is dropped and the others go on with no re-send; a refusal is BusError.
 
+LoRA (`lora`: a job with model.lora; weight_bus/lora.py): every update carries the adapter only, under
+PEFT's names, through the same steps: announced with `lora_name` + `lora_config` over the group
+(built-in engines), handed over as one ring bucket to /load_lora_adapter_from_tensors (ipc), or written
+as a PEFT directory under `lora_dir` that engines without the group extension (SGLang) load.
+
 Failure: every HTTP call and every collective is bounded (`timeout_s`). An engine that dies, or does
 not answer in time, during an update is dropped; rank 0 leaves the group, builds a new one (new name,
 new port) with the survivors, and re-sends every bucket they have not confirmed, so the same update

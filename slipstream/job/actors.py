@@ -163,17 +163,24 @@ class SGLangEngineActor:
         index: int,
         lora: LoraSpec | None = None,
     ) -> None:
-        from generator_fleet.launch import SGLangServer
+        from generator_fleet.launch import SGLangServer, write_untrained_adapter
 
         _setup_process(job, f"engine-{index}", redis_url, 1)
         self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
+        initial = None
+        if lora is not None:
+            # A LoRA job's version 0 (B = 0: the base model's outputs), loaded at start so that rollouts can
+            # name the adapter before the trainer's first publish replaces it (unload + load).
+            path = Path(job.output_dir) / "lora" / f"untrained-{index}"
+            initial = str(write_untrained_adapter(model_path, lora, path))
         self.server = SGLangServer(
             model_path,
             generators.sglang,
             log_path=Path(job.output_dir) / "logs" / f"sglang-{index}.log",
             api_key=api_key,
             lora=lora,
+            initial_adapter=initial,
         )
         self.registration = None
 

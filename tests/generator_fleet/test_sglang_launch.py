@@ -184,6 +184,40 @@ def test_lora_job_command_enables_lora_with_sglang_flags():
         assert re.search(rf"^\s+{name}\s*:", text, re.M), name
 
 
+def test_lora_job_starts_sglang_with_its_untrained_adapter(tmp_path, tiny_model_dir):
+    """A LoRA job's version 0 on SGLang: a zero PEFT directory loaded at start (--lora-paths NAME=PATH);
+    an engine that loads it answers as the base model under the adapter's name."""
+    from generator_fleet.launch import write_untrained_adapter
+
+    lora = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "down_proj"], name="pol")
+    path = write_untrained_adapter(str(tiny_model_dir), lora, tmp_path / "untrained")
+    assert json.loads((path / "adapter_config.json").read_text())["r"] == 4
+    cmd = sglang_command("/m", 30000, SGLangSpec(), lora=lora, initial_adapter=str(path))
+    assert cmd[-2:] == ["--lora-paths", f"pol={path}"]
+    assert shim_parse(cmd[3:]).lora_paths == [f"pol={path}"]
+    server = EngineServer(str(tiny_model_dir), torch_threads=1, lora=lora).start()
+    try:
+        server.runner.load_lora_from_dir("pol", str(path))
+        body = {"input_ids": [1, 5, 6, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+        base = httpx.post(server.url + "/generate", json=body, timeout=60).json()["output_ids"]
+        on_adapter = httpx.post(
+            server.url + "/generate", json={**body, "lora_path": "pol"}, timeout=60
+        ).json()
+        assert on_adapter["output_ids"] == base
+    finally:
+        server.stop()
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang is not installed: its server_args cannot be checked")
+    srt = Path(spec.origin).parent / "srt"
+    text = "".join(
+        f.read_text()
+        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
+        if f.exists()
+    )
+    assert re.search(r"^\s+lora_paths\s*:", text, re.M)
+
+
 # ---- a launched server ----------------------------------------------------------------------------
 
 
