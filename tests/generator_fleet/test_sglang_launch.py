@@ -476,3 +476,42 @@ def test_job_with_sglang_engines_behind_a_router(tmp_path, tiny_model_dir):
     log_text = (tmp_path / "run" / "logs" / "sglang-0.log").read_text()
     assert "SHIM_ARGS" in log_text and "--api-key ***" in log_text
     assert not is_healthy(engine_url)  # stopped with the job
+
+
+@pytest.mark.slow
+def test_lora_job_on_sglang_engines_serves_its_adapter_from_the_start(tmp_path, tiny_model_dir):
+    """A LoRA job with engine: sglang (the shim, through `sglang.python`): the server starts with the zero
+    adapter (--lora-paths), rollouts name it from the first request, and the job's publishes replace it."""
+    import jobspec
+    from slipstream.job.local import run_job
+
+    python = tmp_path / "python-with-sglang"
+    env = install_shim(tmp_path / "shim")
+    python.write_text(f"#!/bin/sh\nPYTHONPATH='{env['PYTHONPATH']}' exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    spec = jobspec.from_dict(
+        {
+            "name": "sglang-lora",
+            "output_dir": str(tmp_path / "run"),
+            "model": {
+                "path": str(tiny_model_dir),
+                "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+            },
+            "rollout": {"group_size": 2, "concurrency": 2, "sampling": {"max_new_tokens": 4}},
+            "generators": {
+                "engine": "sglang",
+                "sglang": {"python": str(python), "gpus_per_engine": 0, "skip_server_warmup": True},
+            },
+            "algorithm": {"groups_per_step": 2, "total_steps": 2},
+            "buffer": {"max_staleness": 0},
+            "bus": {"pause_mode": "abort"},
+        }
+    )
+    result = run_job(spec)
+    assert result.version == 2
+    untrained = tmp_path / "run" / "lora" / "untrained-0"
+    assert json.loads((untrained / "adapter_config.json").read_text())["r"] == 4
+    log_text = (tmp_path / "run" / "logs" / "sglang-0.log").read_text()
+    assert f"policy={untrained}" in log_text  # --lora-paths
+    trainer_log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+    assert "published version 2 (adapter 'policy' only" in trainer_log

@@ -29,7 +29,7 @@ def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path_factory):
             "dataset": {"name": "arith", "max_operand": 4},
             "reward": {"name": "arith", "format_weight": 0.1},
             "rollout": {"group_size": 8, "concurrency": 8, "sampling": {"max_new_tokens": 6}},
-            "algorithm": {"lr": 1e-2, "groups_per_step": 8, "total_steps": STEPS},
+            "algorithm": {"lr": 3e-3, "groups_per_step": 8, "total_steps": STEPS},
             "buffer": {"max_staleness": 1},
             "generators": {"num_engines": 1},
         }
