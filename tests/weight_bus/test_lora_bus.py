@@ -2,7 +2,8 @@
 bucket or many), over shared memory (ipc, engines in their own processes), and through PEFT directories
 (the path engines without the group extension, SGLang, take). Every engine then serves the adapter under
 its name with PEFT's greedy tokens, keeps its base weights and base outputs, carries the version; only
-the adapter's bytes move. An engine killed mid-publish is dropped and the survivor still gets the adapter."""
+the adapter's bytes move. An engine killed mid-publish is dropped and the survivor still gets the adapter;
+an engine joining mid-job gets the current adapter before the registry shows it to rollout workers."""
 
 from __future__ import annotations
 
@@ -216,3 +217,35 @@ def test_engine_killed_mid_adapter_publish_is_dropped_and_the_survivor_gets_it(l
         assert version(survivor.url) == "9" and greedy(survivor.url, "policy") == refs["ref2"]
     finally:
         bus.close()
+
+
+def test_engine_joining_mid_job_gets_the_current_adapter_before_traffic(
+    model_dir, engines, refs, redis_client, job_id
+):
+    """A LoRA engine started mid-job (scale up, replacement) holds no adapter; the next publish admits it
+    with the whole current adapter, and only then does the registry show it to rollout workers."""
+    from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key
+
+    first = EngineRegistration(redis_client, job_id, engines[0].url)
+    late = EngineServer(str(model_dir), api_key=KEY, torch_threads=1, lora=LORA).start()
+    registry = EngineRegistry(redis_client, job_id)
+    bus = WeightBus([engines[0].url], api_key=KEY, registry=registry, lora=LORA)
+    bus.connect()
+    joining = None
+    try:
+        bus.publish(iter(refs["a1"]), version=21)
+        joining = EngineRegistration(redis_client, job_id, late.url, joining=True)
+        assert registry.live() == [engines[0].url] and registry.joining() == [late.url]
+        assert late.runner.lora_adapters() == {}  # nothing to serve rollouts with yet
+        stats = bus.publish(iter(refs["a2"]), version=22)
+        assert stats.joined == [late.url] and stats.bytes == adapter_bytes(refs["a2"])
+        assert sorted(registry.live()) == sorted([engines[0].url, late.url]) and registry.joining() == []
+        for u in (engines[0].url, late.url):
+            assert version(u) == "22" and greedy(u, "policy") == refs["ref2"]
+        assert redis_client.zscore(engines_key(job_id), late.url) is not None
+    finally:
+        bus.close()
+        first.close()
+        if joining is not None:
+            joining.close()
+        late.stop()
