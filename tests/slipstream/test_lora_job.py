@@ -47,7 +47,9 @@ def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path_factory):
     assert scraper.samples, "the job's metrics were not read"
     adapter = scraper.value("trainer-0", "slipstream_trainer_lora_adapter_bytes")
     assert adapter > 0
-    assert scraper.value("trainer-0", "slipstream_bus_adapter_updates_total", backend="gloo", path="group") >= 3
+    assert (
+        scraper.value("trainer-0", "slipstream_bus_adapter_updates_total", backend="gloo", path="group") >= 3
+    )
     assert scraper.value("trainer-0", "slipstream_bus_last_update_bytes", kind="adapter") == adapter
     assert scraper.value("trainer-0", "slipstream_bus_last_update_bytes", kind="full") == 0
     # the engine replaced its adapter from the group at each publish and served rollouts on it
@@ -56,3 +58,35 @@ def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path_factory):
     assert "(adapter 'policy' only, group)" in log
     engine_log = (tmp / "run" / "logs" / "engine-0.log").read_text()
     assert "serves the untrained adapter 'policy' at version 0" in engine_log
+
+
+def test_colocated_lora_job_hands_the_adapter_over_shared_memory(tmp_path, tiny_model_dir):
+    """`placement: colocated` (sync schedule, ipc bus): the engine releases its memory for each step and
+    gets the adapter back through /load_lora_adapter_from_tensors, its base weights restored as they were."""
+    spec = jobspec.from_dict(
+        {
+            "name": "lora-colo",
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(tiny_model_dir), "lora": {"rank": 4}},
+            "rollout": {"group_size": 2, "concurrency": 2, "sampling": {"max_new_tokens": 4}},
+            "algorithm": {"groups_per_step": 2, "total_steps": 3},
+            "buffer": {"max_staleness": 0},
+            "placement": "colocated",
+        }
+    )
+    assert spec.bus.backend == "ipc" and spec.schedule == "sync"
+    scraper = Scraper(spec, at_version=2)
+    result = run_job(spec, on_progress=scraper)
+    assert result.version == 3
+    for p in scraper.seen:
+        assert p["released_engines"] == 1 and p["resumed_engines"] == 1 and p["publish_s"] > 0
+        assert p["staleness_max"] == 0
+    assert scraper.value("trainer-0", "slipstream_bus_adapter_updates_total", backend="ipc", path="ipc") >= 2
+    adapter = scraper.value("trainer-0", "slipstream_trainer_lora_adapter_bytes")
+    assert scraper.value("trainer-0", "slipstream_bus_last_update_bytes", kind="adapter") == adapter > 0
+    assert (
+        scraper.value("engine-0", "slipstream_engine_lora_ops_total", op="load_from_tensors", outcome="ok")
+        >= 2
+    )
+    log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+    assert "(adapter 'policy' only, ipc)" in log
