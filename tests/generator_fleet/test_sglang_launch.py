@@ -269,6 +269,7 @@ def test_launched_server_serves_registers_and_stops(
                 "max_lora_rank": None,
                 "lora_target_modules": None,
                 "max_loras_per_batch": 8,
+                "lora_paths": None,
             }
 
         pgid = server.proc.pid
