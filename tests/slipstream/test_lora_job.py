@@ -14,14 +14,14 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 
 
-def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lora_job")
+def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path, demo_model):
+    tmp = tmp_path
     spec = jobspec.from_dict(
         {
             "name": "lora-job",
             "output_dir": str(tmp / "run"),
             "model": {
-                "path": str(tmp / "model"),
+                "path": str(demo_model),
                 "build": "tiny-arith",
                 "warmup_steps": 100,
                 "lora": {"rank": 8, "alpha": 16},
