@@ -24,6 +24,17 @@ first_publish_ms) and one untimed raw broadcast, `--repeats` rounds alternate ra
   bucket, pause, every bucket announced over HTTP and broadcast, continue. Its PublishStats give
   transfer_ms (first announcement to last confirmation by every engine) and pause_ms (pause sent to
   continue answered). After the rounds every engine must report the final weight version.
+`--lora RANK`: adapter-only publishes (a LoRA job's) next to full-weight ones, same engines, same bus
+and group, same base shape: the engines start with `--lora {"rank": RANK}` (every target projection)
+and each round publishes the full bf16 weights, then the adapter alone (random bf16 tensors under PEFT's
+names, rank RANK on q/k/v/o/gate/up/down of every layer), in alternating order; no raw peers.
+ratios.adapter_vs_full_publish = full publish ms / adapter publish ms (medians), adapter_vs_full_pause and
+adapter_vs_full_transfer likewise, adapter_bytes_fraction = adapter bytes / full bytes. On one GPU:
+`--bus-backend ipc --engine-gpu 0` (colocated: the engine on the trainer's GPU, handles by CUDA IPC):
+
+  nvidia-h200:  python benchmarks/weight_bus.py --lora 16 --bus-backend ipc --engine-gpu 0 \
+                  --models qwen2.5-7b-shape --repeats 3 --label lora
+
 Medians over the rounds. bus_vs_raw_broadcast = raw time / bus publish time (= bus bandwidth ÷ raw
 bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publish. Headline
 (benchmarks/README.md): the largest model of the run. Result file: weight_bus-<device>[-<label>]-<date>.json.
@@ -32,6 +43,7 @@ bandwidth); transfer_vs_raw_broadcast uses transfer_ms instead of the whole publ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -154,6 +166,8 @@ class EngineProcess:
             "--context-length",
             "2048",
         ]
+        if args.lora:
+            cmd += ["--lora", json.dumps({"rank": args.lora})]
         if args.device == "cuda":
             cmd += ["--device", "cuda", "--disable-cuda-graph"]
         else:
@@ -344,6 +358,133 @@ def engine_phases(url: str) -> dict[str, float]:
     return {ph: round(sums[ph] / counts[ph] * 1e3, 3) for ph in sums if counts.get(ph)}
 
 
+def adapter_weights(shape: str, rank: int, device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A LoRA adapter of `rank` on every target projection of every layer, as Learner.adapter_tensors
+    yields it (PEFT's saved names, lora_A [r, in], lora_B [out, r]): random bf16 on `device`."""
+    from generator_fleet.engine.lora import module_dims
+    from models.config import LORA_TARGETS
+
+    cfg, _ = qwen2_config(shape)
+    dims = module_dims(cfg)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for i in range(cfg.num_hidden_layers):
+        for mod in LORA_TARGETS:
+            block = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{i}.{block}.{mod}"
+            fan_in, fan_out = dims[mod]
+            for ab, shp in (("A", (rank, fan_in)), ("B", (fan_out, rank))):
+                t = torch.randn(shp, dtype=torch.bfloat16, device=device, generator=gen)
+                out.append((f"{prefix}.lora_{ab}.weight", t))
+    return out
+
+
+def measure_lora(args, shape: str, tmp: Path, device: torch.device) -> dict[str, Any]:
+    """`--lora`: full-weight and adapter-only publishes to the same engines over the same bus, alternating."""
+    import httpx
+
+    from models.config import LoraSpec
+    from weight_bus import WeightBus
+
+    med = statistics.median
+    m: dict[str, Any] = {}
+    params = trainer_weights(shape, device, args.seed)
+    adapter = adapter_weights(shape, args.lora, device, args.seed + 1)
+    spec = LoraSpec(rank=args.lora, alpha=2.0 * args.lora)
+    sizes = {
+        "full": sum(t.numel() * t.element_size() for _, t in params),
+        "adapter": sum(t.numel() * t.element_size() for _, t in adapter),
+    }
+    m["bytes"], m["adapter_bytes"] = sizes["full"], sizes["adapter"]
+    m["tensors"], m["adapter_tensors"] = len(params), len(adapter)
+    log(
+        f"{shape}: full {sizes['full'] / 2**30:.2f} GiB, adapter rank {args.lora} {sizes['adapter'] / 2**20:.2f} MiB"
+    )
+    engines = start_engines(args, model_dir(tmp / shape, shape), tmp, shape)
+    urls = [e.url for e in engines]
+    m["engine_start_s"] = max(e.start_s for e in engines)
+    bus = WeightBus(
+        urls,
+        api_key=API_KEY,
+        backend=args.bus_backend,
+        bucket_bytes=args.bucket_mb * 2**20,
+        timeout_s=args.timeout_s,
+        device=device,
+        max_inflight=args.max_inflight,
+    )
+    times: dict[str, dict[str, list[float]]] = {
+        k: {"publish": [], "transfer": [], "pause": []} for k in sizes
+    }
+    version = 0
+
+    def publish(kind: str, timed: bool) -> None:
+        nonlocal version
+        version += 1
+        # one bus and one group for both kinds: only the payload (and the engine route) differs
+        bus.transfer.lora = spec if kind == "adapter" else None
+        t0 = perf_counter()
+        stats = bus.publish(iter(adapter if kind == "adapter" else params), version=version)
+        dt = perf_counter() - t0
+        if sorted(stats.engines) != sorted(urls) or stats.bytes != sizes[kind] or stats.kind != kind:
+            raise RuntimeError(
+                f"{kind} publish reached {stats.engines} with {stats.bytes} bytes ({stats.kind})"
+            )
+        if timed:
+            times[kind]["publish"].append(dt * 1e3)
+            times[kind]["transfer"].append(stats.transfer_ms)
+            times[kind]["pause"].append(stats.pause_ms)
+        else:
+            m[f"{kind}_first_publish_ms"] = dt * 1e3
+
+    try:
+        bus.connect()
+        publish("full", timed=False)  # untimed: communicator setup, allocator warm-up, the ring
+        publish("adapter", timed=False)
+        for r in range(args.repeats):
+            for kind in ("full", "adapter") if r % 2 == 0 else ("adapter", "full"):
+                publish(kind, timed=True)
+            log(
+                f"{shape} round {r + 1}/{args.repeats}: full {times['full']['publish'][-1]:.2f} ms "
+                f"(pause {times['full']['pause'][-1]:.2f}), adapter {times['adapter']['publish'][-1]:.2f} ms "
+                f"(pause {times['adapter']['pause'][-1]:.2f})"
+            )
+        m["final_version"] = version
+        m["engine_weight_versions"] = [
+            httpx.get(u + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()[
+                "weight_version"
+            ]
+            for u in urls
+        ]
+        if m["engine_weight_versions"] != [str(version)] * len(urls):
+            raise RuntimeError(f"engines at versions {m['engine_weight_versions']}, expected {version}")
+    finally:
+        bus.close()
+        for e in engines:
+            e.stop()
+        params.clear()  # the tensors go before the next shape's are made
+        adapter.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for kind in sizes:
+        prefix = "" if kind == "full" else "adapter_"
+        for what in ("publish", "transfer", "pause"):
+            m[f"{prefix}{what}_ms"] = med(times[kind][what])
+            m[f"{prefix}{what}_ms_all"] = times[kind][what]
+    m["adapter_vs_full_publish"] = m["publish_ms"] / m["adapter_publish_ms"]
+    m["adapter_vs_full_transfer"] = m["transfer_ms"] / m["adapter_transfer_ms"]
+    m["adapter_vs_full_pause"] = m["pause_ms"] / m["adapter_pause_ms"]
+    m["adapter_bytes_fraction"] = sizes["adapter"] / sizes["full"]
+    return m
+
+
+LORA_RATIOS = (
+    "adapter_vs_full_publish",
+    "adapter_vs_full_transfer",
+    "adapter_vs_full_pause",
+    "adapter_bytes_fraction",
+)
+
+
 def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save) -> dict[str, Any]:
     from weight_bus import WeightBus
 
@@ -477,6 +618,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "max_inflight": args.max_inflight,
             "repeats": args.repeats,
             "pause_mode": "in_place",
+            "lora_rank": args.lora,
+            "lora_targets": "q/k/v/o/gate/up/down" if args.lora else None,
             "engine": "built-in, --load-format dummy, one process per engine",
             "env": env_info(args),
         },
@@ -488,10 +631,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         tmp = Path(tmp)
         raw = None
         try:
-            raw = RawPeers(args, tmp)
+            if not args.lora:
+                raw = RawPeers(args, tmp)
+            device = torch.device("cuda", args.trainer_gpu) if args.device == "cuda" else torch.device("cpu")
             for shape in models:
                 try:
-                    m = measure_model(args, shape, tmp, raw, result, save)
+                    if args.lora:
+                        m = measure_lora(args, shape, tmp, device)
+                    else:
+                        m = measure_model(args, shape, tmp, raw, result, save)
                 except Exception as exc:  # noqa: BLE001 - recorded; the next model still runs
                     log(f"{shape} FAILED: {exc!r}")
                     result["errors"].append(
@@ -501,6 +649,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                             "traceback": traceback.format_exception(exc)[-3:],
                         }
                     )
+                    save()
+                    continue
+                if args.lora:
+                    result["metrics"] |= {f"{shape}_{k}": v for k, v in m.items() if k not in LORA_RATIOS}
+                    result["ratios"] |= {f"{shape}_{k}": m[k] for k in LORA_RATIOS}
+                    result["ratios"] |= {k: m[k] for k in LORA_RATIOS}  # headline: the last (largest) shape
+                    result["config"]["headline_model"] = shape
+                    for k in ("pause_ms", "transfer_ms", "adapter_pause_ms", "adapter_transfer_ms"):
+                        result["metrics"][k] = m[k]
                     save()
                     continue
                 result["metrics"] |= {f"{shape}_{k}": v for k, v in m.items() if "vs_raw" not in k}
@@ -526,8 +683,38 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     return result
 
 
+def report_lora(result: dict) -> str:
+    m, r, cfg = result["metrics"], result["ratios"], result["config"]
+    lines = [
+        f"adapter-only (LoRA rank {cfg['lora_rank']}) vs full-weight publish to {cfg['engines']} engine(s) on "
+        f"{result['device']} ({cfg['env']['device_name']}, {cfg['backend']}), bf16, median of {cfg['repeats']}",
+        f"{'model':<20} {'full MiB':>9} {'adapter MiB':>11} {'full ms':>8} {'adapter ms':>10} {'full pause':>10} "
+        f"{'adapter pause':>13} {'speedup':>8}",
+    ]
+    for s in cfg["models"]:
+        if f"{s}_adapter_publish_ms" not in m:
+            continue
+        lines.append(
+            f"{s:<20} {m[f'{s}_bytes'] / 2**20:>9.1f} {m[f'{s}_adapter_bytes'] / 2**20:>11.2f} "
+            f"{m[f'{s}_publish_ms']:>8.2f} {m[f'{s}_adapter_publish_ms']:>10.2f} {m[f'{s}_pause_ms']:>10.2f} "
+            f"{m[f'{s}_adapter_pause_ms']:>13.2f} {r[f'{s}_adapter_vs_full_publish']:>8.2f}"
+        )
+    for e in result["errors"]:
+        lines.append(f"ERROR {e['model']}: {e['error']}")
+    if cfg.get("headline_model") is not None:
+        lines.append(
+            f"weight_bus adapter_vs_full_publish={r['adapter_vs_full_publish']:.2f} "
+            f"adapter_pause_ms={m['adapter_pause_ms']:.2f} pause_ms={m['pause_ms']:.2f} "
+            f"adapter_bytes_fraction={r['adapter_bytes_fraction']:.4f} "
+            f"(model={cfg['headline_model']}, rank={cfg['lora_rank']}, device={result['device']})"
+        )
+    return "\n".join(lines)
+
+
 def report(result: dict) -> str:
     m, r, cfg = result["metrics"], result["ratios"], result["config"]
+    if cfg.get("lora_rank"):
+        return report_lora(result)
     lines = [
         f"weight bus to {cfg['engines']} engine(s) vs raw broadcast to as many peers on {result['device']} "
         f"({cfg['env']['device_name']}, {cfg['backend']}), bf16, buckets of {cfg['bucket_bytes'] / 2**20:.0f} MiB, "
@@ -563,6 +750,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-inflight", type=int, default=MAX_INFLIGHT, help="unconfirmed buckets at a time (bus default)"
     )
     p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
+    p.add_argument(
+        "--lora",
+        type=int,
+        metavar="RANK",
+        help="adapter-only publishes of a rank-RANK LoRA adapter beside full-weight ones (no raw peers)",
+    )
     p.add_argument(
         "--bus-backend",
         choices=["gloo", "nccl", "ipc"],
@@ -627,7 +820,9 @@ def engine_gpus(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[in
         p.error("--engine-gpu names one engine's GPU: with --engines N > 1 give --engine-gpus")
     else:
         gpus = list(range(1, args.engines + 1))
-    if len(gpus) != args.engines or len(set(gpus)) != len(gpus) or args.trainer_gpu in gpus:
+    # ipc with --lora needs no raw peer: an engine may share the trainer's GPU (colocated)
+    shared = args.bus_backend == "ipc" and bool(args.lora)
+    if len(gpus) != args.engines or len(set(gpus)) != len(gpus) or (args.trainer_gpu in gpus and not shared):
         p.error(f"--engine-gpus {gpus}: need {args.engines} distinct GPUs other than the trainer's")
     return gpus
 

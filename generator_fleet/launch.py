@@ -67,11 +67,14 @@ def sglang_command(
     api_key: str | None = None,
     host: str = ENGINE_HOST,
     lora: LoraSpec | None = None,
+    initial_adapter: str | None = None,
 ) -> list[str]:
     """`python -m sglang.launch_server ...` for one engine. Flag names are SGLang's (ServerArgs fields in
     python/sglang/srt/server_args.py, `tp_size` -> `--tp-size`); options left null are left to SGLang.
     `lora` (a LoRA job): --enable-lora sized for the adapter (--max-lora-rank, --lora-target-modules) and
-    --max-loras-per-batch 2 (SGLang counts the base model as one: the adapter plus base requests)."""
+    --max-loras-per-batch 2 (SGLang counts the base model as one: the adapter plus base requests);
+    `initial_adapter`: a PEFT directory the server loads at start as adapter `lora.name` (--lora-paths
+    NAME=PATH: a LoRA job's untrained adapter, write_untrained_adapter)."""
     cmd = [
         sg.python or sys.executable,
         "-m",
@@ -117,7 +120,30 @@ def sglang_command(
             *lora.target_modules,
         ]
         cmd += ["--max-loras-per-batch", str(LORAS_PER_BATCH)]
+        if initial_adapter is not None:
+            cmd += ["--lora-paths", f"{lora.name}={initial_adapter}"]
     return cmd + list(sg.extra_args)
+
+
+def write_untrained_adapter(model_path: str, lora: LoraSpec, path: str | Path) -> Path:
+    """A LoRA job's version 0 for engines that load adapters from disk: a PEFT directory at `path` with
+    the adapter's every tensor zero (B = 0 makes the adapted model the base model, whatever A is)."""
+    import torch
+    from transformers import AutoConfig
+
+    from generator_fleet.engine.lora import module_dims
+    from weight_bus.lora import write_adapter_dir
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    dims = module_dims(cfg)
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for mod in lora.target_modules:
+            block = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{i}.{block}.{mod}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.zeros(lora.rank, dims[mod][0])
+            tensors[f"{prefix}.lora_B.weight"] = torch.zeros(dims[mod][1], lora.rank)
+    return write_adapter_dir(Path(path), tensors, lora.peft_config())
 
 
 def redact(cmd: list[str]) -> list[str]:
@@ -168,11 +194,14 @@ class SGLangServer:
         port: int = 0,
         env: dict[str, str] | None = None,
         lora: LoraSpec | None = None,
+        initial_adapter: str | None = None,
     ) -> None:
         self.model_path = str(model_path)
         self.sg = sg
         self.lora = lora
         """The job's adapter shape: the server starts with LoRA enabled for it (None: no LoRA)."""
+        self.initial_adapter = initial_adapter
+        """A PEFT directory loaded at start as adapter `lora.name` (a LoRA job's untrained adapter)."""
         self.log_path = Path(log_path)
         self.api_key = api_key
         self.port = port
@@ -186,7 +215,14 @@ class SGLangServer:
         return f"http://{ENGINE_HOST}:{self.port}"
 
     def command(self) -> list[str]:
-        return sglang_command(self.model_path, self.port, self.sg, self.api_key, lora=self.lora)
+        return sglang_command(
+            self.model_path,
+            self.port,
+            self.sg,
+            self.api_key,
+            lora=self.lora,
+            initial_adapter=self.initial_adapter,
+        )
 
     def start(self) -> SGLangServer:
         from common.net import free_port

@@ -168,13 +168,7 @@ class JobSpec(Spec):
                 "single-turn rollouts only: an agent's turns end at EOS (unset it or remove `agent:`)",
             )
         if self.model.lora is not None:
-            # The trainer trains adapters and engines serve them (routes, per-request lora_path), but a
-            # publish still sends full weights: a job with an adapter would serve a stale one.
-            raise bad(
-                "model.lora",
-                "LoRA jobs are not supported yet: the weight bus does not send adapter-only updates (the "
-                "trainer's adapters and the engines' adapter routes are usable on their own)",
-            )
+            self._check_lora()
         if self.trainer.export_merged and self.model.lora is None:
             raise bad(
                 "trainer.export_merged",
@@ -194,6 +188,25 @@ class JobSpec(Spec):
                 f"(it is {self.buffer.max_staleness}): engines lag up to update_every - 1 versions",
             )
         self._check_placement()
+
+    def _check_lora(self) -> None:
+        """A LoRA job: its engines are started by the job with the adapter's config and serve the untrained
+        adapter from version 0; SGLang replaces an adapter by unload + load, and its unload waits for the
+        requests running on the adapter, which a pause in place (or retract) keeps from finishing."""
+        g = self.generators
+        if g.engine == "external":
+            raise bad(
+                "generators.engine",
+                "a LoRA job (model.lora) launches its engines (`builtin` or `sglang`) so that they start "
+                "with the adapter's shape and serve its version 0; external engines are not supported",
+            )
+        if g.engine == "sglang" and self.bus.pause_mode != "abort":
+            raise bad(
+                "bus.pause_mode",
+                f"a LoRA job on SGLang engines replaces the adapter by unload + load, and SGLang's unload "
+                f"waits for the requests running on it: set bus.pause_mode to abort (not "
+                f"{self.bus.pause_mode}; rollouts resume aborted requests from their prefix)",
+            )
 
     def _check_placement(self) -> None:
         """Colocated: launched engines, one per trainer device, the ipc bus, a schedule that fits."""

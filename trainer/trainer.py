@@ -5,8 +5,8 @@ Each step, in order (the order is the durability contract, docs/design.md §3):
   2. optimizer steps (ppo_minibatches x ppo_epochs) over packed micro-batches, split
      across the trainer ranks                                                         (every rank)
   3. commit       — MULTI{mark group_ids trained, XACK, count}: a crash before this redelivers the batch
-  4. publish      — full weights gathered from the FSDP shards, sent over the bus to every engine;
-                    only when all acknowledged:
+  4. publish      — full weights gathered from the FSDP shards (a LoRA job: the adapter only), sent
+                    over the bus to every engine; only when all acknowledged:
   5. version      — bump `version` in Redis; rollout admission and staleness follow it
 
 Every rank runs `Trainer.run`; rank 0 owns the buffer and the bus and tells the others, once per step,
@@ -121,6 +121,8 @@ class Trainer:
                 device=("cuda:0" if cfg.trainer.device == "cuda" else "cpu")
                 if cfg.bus.backend == "ipc"
                 else None,
+                lora=cfg.model.lora,
+                lora_dir=str(Path(cfg.output_dir) / "lora"),
             )
         self.handoff: MemoryHandoff | None = None
         """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""
@@ -184,9 +186,11 @@ class Trainer:
             self.bus.connect()
         if tr.resume_from:
             self._resume(checkpoint.resolve(tr.resume_from, self.checkpoint_dir))
-        elif self.config.schedule == "sync":
+        elif self.config.schedule == "sync" or self.config.model.lora is not None:
             # colocated sync: engines a previous pool left released hold undefined weights; this pool's
-            # own go to them before any rollout (a handover in place costs little)
+            # own go to them before any rollout (a handover in place costs little). A LoRA job: the
+            # engines serve a placeholder of the untrained adapter (or an earlier pool's); this pool's
+            # adapter replaces it (megabytes).
             self.publish(self.buffer.version() if self.is_main else 0)
         if self.is_main:
             log.info(
@@ -280,9 +284,11 @@ class Trainer:
 
     def publish(self, version: int):
         """Gather full weights (every rank: each gather is a collective) and send them to the engines
-        (rank 0). The gather is lazy: the bus packs and sends bucket k while later tensors are gathered,
-        and casts to the engines' dtype."""
-        named = self.learner.full_parameters()
+        (rank 0); a LoRA job's publish gathers and sends the adapter only (the engines keep the base).
+        The gather is lazy: the bus packs and sends bucket k while later tensors are gathered, and casts
+        to the engines' dtype."""
+        lora = self.config.model.lora is not None
+        named = self.learner.adapter_tensors() if lora else self.learner.full_parameters()
         if self.is_main:
             return self.bus.publish(named, version)  # drains the iterator even when it fails
         for _ in named:

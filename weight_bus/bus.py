@@ -33,6 +33,11 @@ SGLang's MultiprocessingSerializer payload, load_format flattened_bucket) and PO
 weights, and a buffer is packed again only after every engine answered for the bucket in it. An engine
 that dies or times out is dropped and the others go on with no re-send; a refusal is BusError.
 
+LoRA (`lora`: a job with model.lora; weight_bus/lora.py): every update carries the adapter only, under
+PEFT's names, through the same steps: announced with `lora_name` + `lora_config` over the group
+(built-in engines), handed over as one ring bucket to /load_lora_adapter_from_tensors (ipc), or written
+as a PEFT directory under `lora_dir` that engines without the group extension (SGLang) load.
+
 Failure: every HTTP call and every collective is bounded (`timeout_s`). An engine that dies, or does
 not answer in time, during an update is dropped; rank 0 leaves the group, builds a new one (new name,
 new port) with the survivors, and re-sends every bucket they have not confirmed, so the same update
@@ -99,6 +104,8 @@ class WeightBus:
         device: str | torch.device | None = None,
         max_inflight: int = MAX_INFLIGHT,
         repair_in_stream: bool | None = None,
+        lora=None,
+        lora_dir: str | None = None,
     ) -> None:
         """`dtype`: what the weights travel and load as ("bfloat16", ...); None: the engines' dtype from
         /get_server_info when they all report the same concrete one, else the trainer's own.
@@ -109,7 +116,9 @@ class WeightBus:
         CPU; ipc: the current CUDA device when there is one, else CPU shared memory). `max_inflight`: see
         transfer.MAX_INFLIGHT (ipc: the bus keeps max_inflight + 1 bucket buffers). `repair_in_stream`: after an engine failed
         mid-update, re-send the unconfirmed buckets to the survivors (default: gloo), or park them until
-        the next update (default: NCCL; see Transfer.recover)."""
+        the next update (default: NCCL; see Transfer.recover). `lora` (models.config.LoraSpec; a LoRA
+        job): every publish is adapter-only (weight_bus/lora.py), and `lora_dir` is where the adapter's
+        PEFT directories go for engines that load it from disk (SGLang without ipc)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
         if backend not in BACKENDS:
@@ -132,6 +141,8 @@ class WeightBus:
             registry=registry,
             rejoin_after_s=rejoin_after_s,
         )
+        self.members.lora_files = lora is not None
+        self.lora = lora
         self.transfer = (IpcTransfer if backend == IPC else Transfer)(
             self.members,
             self.client,
@@ -141,6 +152,8 @@ class WeightBus:
             device=torch.device(device),
             max_inflight=max_inflight,
             repair_in_stream=backend == "gloo" if repair_in_stream is None else repair_in_stream,
+            lora=lora,
+            lora_dir=lora_dir,
         )
         self._lock = threading.Lock()
         """One update (or connect) at a time: an update never overlaps another."""
@@ -169,7 +182,9 @@ class WeightBus:
         return self.members.joiners_waiting()
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Send every (HF name, full tensor) of `named` to every live engine and tag them with `version`.
+        """Send every (HF name, full tensor) of `named` to every live engine and tag them with `version`
+        (with `lora`: `named` is the whole adapter under PEFT's names, and it replaces the engines' adapter
+        `lora.name`).
         `named` may be lazy (an FSDP full-tensor gather per parameter): it is consumed once, in order, and
         always to the end. Returns once every engine left in the group confirmed; raises BusError if an
         engine refused or no group could be built (the version must not be published then)."""

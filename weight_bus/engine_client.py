@@ -29,6 +29,7 @@ from weight_bus.schema import (
     UnloadLoraAdapter,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
+    UpdateWeightVersion,
 )
 
 PROBE_TIMEOUT_S = 5.0
@@ -119,6 +120,11 @@ class EngineClient:
         """POST /unload_lora_adapter."""
         return self.post(url, "/unload_lora_adapter", UnloadLoraAdapter(lora_name=lora_name))
 
+    def update_weight_version(self, url: str, version: int | str) -> dict:
+        """POST /update_weight_version: tag what the engine serves now with `version` (an adapter-only
+        update through the LoRA routes, which carry no version of their own)."""
+        return self.post(url, "/update_weight_version", UpdateWeightVersion(new_version=str(version)))
+
     def release_memory_occupation(
         self, url: str, tags: list[str] | None = None, timeout: float | None = None
     ) -> dict:
@@ -181,6 +187,15 @@ class EngineChannel:
 
     def load_lora_adapter_from_tensors(self, req: LoadLoraAdapterFromTensors) -> Future:
         return self.call("/load_lora_adapter_from_tensors", req)
+
+    def load_lora_adapter(self, req: LoadLoraAdapter) -> Future:
+        return self.call("/load_lora_adapter", req)
+
+    def unload_lora_adapter(self, lora_name: str) -> Future:
+        return self.call("/unload_lora_adapter", UnloadLoraAdapter(lora_name=lora_name))
+
+    def update_weight_version(self, version: int | str) -> Future:
+        return self.call("/update_weight_version", UpdateWeightVersion(new_version=str(version)))
 
     def destroy_weights_update_group(self, group_name: str) -> Future:
         return self.call("/destroy_weights_update_group", DestroyWeightsUpdateGroup(group_name=group_name))

@@ -31,7 +31,7 @@ from weight_bus import ipc
 from weight_bus.errors import BusError, Refused
 from weight_bus.group import dtype_from_name
 from weight_bus.packing import Bucket, pack
-from weight_bus.schema import UpdateWeightsFromTensor
+from weight_bus.schema import LoadLoraAdapterFromTensors, UpdateWeightsFromTensor
 from weight_bus.transfer import Transfer, UpdateFailed, _error
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,11 @@ class IpcTransfer(Transfer):
         self.ring = BucketRing(self.max_inflight + 1, self.device)
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
 
-    def pack(self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[Bucket]:
+    def pack(
+        self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None, whole: bool = False
+    ) -> Iterator[Bucket]:
+        """Buckets packed into the ring; an adapter-only update is one bucket (the LoRA route takes the
+        whole adapter in one call)."""
         self._drain_ring()
         for e in self.members.engines:  # a bucket an earlier update refused does not stop this one's
             e.broken = False
@@ -98,7 +102,8 @@ class IpcTransfer(Transfer):
         def alloc(index: int, nbytes: int) -> torch.Tensor:
             return ring.take(index, nbytes)
 
-        for b in pack(it, self.bucket_bytes, dtype, self.device, alloc=alloc):
+        limit = 1 << 62 if self.lora is not None else self.bucket_bytes
+        for b in pack(it, limit, dtype, self.device, alloc=alloc):
             ring.hold(b.index, b)
             yield b
 
@@ -122,6 +127,9 @@ class IpcTransfer(Transfer):
                 torch.cuda.current_stream(b.flat.device).synchronize()
             b.payload = ipc.serialize(ipc.flattened_bucket(b.flat, tensors))
             ipc.share(b.flat.untyped_storage(), len(m.engines))
+        if self.lora is not None:
+            self._launch_adapter(b, version)
+            return
         body = UpdateWeightsFromTensor(
             serialized_named_tensors=[b.payload],
             load_format=ipc.FLATTENED_BUCKET,
@@ -130,6 +138,25 @@ class IpcTransfer(Transfer):
         )
         b.times[0] = time.perf_counter()
         b.calls = {e.url: e.announce(body) for e in m.engines}
+        b.work = None
+
+    def _launch_adapter(self, b: Bucket, version: int) -> None:
+        """An adapter-only update (one bucket): every engine replaces the adapter from the handle
+        (/load_lora_adapter_from_tensors) and tags the version (Transfer.replace_adapter)."""
+        body = LoadLoraAdapterFromTensors(
+            lora_name=self.lora.name,
+            config_dict=self.lora.peft_config(),
+            serialized_named_tensors=[b.payload],
+            load_format=ipc.FLATTENED_BUCKET,
+        )
+
+        def load(url: str) -> dict:
+            return self.client.load_lora_adapter_from_tensors(url, body)
+
+        b.times[0] = time.perf_counter()
+        b.calls = {
+            e.url: self.pool.submit(self.replace_adapter, e, load, version) for e in self.members.engines
+        }
         b.work = None
 
     def confirm(self, b: Bucket) -> Bucket:

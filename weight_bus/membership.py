@@ -155,6 +155,9 @@ class Membership:
         """Engines dropped (or failed to join): URL -> when to try them again as joiners."""
         self.parked: set[str] = set()
         """Engines left paused by a failed NCCL update (see Transfer.recover), until they rejoin."""
+        self.lora_files = False
+        """Adapter-only updates (a LoRA job): engines without the built-in engine's adapter-over-the-group
+        extension (SGLang) load the adapter from a directory, so no group is built over them."""
 
     @property
     def urls(self) -> list[str]:
@@ -210,6 +213,9 @@ class Membership:
         dropped and the build retried without them. Raises BusError after MAX_REBUILDS tries, with the
         last try's cause."""
         if self.backend == IPC:  # no group: every engine in self.engines gets the buckets over HTTP
+            return
+        if self.lora_files and any(not e.builtin for e in self.engines):  # they read adapter directories
+            self.leave_group()
             return
         cause = "no try"
         for _ in range(MAX_REBUILDS):

@@ -30,3 +30,14 @@ ENGINE_FAILURES = Counter(
 GROUP_REBUILDS = Counter(
     "slipstream_bus_group_rebuilds_total", "Update groups built (first connect, joins, failures)"
 )
+LAST_BYTES = Gauge(
+    "slipstream_bus_last_update_bytes",
+    "Bytes of the last update: kind full (every weight) or adapter (a LoRA job's adapter only)",
+    ["kind"],
+)
+ADAPTER_UPDATES = Counter(
+    "slipstream_bus_adapter_updates_total",
+    "Adapter-only updates (a LoRA job) by transport and path: group (broadcast), ipc (handles), files "
+    "(a PEFT directory the engines load)",
+    ["backend", "path"],
+)

@@ -55,6 +55,13 @@ class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):
     weight_version: str | None = None
 
 
+class UpdateWeightVersion(msgspec.Struct, kw_only=True):
+    """POST /update_weight_version (SGLang's UpdateWeightVersionReqInput)."""
+
+    new_version: str
+    abort_all_requests: bool = False
+
+
 class DestroyWeightsUpdateGroup(msgspec.Struct, kw_only=True):
     group_name: str = DEFAULT_GROUP
 

@@ -13,11 +13,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import msgspec
 import torch
 
+from weight_bus import lora as adapters
 from weight_bus import metrics
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import BusError, Refused
 from weight_bus.group import broadcast_async
-from weight_bus.membership import MAX_REBUILDS, Member, Membership
+from weight_bus.membership import IPC, MAX_REBUILDS, Member, Membership
 from weight_bus.packing import Bucket, pack
 from weight_bus.receiver import FLATTENED_BUCKET
 from weight_bus.schema import UpdateWeightsFromDistributed
@@ -52,6 +53,12 @@ class PublishStats(msgspec.Struct, kw_only=True):
     """Engines removed from the group by this update (dead or timed out)."""
     rebuilds: int = 0
     """Update groups built during this update (membership change or failure)."""
+    adapter: str | None = None
+    """An adapter-only update (a job with model.lora): the adapter's name on the engines; None = full
+    weights."""
+    path: str = "group"
+    """How the tensors went: "group" (broadcast), "ipc" (handles), "files" (a PEFT directory the engines
+    loaded: weight_bus/lora.py)."""
     timeline: list[list[float]] = []
     """Per confirmed bucket: [index, launched, broadcast seen done, every engine seen answered], ms from
     the start of the transfer (seen: when Transfer.confirm polled it, so within POLL_S of the event once
@@ -60,6 +67,11 @@ class PublishStats(msgspec.Struct, kw_only=True):
     @property
     def pause_s(self) -> float:
         return self.pause_ms / 1e3
+
+    @property
+    def kind(self) -> str:
+        """ "adapter" for an adapter-only update, else "full"."""
+        return "adapter" if self.adapter else "full"
 
     @property
     def transfer_s(self) -> float:
@@ -99,8 +111,14 @@ class Transfer:
         device: torch.device,
         max_inflight: int,
         repair_in_stream: bool,
+        lora=None,
+        lora_dir: str | None = None,
     ) -> None:
+        """`lora` (a models.config.LoraSpec): every update is adapter-only (weight_bus/lora.py);
+        `lora_dir`: where the adapter's PEFT directories go for engines that load it from disk."""
         self.members, self.client, self.pool = members, client, pool
+        self.lora = lora
+        self.lora_dir = lora_dir
         self.bucket_bytes = bucket_bytes
         self.pause_mode = pause_mode
         self.device = device
@@ -125,8 +143,9 @@ class Transfer:
         generation0 = m.generation
         joined, dropped = m.sync()
         dtype = m.wire_dtype()
+        files = self.adapter_files()
         t_gather = time.perf_counter()
-        stream = self.pack(it, dtype)
+        stream = self.pack(it, dtype, whole=files)
         first = next(stream, None)
         gather_s = time.perf_counter() - t_gather
         if first is None:
@@ -150,7 +169,8 @@ class Transfer:
                 dropped += m.drop(list(failed))
                 m.rebuild()
             t_transfer = time.perf_counter()
-            total, n_buckets, pack_s, more_dropped, timeline = self._transfer(first, stream, version)
+            move = self._transfer_files if files else self._transfer
+            total, n_buckets, pack_s, more_dropped, timeline = move(first, stream, version)
             gather_s += pack_s
             dropped += more_dropped
             transfer_s = time.perf_counter() - t_transfer
@@ -177,8 +197,13 @@ class Transfer:
             dropped=dropped,
             rebuilds=m.generation - generation0,
             timeline=timeline,
+            adapter=self.lora.name if self.lora is not None else None,
+            path="files" if files else ("ipc" if m.backend == IPC else "group"),
         )
         backend = m.backend
+        metrics.LAST_BYTES.labels(stats.kind).set(total)
+        if self.lora is not None:
+            metrics.ADAPTER_UPDATES.labels(backend, stats.path).inc()
         metrics.BYTES.labels(backend).inc(total)
         metrics.TRANSFER_SECONDS.labels(backend).observe(transfer_s)
         metrics.PAUSE_SECONDS.labels(backend).observe(pause_s)
@@ -186,9 +211,10 @@ class Transfer:
         metrics.UPDATES.labels(backend).inc()
         metrics.ENGINES.set(len(m.engines))
         log.info(
-            "published version %d to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
+            "published version %d%s to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
             "engines paused %.1f ms, gather %.1f ms%s%s",
             version,
+            f" (adapter {self.lora.name!r} only, {stats.path})" if self.lora is not None else "",
             len(m.engines),
             total / 1e6,
             n_buckets,
@@ -245,9 +271,77 @@ class Transfer:
             self.release(done)
         return total, count, pack_s, dropped, timeline
 
-    def pack(self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[Bucket]:
-        """The buckets of one update, packed lazily (weight_bus.packing.pack)."""
+    def pack(
+        self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None, whole: bool = False
+    ) -> Iterator[Bucket]:
+        """The buckets of one update, packed lazily (weight_bus.packing.pack); `whole`: one bucket with
+        every tensor (an adapter written to a directory), on the CPU."""
+        if whole:
+            return pack(it, 1 << 62, dtype, torch.device("cpu"))
         return pack(it, self.bucket_bytes, dtype, self.device)
+
+    def adapter_files(self) -> bool:
+        """An adapter-only update that goes through a PEFT directory: a group transport (gloo/NCCL) to
+        engines without the built-in engine's adapter-over-the-group extension (SGLang)."""
+        m = self.members
+        return self.lora is not None and m.backend != IPC and any(not e.builtin for e in m.engines)
+
+    def replace_adapter(self, e: Member, load, version: int) -> dict:
+        """On one engine, in order: replace adapter `lora.name` with `load(url)` and tag `version`
+        (/update_weight_version: the LoRA routes carry none). SGLang refuses to load a name that is
+        loaded, so there the adapter is unloaded first (refused when it is not loaded yet: ignored); the
+        built-in engine replaces it in place, atomically."""
+        name = self.lora.name
+        if not e.builtin:
+            try:
+                self.client.unload_lora_adapter(e.url, name)
+            except Refused as err:
+                log.debug("engine %s: unload of adapter %s before its load: %s", e.url, name, err)
+        load(e.url)
+        return self.client.update_weight_version(e.url, version)
+
+    def _transfer_files(self, first: Bucket, stream: Iterator[Bucket], version: int):
+        """Adapter-only update through a PEFT directory (weight_bus/lora.py): write `<lora_dir>/v<version>`,
+        have every engine replace the adapter from it, prune older directories. An engine that fails
+        (transport error, no answer in time) is dropped; one that is alive and refuses is BusError.
+        Returns what `_transfer` does."""
+        m = self.members
+        if self.lora_dir is None:
+            raise BusError("adapter update through files needs the bus's lora_dir")
+        t0 = time.perf_counter()
+        tensors: dict[str, torch.Tensor] = {}
+        for b in [first, *stream]:
+            tensors.update(adapters.unpack(b))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        path = adapters.write_adapter_dir(
+            adapters.version_dir(self.lora_dir, version), tensors, self.lora.peft_config()
+        )
+        pack_s = time.perf_counter() - t0
+        t_written = time.perf_counter()
+
+        def load(url: str) -> dict:
+            return self.client.load_lora_adapter(url, self.lora.name, str(path))
+
+        calls = {e.url: self.pool.submit(self.replace_adapter, e, load, version) for e in m.engines}
+        wait(calls.values(), timeout=3 * self.timeout_s + self.grace)
+        errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
+        errors = {u: e for u, e in errors.items() if e is not None}
+        refused = {u: e for u, e in errors.items() if isinstance(e, Refused)}
+        lost = set(errors) - set(refused)
+        if refused:
+            infos = m.probe(list(refused))
+            alive = [u for u in refused if not isinstance(infos[u], BaseException)]
+            if alive:
+                raise BusError("; ".join(str(refused[u]) for u in alive))
+            lost |= set(refused)
+        dropped = m.drop(sorted(lost))
+        for url in dropped:
+            log.warning("engine %s dropped from the adapter update: %s", url, errors.get(url))
+        for gone in adapters.prune(self.lora_dir):
+            log.debug("pruned adapter directory %s", gone)
+        t_done = time.perf_counter()
+        timeline = [[0, 0.0, round((t_written - t0) * 1e3, 3), round((t_done - t0) * 1e3, 3)]]
+        return total, 1, pack_s, dropped, timeline
 
     def resend(self, pending: deque[Bucket], version: int) -> None:
         """After `recover`: launch the unconfirmed buckets again, over the rebuilt group."""
@@ -270,6 +364,8 @@ class Transfer:
             load_format=FLATTENED_BUCKET,
             weight_version=str(version) if b.last else None,
             flush_cache=b.last,
+            lora_name=self.lora.name if self.lora is not None else None,
+            lora_config=self.lora.peft_config() if self.lora is not None else None,
         )
         b.times[0] = time.perf_counter()
         b.calls = {e.url: e.announce(body) for e in m.engines}

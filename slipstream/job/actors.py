@@ -98,6 +98,7 @@ class EngineActor:
 
         _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
+        self.lora = options.lora
         self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:
@@ -105,6 +106,14 @@ class EngineActor:
         from weight_bus.registry import EngineRegistration
 
         self.server.start()
+        if self.lora is not None and not self.joining:
+            # A LoRA job's version 0 is its untrained adapter (B = 0: the base model's outputs), served
+            # from the start so that rollouts and the version-0 eval can name it; the trainer's first
+            # publish replaces it. An engine joining mid-job gets the current adapter before traffic.
+            self.server.runner.load_lora(self.lora.name, self.lora.peft_config(), {})
+            logging.getLogger(__name__).info(
+                "engine serves the untrained adapter %r at version 0", self.lora.name
+            )
         _export(self.server.app.state.engine.metrics.registry)
         self.registration = EngineRegistration(
             connect(self.redis_url), self.job, self.server.url, joining=self.joining
@@ -154,17 +163,24 @@ class SGLangEngineActor:
         index: int,
         lora: LoraSpec | None = None,
     ) -> None:
-        from generator_fleet.launch import SGLangServer
+        from generator_fleet.launch import SGLangServer, write_untrained_adapter
 
         _setup_process(job, f"engine-{index}", redis_url, 1)
         self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
+        initial = None
+        if lora is not None:
+            # A LoRA job's version 0 (B = 0: the base model's outputs), loaded at start so that rollouts can
+            # name the adapter before the trainer's first publish replaces it (unload + load).
+            path = Path(job.output_dir) / "lora" / f"untrained-{index}"
+            initial = str(write_untrained_adapter(model_path, lora, path))
         self.server = SGLangServer(
             model_path,
             generators.sglang,
             log_path=Path(job.output_dir) / "logs" / f"sglang-{index}.log",
             api_key=api_key,
             lora=lora,
+            initial_adapter=initial,
         )
         self.registration = None
 

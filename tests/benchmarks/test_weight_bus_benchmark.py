@@ -90,3 +90,47 @@ def test_engine_gpus_one_per_engine(argv, gpus):
 def test_bad_engine_gpus_or_label_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(["--device", "cuda", "--device-kind", "x", *argv])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "ipc"])
+def test_lora_publishes_the_adapter_beside_full_weights(tmp_path, capsys, backend):
+    result = main(
+        ["--quick", "--device", "cpu", "--lora", "4", "--bus-backend", backend, "--out-dir", str(tmp_path)]
+    )
+
+    [path] = tmp_path.glob("weight_bus-cpu-*.json")
+    on_disk = json.loads(path.read_text())
+    assert on_disk == json.loads(json.dumps(result)) and on_disk["errors"] == []
+    cfg, m, r = on_disk["config"], on_disk["metrics"], on_disk["ratios"]
+    assert cfg["lora_rank"] == 4 and cfg["backend"] == backend and cfg["headline_model"] == "tiny"
+    shape = SHAPES["tiny"]
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    assert m["tiny_adapter_bytes"] > 4 * hidden * 2 * 2 * layers  # at least q_proj's A and B per layer
+    assert r["adapter_bytes_fraction"] == m["tiny_adapter_bytes"] / m["tiny_bytes"] < 0.05
+    assert m["tiny_adapter_tensors"] == 2 * 7 * layers
+    for kind in ("", "adapter_"):
+        assert len(m[f"tiny_{kind}publish_ms_all"]) == QUICK["repeats"]
+        assert m[f"{kind}pause_ms"] >= m[f"{kind}transfer_ms"] > 0
+    assert r["adapter_vs_full_publish"] == m["tiny_publish_ms"] / m["tiny_adapter_publish_ms"] > 0
+    # both kinds went to the engine, in alternation: it ends on the last version
+    assert m["tiny_engine_weight_versions"] == [str(m["tiny_final_version"])]
+    assert m["tiny_final_version"] == 2 + 2 * QUICK["repeats"]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("weight_bus adapter_vs_full_publish=")
+
+
+def test_lora_over_ipc_may_share_the_trainers_gpu():
+    argv = [
+        "--device",
+        "cuda",
+        "--device-kind",
+        "x",
+        "--lora",
+        "16",
+        "--bus-backend",
+        "ipc",
+        "--engine-gpu",
+        "0",
+    ]
+    assert parse_args(argv).engine_gpus == [0]
+    with pytest.raises(SystemExit):
+        parse_args(["--device", "cuda", "--device-kind", "x", "--lora", "16", "--engine-gpu", "0"])

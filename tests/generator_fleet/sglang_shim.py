@@ -40,6 +40,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-lora-rank", type=int, default=None)
     p.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGETS + ["all"])
     p.add_argument("--max-loras-per-batch", type=int, default=8)
+    p.add_argument("--lora-paths", nargs="*", default=None)
     args = p.parse_args(argv)
     if args.tp_size != 1:
         p.error("the shim serves one built-in engine: --tp-size must be 1")
@@ -77,6 +78,9 @@ def main() -> None:
         lora=lora_spec(args),
         max_loras=args.max_loras_per_batch,
     ).start()
+    for entry in args.lora_paths or []:  # <NAME>=<PATH>, as SGLang loads them at start
+        name, _, path = entry.partition("=")
+        server.runner.load_lora_from_dir(name, path)
 
     def shutdown(signum, frame) -> None:
         server.stop()

@@ -184,6 +184,40 @@ def test_lora_job_command_enables_lora_with_sglang_flags():
         assert re.search(rf"^\s+{name}\s*:", text, re.M), name
 
 
+def test_lora_job_starts_sglang_with_its_untrained_adapter(tmp_path, tiny_model_dir):
+    """A LoRA job's version 0 on SGLang: a zero PEFT directory loaded at start (--lora-paths NAME=PATH);
+    an engine that loads it answers as the base model under the adapter's name."""
+    from generator_fleet.launch import write_untrained_adapter
+
+    lora = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "down_proj"], name="pol")
+    path = write_untrained_adapter(str(tiny_model_dir), lora, tmp_path / "untrained")
+    assert json.loads((path / "adapter_config.json").read_text())["r"] == 4
+    cmd = sglang_command("/m", 30000, SGLangSpec(), lora=lora, initial_adapter=str(path))
+    assert cmd[-2:] == ["--lora-paths", f"pol={path}"]
+    assert shim_parse(cmd[3:]).lora_paths == [f"pol={path}"]
+    server = EngineServer(str(tiny_model_dir), torch_threads=1, lora=lora).start()
+    try:
+        server.runner.load_lora_from_dir("pol", str(path))
+        body = {"input_ids": [1, 5, 6, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+        base = httpx.post(server.url + "/generate", json=body, timeout=60).json()["output_ids"]
+        on_adapter = httpx.post(
+            server.url + "/generate", json={**body, "lora_path": "pol"}, timeout=60
+        ).json()
+        assert on_adapter["output_ids"] == base
+    finally:
+        server.stop()
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang is not installed: its server_args cannot be checked")
+    srt = Path(spec.origin).parent / "srt"
+    text = "".join(
+        f.read_text()
+        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
+        if f.exists()
+    )
+    assert re.search(r"^\s+lora_paths\s*:", text, re.M)
+
+
 # ---- a launched server ----------------------------------------------------------------------------
 
 
@@ -235,6 +269,7 @@ def test_launched_server_serves_registers_and_stops(
                 "max_lora_rank": None,
                 "lora_target_modules": None,
                 "max_loras_per_batch": 8,
+                "lora_paths": None,
             }
 
         pgid = server.proc.pid
@@ -442,3 +477,42 @@ def test_job_with_sglang_engines_behind_a_router(tmp_path, tiny_model_dir):
     log_text = (tmp_path / "run" / "logs" / "sglang-0.log").read_text()
     assert "SHIM_ARGS" in log_text and "--api-key ***" in log_text
     assert not is_healthy(engine_url)  # stopped with the job
+
+
+@pytest.mark.slow
+def test_lora_job_on_sglang_engines_serves_its_adapter_from_the_start(tmp_path, tiny_model_dir):
+    """A LoRA job with engine: sglang (the shim, through `sglang.python`): the server starts with the zero
+    adapter (--lora-paths), rollouts name it from the first request, and the job's publishes replace it."""
+    import jobspec
+    from slipstream.job.local import run_job
+
+    python = tmp_path / "python-with-sglang"
+    env = install_shim(tmp_path / "shim")
+    python.write_text(f"#!/bin/sh\nPYTHONPATH='{env['PYTHONPATH']}' exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    spec = jobspec.from_dict(
+        {
+            "name": "sglang-lora",
+            "output_dir": str(tmp_path / "run"),
+            "model": {
+                "path": str(tiny_model_dir),
+                "lora": {"rank": 4, "target_modules": ["q_proj", "v_proj"]},
+            },
+            "rollout": {"group_size": 2, "concurrency": 2, "sampling": {"max_new_tokens": 4}},
+            "generators": {
+                "engine": "sglang",
+                "sglang": {"python": str(python), "gpus_per_engine": 0, "skip_server_warmup": True},
+            },
+            "algorithm": {"groups_per_step": 2, "total_steps": 2},
+            "buffer": {"max_staleness": 0},
+            "bus": {"pause_mode": "abort"},
+        }
+    )
+    result = run_job(spec)
+    assert result.version == 2
+    untrained = tmp_path / "run" / "lora" / "untrained-0"
+    assert json.loads((untrained / "adapter_config.json").read_text())["r"] == 4
+    log_text = (tmp_path / "run" / "logs" / "sglang-0.log").read_text()
+    assert f"policy={untrained}" in log_text  # --lora-paths
+    trainer_log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+    assert "published version 2 (adapter 'policy' only" in trainer_log

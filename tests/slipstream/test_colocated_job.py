@@ -21,12 +21,6 @@ WINDOW = 8
 """Steps averaged at the start and at the end of a job to tell whether reward rose."""
 
 
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    """Where the demo's tiny-arith model (SFT-warmed: it answers, badly) is built by the first job."""
-    return tmp_path_factory.mktemp("demo_model") / "model"
-
-
 def _spec(tmp_path, model, name: str, max_staleness: int):
     return jobspec.from_dict(
         {

@@ -110,8 +110,26 @@ def test_example_dapo_math_recipe_is_valid_and_takes_any_model_path(tmp_path):
     assert other.model.path == str(tmp_path) and other.model.build is None and other.eval == ev
 
 
-def test_lora_job_is_refused_at_its_key_until_the_bus_sends_adapters():
-    with pytest.raises(jobspec.JobSpecError, match=r"adapter-only.*\$\.model\.lora|\$\.model\.lora"):
-        jobspec.from_dict({"model": {"path": "m", "lora": {"rank": 8}}})
-    spec = jobspec.from_dict({"model": {"path": "m"}})
-    assert spec.model.lora is None
+def test_lora_job_is_accepted_and_reaches_the_trainer_engines_and_rollouts():
+    spec = jobspec.from_dict({"model": {"path": "m", "lora": {"rank": 8, "name": "pol"}}})
+    assert spec.model.lora.rank == 8
+    assert spec.trainer_config().model.lora == spec.model.lora
+    assert spec.rollout_config().model.lora.name == "pol"
+    from generator_fleet.config import engine_options
+
+    assert engine_options(spec.model, spec.generators).lora == spec.model.lora
+    assert jobspec.from_dict({"model": {"path": "m"}}).model.lora is None
+
+
+def test_lora_job_refuses_external_engines_and_sglang_without_abort_pause():
+    lora = {"path": "m", "lora": {"rank": 8}}
+    with pytest.raises(jobspec.JobSpecError, match=r"external engines.*\$\.generators\.engine"):
+        jobspec.from_dict(
+            {"model": lora, "generators": {"engine": "external", "urls": ["http://127.0.0.1:1"]}}
+        )
+    with pytest.raises(jobspec.JobSpecError, match=r"abort.*\$\.bus\.pause_mode"):
+        jobspec.from_dict({"model": lora, "generators": {"engine": "sglang"}})
+    spec = jobspec.from_dict(
+        {"model": lora, "generators": {"engine": "sglang"}, "bus": {"pause_mode": "abort"}}
+    )
+    assert spec.model.lora.rank == 8

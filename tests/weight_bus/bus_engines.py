@@ -52,7 +52,8 @@ def version(url: str) -> str:
 class EngineProcess:
     """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return."""
 
-    def __init__(self, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, model_dir: Path, log_path: Path, extra: list[str] | None = None) -> None:
+        """`extra`: more engine flags (e.g. `--lora <json>`)."""
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -60,7 +61,7 @@ class EngineProcess:
             "TOKENIZERS_PARALLELISM": "false",
         }
         cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model_dir), "--port", "0"]
-        cmd += ["--api-key", KEY, "--torch-threads", "1", "--log-level", "WARNING"]
+        cmd += ["--api-key", KEY, "--torch-threads", "1", "--log-level", "WARNING", *(extra or [])]
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in kill())
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT
