@@ -19,8 +19,7 @@ LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_pr
 
 
 def _lora_spec(d: dict, lora: dict):
-    """A job spec with `model.lora` set on its model section (a whole job with LoRA is refused at submit
-    until the weight bus sends adapter-only updates; the trainer takes the section as it is)."""
+    """A job spec with `model.lora` set on its model section."""
     spec = jobspec.from_dict(d)
     spec.model.lora = msgspec.convert(lora, LoraSpec)
     return spec
