@@ -209,15 +209,6 @@ class JobSpec(Spec):
                 raise bad(
                     key, f"placement colocated on cuda: each engine shares one trainer GPU (1, not {gpus})"
                 )
-            if tr.num_trainers != 1:
-                # rank 0 publishes to every engine, and Ray shows each engine only its own GPU: a CUDA IPC
-                # handle of rank 0's GPU cannot be opened on another one
-                raise bad(
-                    "trainer.num_trainers",
-                    "placement colocated on cuda runs one trainer rank and its engine on one GPU: trainer "
-                    "rank 0 hands every engine its weights through CUDA IPC, and an engine sees only its "
-                    "own GPU (use placement disaggregated for more ranks)",
-                )
             if g.num_engines != tr.num_trainers:
                 raise bad(
                     "generators.num_engines",

@@ -50,6 +50,17 @@ class PublishStats(msgspec.Struct, kw_only=True):
     """Engines admitted by this update (they got the whole model; promoted in the registry)."""
     dropped: list[str] = []
     """Engines removed from the group by this update (dead or timed out)."""
+    handoff: str = ""
+    """Backend ipc: "direct" (the trainer's own tensors shared by handle, one call, no copy on the
+    trainer) or "ring" (packed into the bus's bucket buffers); "" for a group backend."""
+    paused: bool = True
+    """Whether the engines got /pause_generation and /continue_generation (False: folded into the one
+    update call, which the engine applies at a step boundary; pause_ms is then the update's time)."""
+    probed: bool = True
+    """Whether the engines in the group were probed before the update (False: known alive)."""
+    ranks: int = 1
+    """Trainer ranks that handed the weights over, each to the engines on its device (ipc, more than
+    one rank: weight_bus.rank_handoff); bytes, buckets and timeline are rank 0's."""
     rebuilds: int = 0
     """Update groups built during this update (membership change or failure)."""
     timeline: list[list[float]] = []
@@ -110,23 +121,32 @@ class Transfer:
         self.grace = members.grace
         self.max_failures = MAX_REBUILDS
         """Failed buckets one update may recover from before it gives up with BusError."""
+        self.healthy = False
+        """The last update reached every engine in the group and dropped none."""
+        self.handoff = ""
+        """PublishStats.handoff of the update under way."""
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
         futures = {e.url: self.pool.submit(fn, e.url, *args) for e in engines}
         return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
 
-    def publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Membership first (nothing paused yet), bucket 0 packed, then pause, transfer, continue. The
-        caller drains `it` afterwards, whatever happened."""
+    def publish(
+        self, it: Iterator[tuple[str, torch.Tensor]], version: int, persistent: bool = False
+    ) -> PublishStats:
+        """Membership first (nothing paused yet), bucket 0 packed, then pause, transfer, continue (the
+        pause folded into the update when `folds_pause` says so). The caller drains `it` afterwards,
+        whatever happened. `persistent`: see WeightBus.publish."""
         m = self.members
         if self.client.is_closed:
             raise BusError("publish after close()")
         generation0 = m.generation
-        joined, dropped = m.sync()
+        probe = self.probe_due()
+        self.healthy = False
+        joined, dropped = m.sync(probe=probe)
         dtype = m.wire_dtype()
         t_gather = time.perf_counter()
-        stream = self.pack(it, dtype)
+        stream = self.pack(it, dtype, persistent)
         first = next(stream, None)
         gather_s = time.perf_counter() - t_gather
         if first is None:
@@ -137,7 +157,8 @@ class Transfer:
                 version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
                 gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
             )  # fmt: skip
-        paused = list(m.engines)
+        fold = self.folds_pause(first)
+        paused = [] if fold else list(m.engines)
         t_pause = time.perf_counter()
         total = n_buckets = 0
         timeline: list[list[float]] = []
@@ -159,11 +180,12 @@ class Transfer:
             # waited for: they may not answer at all.
             for url in {e.url for e in paused} - set(m.urls) - m.parked:
                 self.pool.submit(self.client.continue_generation, url)
-            failed = self._on_all(m.engines, self.client.continue_generation)
+            failed = self._on_all([] if fold else m.engines, self.client.continue_generation)
             for url, err in failed.items():
                 log.warning("engine %s: continue failed: %s", url, err)
             dropped += m.drop(list(failed))
-        pause_s = time.perf_counter() - t_pause
+        pause_s = time.perf_counter() - t_pause  # folded: the engines wait at a step boundary meanwhile
+        self.healthy = bool(m.engines) and not dropped
         m.promote(joined)
         stats = PublishStats(
             version=version,
@@ -177,6 +199,9 @@ class Transfer:
             dropped=dropped,
             rebuilds=m.generation - generation0,
             timeline=timeline,
+            handoff=self.handoff,
+            paused=not fold,
+            probed=probe,
         )
         backend = m.backend
         metrics.BYTES.labels(backend).inc(total)
@@ -239,15 +264,26 @@ class Transfer:
                 self.resend(pending, version)
                 continue
             pending.popleft()
-            total += done.flat.numel()
+            total += done.nbytes
             count += 1
             timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
             self.release(done)
         return total, count, pack_s, dropped, timeline
 
-    def pack(self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> Iterator[Bucket]:
+    def pack(
+        self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None, persistent: bool = False
+    ) -> Iterator[Bucket]:
         """The buckets of one update, packed lazily (weight_bus.packing.pack)."""
         return pack(it, self.bucket_bytes, dtype, self.device)
+
+    def probe_due(self) -> bool:
+        """Whether this update probes the engines in the group first (a group backend always does: it
+        rebuilds the group without the dead before anything is sent)."""
+        return True
+
+    def folds_pause(self, first: Bucket) -> bool:
+        """Whether this update goes without /pause_generation and /continue_generation (see IpcTransfer)."""
+        return False
 
     def resend(self, pending: deque[Bucket], version: int) -> None:
         """After `recover`: launch the unconfirmed buckets again, over the rebuilt group."""
