@@ -125,6 +125,24 @@ def engine_payloads(url: str) -> dict[str, float]:
     return out
 
 
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each phase of the engine's slipstream_engine_weight_bucket_seconds."""
+    import re
+
+    import httpx
+
+    from benchmarks import weight_bus as wb
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {wb.API_KEY}"}).text
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'slipstream_engine_weight_bucket_seconds_(sum|count)\{.*phase="(\w+)".*\} (\S+)', line)
+        if m:
+            (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+    return {ph: (sums[ph], counts.get(ph, 0.0)) for ph in sums}
+
+
 def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True) -> dict[str, Any]:
     """`persistent`: the bf16 tensors are published as the trainer's own (the direct handoff: a handle
     per tensor, one call, no pack copy); else as gathered copies (packed into the bus's ring buffers of
@@ -157,6 +175,7 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: boo
         m["first_publish_ms"] = (perf_counter() - t0) * 1e3
         m["buckets"] = first.buckets
         d2d_copy_s(nbytes, device, 1)  # untimed
+        warm = phase_totals(engine.url)
         copy_s, pub_s, transfer_ms, pause_ms, gather_ms = [], [], [], [], []
         for r in range(args.repeats):
             for side in ("copy", "publish") if r % 2 == 0 else ("publish", "copy"):
@@ -184,6 +203,12 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: boo
         m["timeline_last"] = stats.timeline
         m["engine_bucket_phase_ms"] = wb.engine_phases(engine.url)  # host ms per bucket: wait/receive/load
         m["engine_ipc_payloads"] = engine_payloads(engine.url)  # opened (unpickled) vs kept (repeats)
+        now = phase_totals(engine.url)  # the timed rounds only: host ms per call of each phase
+        m["engine_call_phase_ms_timed"] = {
+            ph: round((s - warm.get(ph, (0, 0))[0]) / (n - warm.get(ph, (0, 0))[1]) * 1e3, 3)
+            for ph, (s, n) in now.items()
+            if n > warm.get(ph, (0, 0))[1]
+        }
         m["handoff"] = stats.handoff  # direct: the tensors' own handles; ring: packed into bus buffers
         m["paused"] = stats.paused  # False: pause/continue folded into the one update call
         m["probed"] = stats.probed  # False: no probe, the engine answered the last update

@@ -351,8 +351,9 @@ class OpenedHandles:
     def __init__(self) -> None:
         self.kept: dict[int, torch.UntypedStorage] = {}
         self.used: dict[int, torch.UntypedStorage] = {}
-        self.payloads_kept: dict[tuple[str | None, str], Named] = {}
-        self.payloads_used: dict[tuple[str | None, str], Named] = {}
+        self.payloads_kept: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
+        self.payloads_used: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
+        """(load format, payload) -> (its tensors, their CPU storages, their storages by address)."""
         self.hits = self.misses = 0
 
     def lookup(self, entry: str, load_format: str | None) -> Named | None:
@@ -360,20 +361,25 @@ class OpenedHandles:
         takes the payload's references as rebuilding it would: the sender takes one per delivery of a
         CPU storage (weight_bus.ipc.share), which the receiver's rebuild drops."""
         key = (load_format, entry)
-        named = self.payloads_used.get(key) or self.payloads_kept.get(key)
-        if named is None:
+        kept = self.payloads_used.get(key) or self.payloads_kept.get(key)
+        if kept is None:
             self.misses += 1
             return None
         self.hits += 1
-        for s in _cpu_storages(named):
+        for s in kept[1]:
             s._shared_decref()
-        self.payloads_used[key] = named
-        return named
+        self.payloads_used[key] = kept
+        self.used.update(kept[2])
+        return kept[0]
 
     def remember(self, entry: str, load_format: str | None, named: Named) -> None:
         """`entry` loaded into `named`: keep both (and the storages behind them) for the next call."""
-        self.payloads_used[(load_format, entry)] = named
-        self.hold(named)
+        key = (load_format, entry)
+        if key not in self.payloads_used:
+            held = {s.data_ptr(): s for s in storages(t for _, t in named)}
+            cpu = [s for s in held.values() if s.device.type == "cpu"]
+            self.payloads_used[key] = (named, cpu, held)
+            self.used.update(held)
 
     def hold(self, named: Named) -> None:
         """Keep the storages behind `named` (tensors a payload mapped) open."""
@@ -403,11 +409,6 @@ class OpenedHandles:
     def payloads(self) -> int:
         """Payloads kept for a repeat now."""
         return len(self.payloads_kept.keys() | self.payloads_used.keys())
-
-
-def _cpu_storages(named: Named) -> list[torch.UntypedStorage]:
-    """The distinct non-empty CPU storages behind `named` (a pickle names each storage once)."""
-    return [s for s in storages(t for _, t in named) if s.device.type == "cpu"]
 
 
 def storages(tensors) -> list[torch.UntypedStorage]:

@@ -137,6 +137,10 @@ class IpcTransfer(Transfer):
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
         self.abort_in_call = False
         """The update folds a pause of mode abort into its one call (abort_all_requests)."""
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = -1 if self.device.type == "cpu" else self.device.index
+        """`Tensor.get_device()` of a tensor on the bus device (cheaper to compare than devices)."""
 
     def probe_due(self) -> bool:
         """No probe while the last update reached every engine: a dead engine fails the update's own
@@ -162,7 +166,7 @@ class IpcTransfer(Transfer):
     def _shareable(self, t: torch.Tensor, dtype: torch.dtype | None) -> bool:
         """Whether `t` can travel as it is: on the bus device, contiguous, in the wire dtype."""
         return (
-            t.device == self.device
+            t.get_device() == self._device_index
             and t.is_contiguous()
             and (dtype is None or t.dtype == dtype or not t.is_floating_point())
         )
@@ -185,7 +189,9 @@ class IpcTransfer(Transfer):
                 tensors = [first, *it]
                 if all(self._shareable(t, dtype) for _, t in tensors):
                     self.handoff = "direct"
-                    yield self._direct_bucket([(n, t.detach()) for n, t in tensors])
+                    yield self._direct_bucket(
+                        [(n, t.detach()) if t.requires_grad else (n, t) for n, t in tensors]
+                    )
                     return
                 it = iter(tensors)  # the trainer's own tensors: holding them all costs nothing
             else:

@@ -151,6 +151,8 @@ class EngineMetrics:
             labelnames=["model_name", "how"],
             registry=self.registry,
         )
+        for how in ("opened", "kept"):  # exported (as 0) before the first call
+            self.ipc_payloads.labels(model_name, how)
         phase = Histogram(
             "slipstream_engine_weight_bucket_seconds",
             "Per weight-bus bucket, host time of each phase of /update_weights_from_distributed and "

@@ -41,7 +41,8 @@ router = APIRouter()
 
 _WEIGHT_TRACE = os.environ.get("SLIPSTREAM_WEIGHT_TRACE")
 """Diagnostics: a file to append, per weight update, the GPU timeline of each bucket (CUDA events before
-the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits."""
+the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits.
+/update_weights_from_tensor: before mapping the payload, before the load, after the load's copy."""
 
 
 def trace_event():
@@ -131,6 +132,7 @@ def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: floa
     against the weights then. Returns the number of tensors loaded."""
     phases = state.metrics.bucket_phase
     cuda = state.runner.device.type == "cuda"
+    events = [trace_event()]
     entry = body.serialized_named_tensors[0]
     with state.receiver.gpu_lock:  # opening IPC handles (and their events) never lands in a graph capture
         named = state.opened.lookup(entry, body.load_format)
@@ -141,10 +143,14 @@ def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: floa
     t2 = time.perf_counter()
     phases["receive"].observe(t2 - t1)
     try:
+        events.append(trace_event())
         state.runner.load_weights(named, body.weight_version, checked=kept)
+        events.append(trace_event())
         if cuda:
             torch.cuda.current_stream(state.runner.device).synchronize()
         state.opened.remember(entry, body.load_format, named)
+        if events[0] is not None:
+            trace_bucket(state, events, body.weight_version is not None)
         return len(named)
     except BaseException:
         with state.receiver.gpu_lock:
