@@ -112,19 +112,26 @@ def publish_per_rank(
     joined: list[str] = []
     dropped: list[str] = []
     if main:
-        probe = t.probe_due()
-        t.healthy = False
-        joined, dropped = m.sync(probe=probe)
-        per_rank, unreachable = assign(m.engines, bus.devices)
-        for e in unreachable:
-            log.warning("engine %s: its GPU (%s) is no trainer rank's; left out", e.url, e.device_uuid)
-        dropped += m.drop([e.url for e in unreachable])
-        dtype = m.wire_dtype()
-        plan = {
-            "dtype": dtype_name(dtype) if dtype is not None else None,
-            "engines": [[(e.url, e.info) for e in es] for es in per_rank],
-        }
+        try:
+            probe = t.probe_due()
+            t.healthy = False
+            joined, dropped = m.sync(probe=probe)
+            per_rank, unreachable = assign(m.engines, bus.devices)
+            for e in unreachable:
+                log.warning("engine %s: its GPU (%s) is no trainer rank's; left out", e.url, e.device_uuid)
+            dropped += m.drop([e.url for e in unreachable])
+            dtype = m.wire_dtype()
+            plan = {
+                "dtype": dtype_name(dtype) if dtype is not None else None,
+                "engines": [[(e.url, e.info) for e in es] for es in per_rank],
+            }
+        except Exception as e:  # every rank learns it, drains its gathers and raises
+            plan = {"error": f"rank 0: {type(e).__name__}: {e}"}
     plan = ranks.broadcast(plan)
+    if "error" in plan:
+        for _ in it:
+            pass
+        raise BusError(plan["error"])
     local = _local(bus)
     _set_local(local, plan["engines"][ranks.rank])
     dtype = dtype_from_name(plan["dtype"]) if plan["dtype"] else None
