@@ -212,7 +212,7 @@ class Transfer:
         metrics.ENGINES.set(len(m.engines))
         log.info(
             "published version %d to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
-            "engines paused %.1f ms, gather %.1f ms%s%s",
+            "engines paused %.1f ms%s, gather %.1f ms%s%s",
             version,
             len(m.engines),
             total / 1e6,
@@ -220,6 +220,7 @@ class Transfer:
             stats.transfer_ms,
             total / max(transfer_s, 1e-9) / 1e9,
             stats.pause_ms,
+            f" ({self.handoff}, pause folded into the call)" if fold else "",
             stats.gather_ms,
             f", joined {stats.joined}" if stats.joined else "",
             f", dropped {dropped}" if dropped else "",
