@@ -111,19 +111,27 @@ class BucketRing:
 
 
 class DirectPayload:
-    """The payload of a direct bucket, kept for the next update: valid while the trainer's tensors are the
-    same (name, address, shape, dtype, in order) and their storages alive (so no other storage can have
-    taken an address over)."""
+    """The payload of a direct bucket, kept for the next update with the bucket's metadata: valid while
+    the trainer's tensors are the same (name, device, address, shape, strides, dtype, in order) and their
+    storages alive (so no other storage can have taken an address over). A match needs no other check:
+    these tensors passed IpcTransfer._shareable when the payload was made."""
 
-    def __init__(self, key: list, refs: list, payload: str) -> None:
+    def __init__(self, key: list, refs: list, payload: str, b: Bucket) -> None:
         self.key, self.refs, self.payload = key, refs, payload
+        self.names, self.dtypes, self.shapes, self.nbytes = b.names, b.dtypes, b.shapes, b.nbytes
 
     def matches(self, key: list) -> bool:
         return key == self.key and not any(r.expired() for r in self.refs)
 
+    def bucket(self, tensors: list[torch.Tensor]) -> Bucket:
+        """A direct bucket of `tensors` (that match) with the kept metadata."""
+        return Bucket(
+            0, self.names, self.dtypes, self.shapes, None, True, [], tensors=tensors, nbytes=self.nbytes
+        )
+
 
 def _direct_key(tensors: list[tuple[str, torch.Tensor]]) -> list:
-    return [(n, t.data_ptr(), t.shape, t.dtype) for n, t in tensors]
+    return [(n, t.get_device(), t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in tensors]
 
 
 class IpcTransfer(Transfer):
@@ -187,6 +195,13 @@ class IpcTransfer(Transfer):
                 return
             if self._shareable(first[1], dtype):
                 tensors = [first, *it]
+                kept = self.direct
+                if kept is not None and kept.matches(_direct_key(tensors)):  # the same tensors again
+                    self.handoff = "direct"
+                    b = kept.bucket([t for _, t in tensors])
+                    b.payload = kept.payload
+                    yield b
+                    return
                 if all(self._shareable(t, dtype) for _, t in tensors):
                     self.handoff = "direct"
                     yield self._direct_bucket(
@@ -217,17 +232,15 @@ class IpcTransfer(Transfer):
             tensors=[t for _, t in tensors],
         )
 
-    def _direct_payload(self, b: Bucket) -> tuple[str, bool]:
-        """The direct bucket's payload: the last one while the tensors are the same, else a new one."""
+    def _direct_payload(self, b: Bucket) -> str:
+        """A new payload for the direct bucket b (pack reuses the kept one while the tensors match)."""
         named = list(zip(b.names, b.tensors, strict=True))
-        if self.direct is not None and self.direct.matches(_direct_key(named)):
-            return self.direct.payload, False
         self.direct = None  # its references go before the new payload takes its own
         payload = ipc.serialize(named)
         # after serializing: a CPU storage moved into shared memory then (its address changed)
         refs = [StorageWeakRef(s) for s in ipc.storages(b.tensors)]
-        self.direct = DirectPayload(_direct_key(named), refs, payload)
-        return payload, True
+        self.direct = DirectPayload(_direct_key(named), refs, payload, b)
+        return payload
 
     def _drain_ring(self) -> None:
         """Before an update packs anything: buckets an earlier update left unconfirmed (it failed) may
@@ -241,11 +254,16 @@ class IpcTransfer(Transfer):
         """Serialize bucket b (a handle to its ring slot, or one per direct tensor), or reuse the payload
         its buffers were serialized into before, and POST it to every engine."""
         m = self.members
-        if b.payload is None:
+        if not b.calls:  # its first launch (launched once: nothing is re-sent over ipc)
             device = self.device if b.flat is None else b.flat.device
             if device.type == "cuda":  # an engine that kept this memory mapped reads it without an event wait
                 torch.cuda.current_stream(device).synchronize()
-            b.payload, fresh = self._direct_payload(b) if b.flat is None else self.ring.payload(b)
+            if b.payload is not None:  # the kept direct payload (pack)
+                fresh = False
+            elif b.flat is None:
+                b.payload, fresh = self._direct_payload(b), True
+            else:
+                b.payload, fresh = self.ring.payload(b)
             if device.type == "cpu":
                 shared = ipc.storages(b.tensors) if b.flat is None else [b.flat.untyped_storage()]
                 ipc.share(shared, len(m.engines) - int(fresh))

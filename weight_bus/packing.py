@@ -60,12 +60,15 @@ class Bucket:
         last: bool,
         offsets: list[int],
         tensors: list[torch.Tensor] | None = None,
+        nbytes: int | None = None,
     ) -> None:
         self.index, self.names, self.dtypes, self.shapes = index, names, dtypes, shapes
         self.flat, self.last = flat, last
         self.tensors = tensors
         """The IPC backend's direct bucket: the trainer's own tensors, shared one handle each (no `flat`)."""
-        self.nbytes = flat.numel() if flat is not None else sum(t.numel() * t.element_size() for t in tensors)
+        if nbytes is None:
+            nbytes = flat.numel() if flat is not None else sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = nbytes
         self.offsets = offsets
         """Each tensor's first byte in `flat`."""
         self.payload: str | None = None
