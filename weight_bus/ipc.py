@@ -33,9 +33,12 @@ ring of bucket buffers: weight_bus/ipc_transfer.py); a receiver copies out of it
 A receiver may keep what it mapped open between calls (`OpenedHandles`): torch's rebuild looks a handle up
 in its cache of storages this process already mapped (`torch.multiprocessing.reductions.shared_cache`,
 keyed by the CUDA-IPC handle and offset, or the shared-memory file's name) and skips the open while the
-storage is alive. A sender's persistent buffers (the ring's slots) are then opened once, not per call.
-Such a cache hit skips the CUDA event wait of the open, so a CUDA sender finishes writing a buffer (its
-stream synchronized) before it posts the handle.
+storage is alive; and a sender that repeats a payload (its persistent buffers serialized once: the ring's
+slots, or the trainer's own parameters) has it loaded from the tensors the receiver kept for that payload
+text, without unpickling (`OpenedHandles.lookup`). Either way the CUDA event wait of the open is skipped,
+so a CUDA sender finishes writing a buffer (its stream synchronized) before it posts the handle. CPU
+shared-memory references are taken per delivery by the sender (`share`) and dropped per delivery by the
+receiver (its rebuild, or `lookup` for a kept payload), so a file is unlinked once its last mapping goes.
 """
 
 from __future__ import annotations
