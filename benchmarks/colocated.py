@@ -5,12 +5,15 @@ copy speed, against the synchronous schedule, and against TRL's GRPOTrainer on t
 Parts (`--parts`, default all; each writes into the same result file as soon as it is measured):
 
 - `publish`: one built-in engine process with random weights of a Qwen2.5 shape on the same GPU as this
-  process (the trainer); `WeightBus(backend="ipc").publish` of the model's bf16 weights (membership probe,
-  bucket packing into the bus's reused buffers, pause, one /update_weights_from_tensor per bucket with
-  CUDA-IPC handles, continue), `--repeats` rounds alternating with a raw device-to-device copy of the
-  same bytes (one `copy_` of a flat buffer of the weights' size into another, device synced).
-  ratios.publish_vs_d2d_copy = copy time / whole publish time (medians; the largest shape is the
-  headline). pause_ms and transfer_ms from PublishStats, as benchmarks/weight_bus.py reports them.
+  process (the trainer); `WeightBus(backend="ipc").publish` of the model's bf16 weights, `--repeats`
+  rounds alternating with a raw device-to-device copy of the same bytes (one `copy_` of a flat buffer of
+  the weights' size into another, device synced). Headline (key <shape>): the tensors published as the
+  trainer's own (`persistent`: the direct handoff, one /update_weights_from_tensor call of per-tensor
+  CUDA-IPC handles, its payload serialized once and kept by the engine, pause folded into the call, no
+  probe once the engine answered); <shape>-ring-bucket<N>mb: the same tensors as gathered copies, packed
+  into the bus's ring of N MiB buffers. ratios.publish_vs_d2d_copy = copy time / whole publish time
+  (medians; the largest shape is the headline). pause_ms, transfer_ms and gather_ms from PublishStats;
+  handoff, paused, probed, the engine's per-call phases and its payloads opened vs kept.
 - `schedules`: the async_vs_sync benchmark's GPU job (Qwen2.5-0.5B shape with random weights, the
   tiny-tools ChatML tokenizer, multi-turn word problems with the calculator) as a colocated job, run
   with max_staleness 0 (sync: the engine releases its memory while the trainer trains) and 2 (async:
@@ -104,7 +107,46 @@ def d2d_copy_s(nbytes: int, device, repeats: int) -> list[float]:
     return out
 
 
-def measure_publish(args, shape: str, tmp: Path, bucket_mb: int) -> dict[str, Any]:
+def engine_payloads(url: str) -> dict[str, float]:
+    """The engine's /update_weights_from_tensor payloads so far by how it had their tensors: opened
+    (unpickled) or kept (a repeat of a payload it loaded before)."""
+    import re
+
+    import httpx
+
+    from benchmarks import weight_bus as wb
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {wb.API_KEY}"}).text
+    out = {"opened": 0.0, "kept": 0.0}
+    for line in text.splitlines():
+        m = re.match(r'slipstream_engine_ipc_payloads_total\{.*how="(\w+)".*\} (\S+)', line)
+        if m:
+            out[m[1]] = float(m[2])
+    return out
+
+
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each phase of the engine's slipstream_engine_weight_bucket_seconds."""
+    import re
+
+    import httpx
+
+    from benchmarks import weight_bus as wb
+
+    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {wb.API_KEY}"}).text
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r'slipstream_engine_weight_bucket_seconds_(sum|count)\{.*phase="(\w+)".*\} (\S+)', line)
+        if m:
+            (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
+    return {ph: (sums[ph], counts.get(ph, 0.0)) for ph in sums}
+
+
+def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True) -> dict[str, Any]:
+    """`persistent`: the bf16 tensors are published as the trainer's own (the direct handoff: a handle
+    per tensor, one call, no pack copy); else as gathered copies (packed into the bus's ring buffers of
+    `bucket_mb`)."""
     import torch
 
     from benchmarks import weight_bus as wb
@@ -129,21 +171,23 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int) -> dict[str, An
     try:
         bus.connect()
         t0 = perf_counter()
-        first = bus.publish(iter(params), version=1)
+        first = bus.publish(iter(params), version=1, persistent=persistent)
         m["first_publish_ms"] = (perf_counter() - t0) * 1e3
         m["buckets"] = first.buckets
         d2d_copy_s(nbytes, device, 1)  # untimed
-        copy_s, pub_s, transfer_ms, pause_ms = [], [], [], []
+        warm = phase_totals(engine.url)
+        copy_s, pub_s, transfer_ms, pause_ms, gather_ms = [], [], [], [], []
         for r in range(args.repeats):
             for side in ("copy", "publish") if r % 2 == 0 else ("publish", "copy"):
                 if side == "copy":
                     copy_s += d2d_copy_s(nbytes, device, 1)
                 else:
                     t0 = perf_counter()
-                    stats = bus.publish(iter(params), version=2 + r)
+                    stats = bus.publish(iter(params), version=2 + r, persistent=persistent)
                     pub_s.append(perf_counter() - t0)
                     transfer_ms.append(stats.transfer_ms)
                     pause_ms.append(stats.pause_ms)
+                    gather_ms.append(stats.gather_ms)
                     if stats.engines != [engine.url] or stats.bytes != nbytes:
                         raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
             log(
@@ -158,6 +202,16 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int) -> dict[str, An
         m["engine_weight_version"] = version
         m["timeline_last"] = stats.timeline
         m["engine_bucket_phase_ms"] = wb.engine_phases(engine.url)  # host ms per bucket: wait/receive/load
+        m["engine_ipc_payloads"] = engine_payloads(engine.url)  # opened (unpickled) vs kept (repeats)
+        now = phase_totals(engine.url)  # the timed rounds only: host ms per call of each phase
+        m["engine_call_phase_ms_timed"] = {
+            ph: round((s - warm.get(ph, (0, 0))[0]) / (n - warm.get(ph, (0, 0))[1]) * 1e3, 3)
+            for ph, (s, n) in now.items()
+            if n > warm.get(ph, (0, 0))[1]
+        }
+        m["handoff"] = stats.handoff  # direct: the tensors' own handles; ring: packed into bus buffers
+        m["paused"] = stats.paused  # False: pause/continue folded into the one update call
+        m["probed"] = stats.probed  # False: no probe, the engine answered the last update
     finally:
         bus.close()
         engine.stop()
@@ -172,6 +226,8 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int) -> dict[str, An
         "publish_gb_per_s": nbytes / med(pub_s) / 1e9,
         "transfer_ms": med(transfer_ms),
         "pause_ms": med(pause_ms),
+        "gather_ms": med(gather_ms),
+        "bus_outside_transfer_ms": med(pub_s) * 1e3 - med(transfer_ms),
         "d2d_copy_ms_all": [x * 1e3 for x in copy_s],
         "publish_ms_all": [x * 1e3 for x in pub_s],
         "publish_vs_d2d_copy": med(copy_s) / med(pub_s),
@@ -397,7 +453,9 @@ def run(args, argv: list[str]) -> dict:
         "definitions": {
             "publish_vs_d2d_copy": "one copy_ of a flat buffer of the weights' bytes (device synced) / the whole "
             "WeightBus.publish over ipc to one built-in engine on the same GPU (probe, pack, pause, transfer, "
-            "continue); medians over the rounds",
+            "continue, as the update needs them); medians over the rounds. Headline: the trainer's own bf16 "
+            "tensors (persistent: the direct handoff); <shape>-ring-bucket<N>mb: the same tensors as gathered "
+            "copies, packed into the bus's ring of N MiB buffers",
             "async_vs_sync": "colocated job samples/s at max_staleness 2 / at 0 (trainer clock, steps after warmup)",
             "vs_trl": "Slipstream colocated samples/s / TRL GRPOTrainer samples/s: same model dir, prompts, group "
             "size, samples per optimizer step, fixed response length; the better TRL generation mode",
@@ -412,17 +470,18 @@ def run(args, argv: list[str]) -> dict:
             if "publish" in args.parts:
                 result["metrics"]["publish"] = {}
                 for shape in args.shapes.split(","):
-                    for i, mb in enumerate(int(x) for x in str(args.bucket_mb).split(",")):
-                        m = measure_publish(args, shape, work, mb)
+                    runs = [(None, True)] + [(int(x), False) for x in str(args.bucket_mb).split(",")]
+                    for i, (mb, persistent) in enumerate(runs):
+                        m = measure_publish(args, shape, work, mb or 512, persistent)
                         m["bucket_mb"] = mb
-                        result["metrics"]["publish"][shape if i == 0 else f"{shape}-bucket{mb}mb"] = m
+                        result["metrics"]["publish"][shape if i == 0 else f"{shape}-ring-bucket{mb}mb"] = m
                         log(
-                            f"{shape}, {mb} MiB buckets: publish {m['publish_ms']:.1f} ms vs d2d copy "
+                            f"{shape}, {m['handoff']} ({mb or '-'} MiB buckets): publish {m['publish_ms']:.1f} ms vs d2d copy "
                             f"{m['d2d_copy_ms']:.2f} ms: ratio {m['publish_vs_d2d_copy']:.3f} (pause "
                             f"{m['pause_ms']:.1f}, transfer {m['transfer_ms']:.1f}); engine per bucket "
                             f"{m['engine_bucket_phase_ms']}"
                         )
-                        if i == 0:  # the headline: the first (default) bucket size, the largest shape
+                        if i == 0:  # the headline: the direct handoff, the largest shape
                             result["ratios"]["publish_vs_d2d_copy"] = m["publish_vs_d2d_copy"]
                             result["metrics"]["pause_ms"] = m["pause_ms"]
                             result["metrics"]["transfer_ms"] = m["transfer_ms"]

@@ -207,6 +207,12 @@ class JobSpec(Spec):
                 f"waits for the requests running on it: set bus.pause_mode to abort (not "
                 f"{self.bus.pause_mode}; rollouts resume aborted requests from their prefix)",
             )
+        if self.placement == "colocated" and self.trainer.num_trainers > 1:
+            raise bad(
+                "trainer.num_trainers",
+                "a colocated LoRA job runs on one trainer rank: the per-rank handoff (several GPUs) sends "
+                "full weights only",
+            )
 
     def _check_placement(self) -> None:
         """Colocated: launched engines, one per trainer device, the ipc bus, a schedule that fits."""
@@ -240,15 +246,6 @@ class JobSpec(Spec):
             if gpus != 1:
                 raise bad(
                     key, f"placement colocated on cuda: each engine shares one trainer GPU (1, not {gpus})"
-                )
-            if tr.num_trainers != 1:
-                # rank 0 publishes to every engine, and Ray shows each engine only its own GPU: a CUDA IPC
-                # handle of rank 0's GPU cannot be opened on another one
-                raise bad(
-                    "trainer.num_trainers",
-                    "placement colocated on cuda runs one trainer rank and its engine on one GPU: trainer "
-                    "rank 0 hands every engine its weights through CUDA IPC, and an engine sees only its "
-                    "own GPU (use placement disaggregated for more ranks)",
                 )
             if g.num_engines != tr.num_trainers:
                 raise bad(

@@ -95,6 +95,14 @@ class Pool:
         dist.broadcast_object_list(box, src=0, group=self.objects)
         return box[0]
 
+    def all_gather(self, obj) -> list:
+        """Every rank's object, in rank order, on every rank."""
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.objects)
+        return out
+
     def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.enabled and self.world_size > 1:
             dist.all_reduce(t, op=op)

@@ -566,6 +566,13 @@ class Learner:
         return float(self.pool.all_reduce(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
 
     # --- weights out ---------------------------------------------------------------------------------
+    def parameters_unsharded(self) -> bool:
+        """Whether `full_parameters` yields the parameters' own storages (nothing sharded, so nothing is
+        gathered): the weight bus may then share them as they are (WeightBus.publish `persistent`)."""
+        from torch.distributed.tensor import DTensor
+
+        return not any(isinstance(p, DTensor) for p in self.model.parameters())
+
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every policy parameter, gathered from the shards: a collective, so
         every rank must drain the iterator; only rank 0 needs the tensors. Tied weights appear once."""

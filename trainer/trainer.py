@@ -99,6 +99,21 @@ class Trainer:
         self.config = cfg = config
         self.rank, self.world_size = rank, world_size
         self.buffer = self.bus = None
+        ipc = cfg.bus.backend == "ipc"
+        self.per_rank = ipc and world_size > 1
+        """Colocated with several ranks: every rank hands the weights to the engines on its device, through
+        its own bus (rank 0's knows the engines, pauses and continues them: weight_bus.rank_handoff)."""
+        if rank != 0 and self.per_rank:
+            self.bus = WeightBus(
+                [],
+                api_key=api_key,
+                backend="ipc",
+                bucket_bytes=cfg.bus.bucket_bytes,
+                pause_mode=cfg.bus.pause_mode,
+                dtype=cfg.bus.dtype,
+                timeout_s=cfg.bus.timeout_s,
+                device="cuda:0" if cfg.trainer.device == "cuda" else "cpu",
+            )
         if rank == 0:
             self.buffer = ReplayBuffer(
                 connect(redis_url),
@@ -289,8 +304,11 @@ class Trainer:
         to the engines' dtype."""
         lora = self.config.model.lora is not None
         named = self.learner.adapter_tensors() if lora else self.learner.full_parameters()
-        if self.is_main:
-            return self.bus.publish(named, version)  # drains the iterator even when it fails
+        persistent = not lora and self.learner.parameters_unsharded()
+        if self.per_rank:  # every rank to the engines on its device; stats on rank 0
+            return self.bus.publish(named, version, persistent=persistent, ranks=self.pool)
+        if self.is_main:  # drains the iterator even when it fails
+            return self.bus.publish(named, version, persistent=persistent)
         for _ in named:
             pass
         return None

@@ -32,6 +32,11 @@ SGLang's MultiprocessingSerializer payload, load_format flattened_bucket) and PO
 /update_weights_from_tensor, pipelined as above; an engine answers once it copied the bytes into its
 weights, and a buffer is packed again only after every engine answered for the bucket in it. An engine
 that dies or times out is dropped and the others go on with no re-send; a refusal is BusError.
+Steady state (weight_bus/ipc_transfer.py): a buffer's payload is reused while the buffer and its layout
+stay the same, and the trainer's own tensors (`persistent`, already in the wire dtype) go as one direct
+payload of per-tensor handles with no pack copy; the built-in engine keeps what a payload mapped and
+loads a repeated payload without unpickling it. Step 1 probes only joiners while the last update reached
+every engine; a one-call update to built-in engines folds pause and continue into that call.
 
 LoRA (`lora`: a job with model.lora; weight_bus/lora.py): every update carries the adapter only, under
 PEFT's names, through the same steps: announced with `lora_name` + `lora_config` over the group
@@ -61,6 +66,7 @@ from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
 from weight_bus.ipc_transfer import IpcTransfer
 from weight_bus.membership import IPC, Membership, Registry
+from weight_bus.rank_handoff import Ranks, publish_per_rank
 from weight_bus.schema import DEFAULT_GROUP
 from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
 
@@ -157,6 +163,10 @@ class WeightBus:
         )
         self._lock = threading.Lock()
         """One update (or connect) at a time: an update never overlaps another."""
+        self.local_transfer: IpcTransfer | None = None
+        """ipc with several trainer ranks: this rank's transfer to the engines on its device."""
+        self.devices: list[str | None] | None = None
+        """ipc with several trainer ranks: each rank's CUDA device UUID (None on CPU), once known."""
 
     @property
     def urls(self) -> list[str]:
@@ -181,17 +191,33 @@ class WeightBus:
         next step, which never comes when every engine is gone or still joining."""
         return self.members.joiners_waiting()
 
-    def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> PublishStats:
+    def publish(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        persistent: bool = False,
+        ranks: Ranks | None = None,
+    ) -> PublishStats | None:
         """Send every (HF name, full tensor) of `named` to every live engine and tag them with `version`
         (with `lora`: `named` is the whole adapter under PEFT's names, and it replaces the engines' adapter
         `lora.name`).
         `named` may be lazy (an FSDP full-tensor gather per parameter): it is consumed once, in order, and
         always to the end. Returns once every engine left in the group confirmed; raises BusError if an
-        engine refused or no group could be built (the version must not be published then)."""
+        engine refused or no group could be built (the version must not be published then).
+        `persistent`: the tensors are the trainer's own (its parameters, not gathered copies), alive and
+        where they are until the next publish; backend ipc then shares them as they are when they are
+        on its device, contiguous and in the wire dtype (one call, no copy on the trainer's side).
+        `ranks` (backend ipc, more than one trainer rank): every rank calls publish with its own bus (rank
+        0's knows the engines) and hands the weights to the engines on its device
+        (weight_bus.rank_handoff); the stats are rank 0's, None on the other ranks."""
         it = iter(named)
         with self._lock:
             try:
-                return self.transfer.publish(it, version)
+                if ranks is not None and ranks.world_size > 1:
+                    if self.backend != IPC:
+                        raise BusError(f"per-rank handoff is backend ipc's, not {self.backend}'s")
+                    return publish_per_rank(self, it, version, persistent, ranks)
+                return self.transfer.publish(it, version, persistent)
             finally:
                 _drain(it)
 
@@ -199,5 +225,8 @@ class WeightBus:
         """Leave the group on every side (engines keep serving) and release the connections."""
         with self._lock:
             self.members.close()
+            if self.local_transfer is not None:
+                for e in self.local_transfer.members.engines:
+                    e.close()
         self.client.close()
         self.pool.shutdown(wait=False)

@@ -33,9 +33,12 @@ ring of bucket buffers: weight_bus/ipc_transfer.py); a receiver copies out of it
 A receiver may keep what it mapped open between calls (`OpenedHandles`): torch's rebuild looks a handle up
 in its cache of storages this process already mapped (`torch.multiprocessing.reductions.shared_cache`,
 keyed by the CUDA-IPC handle and offset, or the shared-memory file's name) and skips the open while the
-storage is alive. A sender's persistent buffers (the ring's slots) are then opened once, not per call.
-Such a cache hit skips the CUDA event wait of the open, so a CUDA sender finishes writing a buffer (its
-stream synchronized) before it posts the handle.
+storage is alive; and a sender that repeats a payload (its persistent buffers serialized once: the ring's
+slots, or the trainer's own parameters) has it loaded from the tensors the receiver kept for that payload
+text, without unpickling (`OpenedHandles.lookup`). Either way the CUDA event wait of the open is skipped,
+so a CUDA sender finishes writing a buffer (its stream synchronized) before it posts the handle. CPU
+shared-memory references are taken per delivery by the sender (`share`) and dropped per delivery by the
+receiver (its rebuild, or `lookup` for a kept payload), so a file is unlinked once its last mapping goes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import dataclasses
+import functools
 import io
 import pickle
 import sys
@@ -110,8 +114,17 @@ SGLang's."""
 _alias_lock = threading.Lock()
 
 
+@functools.cache
 def _device_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """The UUID of a CUDA device (the same in every process, whatever index it has there); None for CPU
+    (shared memory reaches every process of the host)."""
+    if device.type != "cuda":
+        return None
+    return _device_uuid(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _device_index(device: int | str) -> int:
@@ -204,12 +217,14 @@ def serialize(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def share(storage: torch.UntypedStorage, receivers: int) -> None:
-    """A CPU payload already serialized once is about to reach `receivers` processes: each one's rebuild
-    drops a reference that serializing took, so take the missing ones (CUDA needs none)."""
-    if storage.device.type == "cpu":
-        for _ in range(receivers - 1):
-            storage._shared_incref()
+def share(storage: torch.UntypedStorage | list[torch.UntypedStorage], receivers: int) -> None:
+    """A CPU payload is about to reach `receivers` more processes: each one's rebuild (or, for a payload it
+    keeps, its `OpenedHandles.lookup`) drops one reference per storage, so take them (CUDA needs none).
+    Serializing took one already: pass `receivers - 1` for a payload just serialized."""
+    for s in storage if isinstance(storage, list) else [storage]:
+        if s.device.type == "cpu":
+            for _ in range(receivers):
+                s._shared_incref()
 
 
 def flattened_bucket(flat: torch.Tensor, tensors: list[tuple[str, list[int], torch.dtype, int]]) -> dict:
@@ -321,8 +336,15 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
 
 
 class OpenedHandles:
-    """The sender storages a receiver mapped, kept open between calls so that the next call naming the same
-    handle reuses the mapping (torch's storage cache) instead of opening it again.
+    """What a receiver opened, kept between calls: the sender storages it mapped, and each payload it
+    loaded with the tensors that payload rebuilt, so that a sender repeating a payload (its persistent
+    buffers: the ring's slots, or the trainer's own parameters, serialized once: weight_bus.ipc_transfer)
+    costs no unpickling and no handle lookups at all: `lookup` returns the tensors mapped last time.
+
+    A payload names its storages by handle (CUDA-IPC handle and offset, or the shared-memory file's name)
+    and carries the sender's reference-counter slots, so two payloads are the same text only when they
+    name the same live sender buffers: a sender that reallocated, restarted or serialized anew sends new
+    text, which misses and is opened afresh.
 
     An update is the calls up to the one that carries a weight version: `end_update` keeps what that
     update used and drops the rest, so a sender buffer that changed (reallocated, a restarted sender, a
@@ -332,6 +354,35 @@ class OpenedHandles:
     def __init__(self) -> None:
         self.kept: dict[int, torch.UntypedStorage] = {}
         self.used: dict[int, torch.UntypedStorage] = {}
+        self.payloads_kept: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
+        self.payloads_used: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
+        """(load format, payload) -> (its tensors, their CPU storages, their storages by address)."""
+        self.hits = self.misses = 0
+
+    def lookup(self, entry: str, load_format: str | None) -> Named | None:
+        """The tensors `entry` mapped when this receiver loaded it before (and keeps), else None. A hit
+        takes the payload's references as rebuilding it would: the sender takes one per delivery of a
+        CPU storage (weight_bus.ipc.share), which the receiver's rebuild drops."""
+        key = (load_format, entry)
+        kept = self.payloads_used.get(key) or self.payloads_kept.get(key)
+        if kept is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        for s in kept[1]:
+            s._shared_decref()
+        self.payloads_used[key] = kept
+        self.used.update(kept[2])
+        return kept[0]
+
+    def remember(self, entry: str, load_format: str | None, named: Named) -> None:
+        """`entry` loaded into `named`: keep both (and the storages behind them) for the next call."""
+        key = (load_format, entry)
+        if key not in self.payloads_used:
+            held = {s.data_ptr(): s for s in storages(t for _, t in named)}
+            cpu = [s for s in held.values() if s.device.type == "cpu"]
+            self.payloads_used[key] = (named, cpu, held)
+            self.used.update(held)
 
     def hold(self, named: Named) -> None:
         """Keep the storages behind `named` (tensors a payload mapped) open."""
@@ -340,16 +391,35 @@ class OpenedHandles:
             self.used[s.data_ptr()] = s
 
     def end_update(self) -> int:
-        """The update ended: keep its storages, close the others. Returns how many were closed."""
+        """The update ended: keep its storages and payloads, close the others. Returns how many storages
+        were closed."""
         closed = len(self.kept.keys() - self.used.keys())
         self.kept, self.used = self.used, {}
+        self.payloads_kept, self.payloads_used = self.payloads_used, {}
         return closed
 
     def clear(self) -> int:
-        """Close every kept storage. Returns how many there were."""
+        """Close every kept storage and forget every payload. Returns how many storages there were."""
         n = len(self.kept.keys() | self.used.keys())
         self.kept, self.used = {}, {}
+        self.payloads_kept, self.payloads_used = {}, {}
         return n
 
     def __len__(self) -> int:
         return len(self.kept.keys() | self.used.keys())
+
+    @property
+    def payloads(self) -> int:
+        """Payloads kept for a repeat now."""
+        return len(self.payloads_kept.keys() | self.payloads_used.keys())
+
+
+def storages(tensors) -> list[torch.UntypedStorage]:
+    """The distinct non-empty storages behind `tensors` (what a payload of them shares by handle; an
+    empty one travels without)."""
+    seen: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen.setdefault(s.data_ptr(), s)
+    return list(seen.values())

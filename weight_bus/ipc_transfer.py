@@ -19,6 +19,7 @@ The order and failure semantics are the group transfer's (weight_bus/bus.py); wh
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -26,10 +27,11 @@ from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, wait
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from weight_bus import ipc
 from weight_bus.errors import BusError, Refused
-from weight_bus.group import dtype_from_name
+from weight_bus.group import dtype_from_name, dtype_name
 from weight_bus.packing import Bucket, pack
 from weight_bus.schema import LoadLoraAdapterFromTensors, UpdateWeightsFromTensor
 from weight_bus.transfer import Transfer, UpdateFailed, _error
@@ -39,13 +41,39 @@ log = logging.getLogger(__name__)
 
 class BucketRing:
     """`size` reusable flat uint8 buffers on `device` (CPU: in shared memory), bucket k in slot k % size.
-    A slot is taken for a bucket only when the bucket before it in that slot was released."""
+    A slot is taken for a bucket only when the bucket before it in that slot was released. Each slot
+    keeps the payload it was last serialized into, reused while the slot and its bucket's layout stay
+    the same (engines that keep the payload then load it without unpickling: ipc.OpenedHandles)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.device = device
         self.slots: list[torch.Tensor | None] = [None] * size
         self.holder: list[Bucket | None] = [None] * size
         """The bucket whose bytes a slot holds until every engine confirmed it."""
+        self.payloads: list[tuple[tuple, str] | None] = [None] * size
+        """(the layout of the bucket the slot held, its payload) per slot; None after a reallocation."""
+
+    def payload(self, b: Bucket) -> tuple[str, bool]:
+        """The payload of bucket b (in its slot): the slot's last one when its layout is b's, else a new
+        one. Returns (payload, whether it was serialized now)."""
+        i = b.index % len(self.slots)
+        layout = (
+            b.flat.numel(),
+            tuple(b.names),
+            tuple(b.dtypes),
+            tuple(map(tuple, b.shapes)),
+            tuple(b.offsets),
+        )
+        kept = self.payloads[i]
+        if kept is not None and kept[0] == layout:
+            return kept[1], False
+        tensors = [
+            (name, shape, dtype_from_name(d), off)
+            for name, shape, d, off in zip(b.names, b.shapes, b.dtypes, b.offsets, strict=True)
+        ]
+        payload = ipc.serialize(ipc.flattened_bucket(b.flat, tensors))
+        self.payloads[i] = (layout, payload)
+        return payload, True
 
     def take(self, index: int, nbytes: int) -> torch.Tensor:
         i = index % len(self.slots)
@@ -53,6 +81,7 @@ class BucketRing:
             raise RuntimeError(f"bucket ring: slot {i} still holds bucket {self.holder[i].index}")
         slot = self.slots[i]
         if slot is None or slot.numel() < nbytes:
+            self.payloads[i] = None  # its handle names the old buffer
             self.slots[i] = None  # the old buffer goes before the new one is allocated
             slot = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             if self.device.type == "cpu":  # into a shared-memory file now, not at its first handoff
@@ -81,22 +110,115 @@ class BucketRing:
         return sum(s.numel() for s in self.slots if s is not None)
 
 
+class DirectPayload:
+    """The payload of a direct bucket, kept for the next update with the bucket's metadata: valid while
+    the trainer's tensors are the same (name, device, address, shape, strides, dtype, in order) and their
+    storages alive (so no other storage can have taken an address over). A match needs no other check:
+    these tensors passed IpcTransfer._shareable when the payload was made."""
+
+    def __init__(self, key: list, refs: list, payload: str, b: Bucket) -> None:
+        self.key, self.refs, self.payload = key, refs, payload
+        self.names, self.dtypes, self.shapes, self.nbytes = b.names, b.dtypes, b.shapes, b.nbytes
+
+    def matches(self, key: list) -> bool:
+        return key == self.key and not any(r.expired() for r in self.refs)
+
+    def bucket(self, tensors: list[torch.Tensor]) -> Bucket:
+        """A direct bucket of `tensors` (that match) with the kept metadata."""
+        return Bucket(
+            0, self.names, self.dtypes, self.shapes, None, True, [], tensors=tensors, nbytes=self.nbytes
+        )
+
+
+def _direct_key(tensors: list[tuple[str, torch.Tensor]]) -> list:
+    return [(n, t.get_device(), t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in tensors]
+
+
 class IpcTransfer(Transfer):
     """Publishes one version at a time to the (local) engines of `members`, by handle."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.ring = BucketRing(self.max_inflight + 1, self.device)
+        self.direct: DirectPayload | None = None
+        """The last direct bucket's payload (its tensors are the trainer's own)."""
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
+        self.abort_in_call = False
+        """The update folds a pause of mode abort into its one call (abort_all_requests)."""
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._device_index = -1 if self.device.type == "cpu" else self.device.index
+        """`Tensor.get_device()` of a tensor on the bus device (cheaper to compare than devices)."""
+
+    def probe_due(self) -> bool:
+        """No probe while the last update reached every engine: a dead engine fails the update's own
+        call and is dropped then (joiners are still probed)."""
+        return not self.healthy
+
+    def folds_pause(self, first: Bucket) -> bool:
+        """Pause and continue go when the whole update is one call (a single bucket) to built-in engines
+        only: the engine loads it at a step boundary under its weight lock, so no step ever runs on
+        half-updated weights and requests go on afterwards, which is what an in_place pause gives; an
+        abort pause becomes the call's abort_all_requests. SGLang engines, retract pauses and updates of
+        several buckets are paused and continued as usual; so are adapter-only updates (their load and
+        version tag are two calls)."""
+        self.abort_in_call = False
+        if self.lora is not None:
+            return False
+        if not (first.last and self.members.engines and all(e.builtin for e in self.members.engines)):
+            return False
+        if self.pause_mode == "in_place":
+            return True
+        if self.pause_mode == "abort":
+            self.abort_in_call = True
+            return True
+        return False
+
+    def _shareable(self, t: torch.Tensor, dtype: torch.dtype | None) -> bool:
+        """Whether `t` can travel as it is: on the bus device, contiguous, in the wire dtype."""
+        return (
+            t.get_device() == self._device_index
+            and t.is_contiguous()
+            and (dtype is None or t.dtype == dtype or not t.is_floating_point())
+        )
 
     def pack(
-        self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None, whole: bool = False
+        self,
+        it: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None,
+        whole: bool = False,
+        persistent: bool = False,
     ) -> Iterator[Bucket]:
-        """Buckets packed into the ring; an adapter-only update is one bucket (the LoRA route takes the
-        whole adapter in one call)."""
+        """`persistent` tensors already on the bus device, contiguous and in the wire dtype go as one
+        direct bucket: a handle per tensor to the trainer's own memory, nothing copied; anything else is
+        packed into the ring's buffers. An adapter-only update is one ring bucket (the LoRA route takes
+        the whole adapter in one call)."""
         self._drain_ring()
         for e in self.members.engines:  # a bucket an earlier update refused does not stop this one's
             e.broken = False
+        self.handoff = "ring"
+        if persistent:
+            first = next(it, None)
+            if first is None:
+                return
+            if self._shareable(first[1], dtype):
+                tensors = [first, *it]
+                kept = self.direct
+                if kept is not None and kept.matches(_direct_key(tensors)):  # the same tensors again
+                    self.handoff = "direct"
+                    b = kept.bucket([t for _, t in tensors])
+                    b.payload = kept.payload
+                    yield b
+                    return
+                if all(self._shareable(t, dtype) for _, t in tensors):
+                    self.handoff = "direct"
+                    yield self._direct_bucket(
+                        [(n, t.detach()) if t.requires_grad else (n, t) for n, t in tensors]
+                    )
+                    return
+                it = iter(tensors)  # the trainer's own tensors: holding them all costs nothing
+            else:
+                it = itertools.chain([first], it)
         ring = self.ring
 
         def alloc(index: int, nbytes: int) -> torch.Tensor:
@@ -107,6 +229,28 @@ class IpcTransfer(Transfer):
             ring.hold(b.index, b)
             yield b
 
+    def _direct_bucket(self, tensors: list[tuple[str, torch.Tensor]]) -> Bucket:
+        return Bucket(
+            0,
+            [n for n, _ in tensors],
+            [dtype_name(t.dtype) for _, t in tensors],
+            [list(t.shape) for _, t in tensors],
+            None,
+            True,
+            [],
+            tensors=[t for _, t in tensors],
+        )
+
+    def _direct_payload(self, b: Bucket) -> str:
+        """A new payload for the direct bucket b (pack reuses the kept one while the tensors match)."""
+        named = list(zip(b.names, b.tensors, strict=True))
+        self.direct = None  # its references go before the new payload takes its own
+        payload = ipc.serialize(named)
+        # after serializing: a CPU storage moved into shared memory then (its address changed)
+        refs = [StorageWeakRef(s) for s in ipc.storages(b.tensors)]
+        self.direct = DirectPayload(_direct_key(named), refs, payload, b)
+        return payload
+
     def _drain_ring(self) -> None:
         """Before an update packs anything: buckets an earlier update left unconfirmed (it failed) may
         still be loading on an engine; wait (bounded) for their calls, then take their slots back."""
@@ -116,24 +260,30 @@ class IpcTransfer(Transfer):
         self.ring.clear()
 
     def launch(self, b: Bucket, version: int) -> None:
-        """Serialize bucket b once (a handle to its ring slot) and POST it to every engine."""
+        """Serialize bucket b (a handle to its ring slot, or one per direct tensor), or reuse the payload
+        its buffers were serialized into before, and POST it to every engine."""
         m = self.members
-        if b.payload is None:
-            tensors = [
-                (name, shape, dtype_from_name(d), off)
-                for name, shape, d, off in zip(b.names, b.shapes, b.dtypes, b.offsets, strict=True)
-            ]
-            if b.flat.is_cuda:  # an engine that kept this slot mapped reads it without an event wait
-                torch.cuda.current_stream(b.flat.device).synchronize()
-            b.payload = ipc.serialize(ipc.flattened_bucket(b.flat, tensors))
-            ipc.share(b.flat.untyped_storage(), len(m.engines))
+        if not b.calls:  # its first launch (launched once: nothing is re-sent over ipc)
+            device = self.device if b.flat is None else b.flat.device
+            if device.type == "cuda":  # an engine that kept this memory mapped reads it without an event wait
+                torch.cuda.current_stream(device).synchronize()
+            if b.payload is not None:  # the kept direct payload (pack)
+                fresh = False
+            elif b.flat is None:
+                b.payload, fresh = self._direct_payload(b), True
+            else:
+                b.payload, fresh = self.ring.payload(b)
+            if device.type == "cpu":
+                shared = ipc.storages(b.tensors) if b.flat is None else [b.flat.untyped_storage()]
+                ipc.share(shared, len(m.engines) - int(fresh))
         if self.lora is not None:
             self._launch_adapter(b, version)
             return
         body = UpdateWeightsFromTensor(
             serialized_named_tensors=[b.payload],
-            load_format=ipc.FLATTENED_BUCKET,
+            load_format=None if b.flat is None else ipc.FLATTENED_BUCKET,
             flush_cache=b.last,
+            abort_all_requests=self.abort_in_call and b.index == 0,
             weight_version=str(version) if b.last else None,
         )
         b.times[0] = time.perf_counter()
@@ -197,6 +347,7 @@ class IpcTransfer(Transfer):
         """Nothing to re-send: the survivors' calls for the pending buckets are still under way."""
 
     def release(self, b: Bucket) -> None:
-        self.ring.release(b)
-        b.flat = b.work = None
+        if b.flat is not None:
+            self.ring.release(b)
+        b.flat = b.work = b.tensors = None
         b.payload = None

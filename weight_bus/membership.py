@@ -61,6 +61,15 @@ class Member:
         self.tp_size = int(info.get("tp_size", 1))
         self.builtin = info.get("version") == BUILTIN_ENGINE
         self.dtype = info.get("dtype")
+        self.device_uuid = info.get("device_uuid")
+        """The CUDA device the engine runs on (the built-in engine says; None: unknown, or CPU)."""
+        self.info = {
+            "tp_size": self.tp_size,
+            "version": info.get("version"),
+            "dtype": self.dtype,
+            "device_uuid": self.device_uuid,
+        }
+        """What of its server info another trainer rank needs to send it weights (weight_bus.rank_handoff)."""
         self.channel = client.channel(url)
         self.broken = False
         """An announcement failed: later ones are not sent (they would wait on a group it left)."""
@@ -306,13 +315,15 @@ class Membership:
             self.leave_group()  # its world had them; a rebuild follows
         return dropped
 
-    def sync(self) -> tuple[list[str], list[str]]:
+    def sync(self, probe: bool = True) -> tuple[list[str], list[str]]:
         """Before an update: drop engines that do not answer, admit joiners; rebuild if anything
-        changed. Returns (joined, dropped)."""
+        changed. `probe` False: the engines in the group are known alive (the last update reached every
+        one of them, and the update's own calls detect a failure), so only joiners are probed. Returns
+        (joined, dropped)."""
         now = time.monotonic()
         candidates = self._candidates(now)
-        infos = self.probe(self.urls + sorted(candidates))
-        dead = [u for u in self.urls if isinstance(infos[u], BaseException)]
+        infos = self.probe((self.urls if probe else []) + sorted(candidates))
+        dead = [u for u in self.urls if isinstance(infos.get(u), BaseException)]
         left = self._deregistered(dead)
         for u in dead:
             if u in left:  # scaled down or replaced on purpose: expected, not a failure

@@ -46,14 +46,29 @@ class Bucket:
     """One flattened bucket: what the engines are told, the bytes, and its state on the wire."""
 
     __slots__ = (
-        "calls", "dtypes", "flat", "index", "last", "names", "offsets", "payload", "shapes", "times", "work",
+        "calls", "dtypes", "flat", "index", "last", "names", "nbytes", "offsets", "payload", "shapes",
+        "tensors", "times", "work",
     )  # fmt: skip
 
     def __init__(
-        self, index: int, names, dtypes, shapes, flat: torch.Tensor, last: bool, offsets: list[int]
+        self,
+        index: int,
+        names,
+        dtypes,
+        shapes,
+        flat: torch.Tensor | None,
+        last: bool,
+        offsets: list[int],
+        tensors: list[torch.Tensor] | None = None,
+        nbytes: int | None = None,
     ) -> None:
         self.index, self.names, self.dtypes, self.shapes = index, names, dtypes, shapes
         self.flat, self.last = flat, last
+        self.tensors = tensors
+        """The IPC backend's direct bucket: the trainer's own tensors, shared one handle each (no `flat`)."""
+        if nbytes is None:
+            nbytes = flat.numel() if flat is not None else sum(t.numel() * t.element_size() for t in tensors)
+        self.nbytes = nbytes
         self.offsets = offsets
         """Each tensor's first byte in `flat`."""
         self.payload: str | None = None

@@ -51,6 +51,17 @@ class PublishStats(msgspec.Struct, kw_only=True):
     """Engines admitted by this update (they got the whole model; promoted in the registry)."""
     dropped: list[str] = []
     """Engines removed from the group by this update (dead or timed out)."""
+    handoff: str = ""
+    """Backend ipc: "direct" (the trainer's own tensors shared by handle, one call, no copy on the
+    trainer) or "ring" (packed into the bus's bucket buffers); "" for a group backend."""
+    paused: bool = True
+    """Whether the engines got /pause_generation and /continue_generation (False: folded into the one
+    update call, which the engine applies at a step boundary; pause_ms is then the update's time)."""
+    probed: bool = True
+    """Whether the engines in the group were probed before the update (False: known alive)."""
+    ranks: int = 1
+    """Trainer ranks that handed the weights over, each to the engines on its device (ipc, more than
+    one rank: weight_bus.rank_handoff); bytes, buckets and timeline are rank 0's."""
     rebuilds: int = 0
     """Update groups built during this update (membership change or failure)."""
     adapter: str | None = None
@@ -128,24 +139,33 @@ class Transfer:
         self.grace = members.grace
         self.max_failures = MAX_REBUILDS
         """Failed buckets one update may recover from before it gives up with BusError."""
+        self.healthy = False
+        """The last update reached every engine in the group and dropped none."""
+        self.handoff = ""
+        """PublishStats.handoff of the update under way."""
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
         futures = {e.url: self.pool.submit(fn, e.url, *args) for e in engines}
         return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
 
-    def publish(self, it: Iterator[tuple[str, torch.Tensor]], version: int) -> PublishStats:
-        """Membership first (nothing paused yet), bucket 0 packed, then pause, transfer, continue. The
-        caller drains `it` afterwards, whatever happened."""
+    def publish(
+        self, it: Iterator[tuple[str, torch.Tensor]], version: int, persistent: bool = False
+    ) -> PublishStats:
+        """Membership first (nothing paused yet), bucket 0 packed, then pause, transfer, continue (the
+        pause folded into the update when `folds_pause` says so). The caller drains `it` afterwards,
+        whatever happened. `persistent`: see WeightBus.publish."""
         m = self.members
         if self.client.is_closed:
             raise BusError("publish after close()")
         generation0 = m.generation
-        joined, dropped = m.sync()
+        probe = self.probe_due()
+        self.healthy = False
+        joined, dropped = m.sync(probe=probe)
         dtype = m.wire_dtype()
         files = self.adapter_files()
         t_gather = time.perf_counter()
-        stream = self.pack(it, dtype, whole=files)
+        stream = self.pack(it, dtype, whole=files, persistent=persistent and self.lora is None)
         first = next(stream, None)
         gather_s = time.perf_counter() - t_gather
         if first is None:
@@ -156,7 +176,8 @@ class Transfer:
                 version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
                 gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
             )  # fmt: skip
-        paused = list(m.engines)
+        fold = self.folds_pause(first)
+        paused = [] if fold else list(m.engines)
         t_pause = time.perf_counter()
         total = n_buckets = 0
         timeline: list[list[float]] = []
@@ -179,11 +200,12 @@ class Transfer:
             # waited for: they may not answer at all.
             for url in {e.url for e in paused} - set(m.urls) - m.parked:
                 self.pool.submit(self.client.continue_generation, url)
-            failed = self._on_all(m.engines, self.client.continue_generation)
+            failed = self._on_all([] if fold else m.engines, self.client.continue_generation)
             for url, err in failed.items():
                 log.warning("engine %s: continue failed: %s", url, err)
             dropped += m.drop(list(failed))
-        pause_s = time.perf_counter() - t_pause
+        pause_s = time.perf_counter() - t_pause  # folded: the engines wait at a step boundary meanwhile
+        self.healthy = bool(m.engines) and not dropped
         m.promote(joined)
         stats = PublishStats(
             version=version,
@@ -199,6 +221,9 @@ class Transfer:
             timeline=timeline,
             adapter=self.lora.name if self.lora is not None else None,
             path="files" if files else ("ipc" if m.backend == IPC else "group"),
+            handoff=self.handoff,
+            paused=not fold,
+            probed=probe,
         )
         backend = m.backend
         metrics.LAST_BYTES.labels(stats.kind).set(total)
@@ -212,7 +237,7 @@ class Transfer:
         metrics.ENGINES.set(len(m.engines))
         log.info(
             "published version %d%s to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
-            "engines paused %.1f ms, gather %.1f ms%s%s",
+            "engines paused %.1f ms%s, gather %.1f ms%s%s",
             version,
             f" (adapter {self.lora.name!r} only, {stats.path})" if self.lora is not None else "",
             len(m.engines),
@@ -221,6 +246,7 @@ class Transfer:
             stats.transfer_ms,
             total / max(transfer_s, 1e-9) / 1e9,
             stats.pause_ms,
+            f" ({self.handoff}, pause folded into the call)" if fold else "",
             stats.gather_ms,
             f", joined {stats.joined}" if stats.joined else "",
             f", dropped {dropped}" if dropped else "",
@@ -265,20 +291,34 @@ class Transfer:
                 self.resend(pending, version)
                 continue
             pending.popleft()
-            total += done.flat.numel()
+            total += done.nbytes
             count += 1
             timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
             self.release(done)
         return total, count, pack_s, dropped, timeline
 
     def pack(
-        self, it: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype | None, whole: bool = False
+        self,
+        it: Iterator[tuple[str, torch.Tensor]],
+        dtype: torch.dtype | None,
+        whole: bool = False,
+        persistent: bool = False,
     ) -> Iterator[Bucket]:
         """The buckets of one update, packed lazily (weight_bus.packing.pack); `whole`: one bucket with
-        every tensor (an adapter written to a directory), on the CPU."""
+        every tensor (an adapter written to a directory), on the CPU. `persistent` matters to IpcTransfer
+        only."""
         if whole:
             return pack(it, 1 << 62, dtype, torch.device("cpu"))
         return pack(it, self.bucket_bytes, dtype, self.device)
+
+    def probe_due(self) -> bool:
+        """Whether this update probes the engines in the group first (a group backend always does: it
+        rebuilds the group without the dead before anything is sent)."""
+        return True
+
+    def folds_pause(self, first: Bucket) -> bool:
+        """Whether this update goes without /pause_generation and /continue_generation (see IpcTransfer)."""
+        return False
 
     def adapter_files(self) -> bool:
         """An adapter-only update that goes through a PEFT directory: a group transport (gloo/NCCL) to

@@ -15,6 +15,7 @@ from generator_fleet.engine.api_types import http_error, json_response
 from generator_fleet.engine.request import Request as GenRequest
 from generator_fleet.engine.request import SamplingParams
 from generator_fleet.engine.state import EngineState, engine_state
+from weight_bus import ipc
 
 VERSION = "slipstream-builtin"
 HEALTH_CHECK_TIMEOUT_S = 20.0
@@ -78,6 +79,7 @@ def server_info(state: EngineState) -> dict[str, Any]:
         "served_model_name": state.model_name,
         "weight_version": runner.weight_version,
         "device": str(runner.device),
+        "device_uuid": ipc.device_uuid(runner.device),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "max_batch_size": runner.max_batch_size,
         "max_running_requests": runner.max_batch_size,

@@ -143,6 +143,16 @@ class EngineMetrics:
             **labels,
         ).labels(model_name)
 
+        self.ipc_payloads = Counter(
+            "slipstream_engine_ipc_payloads",
+            "/update_weights_from_tensor payloads by how their tensors were had: opened (unpickled, the "
+            "sender's handles mapped or found mapped) or kept (the same payload as before, loaded from "
+            "the tensors it mapped then: no unpickling).",
+            labelnames=["model_name", "how"],
+            registry=self.registry,
+        )
+        for how in ("opened", "kept"):  # exported (as 0) before the first call
+            self.ipc_payloads.labels(model_name, how)
         phase = Histogram(
             "slipstream_engine_weight_bucket_seconds",
             "Per weight-bus bucket, host time of each phase of /update_weights_from_distributed and "

@@ -341,26 +341,34 @@ class Runner:
                     self._cv.notify_all()
 
     def load_weights(
-        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        weight_version: str | None = None,
+        checked: bool = False,
     ) -> None:
         """Copy tensors into the parameters of the same HF name at a step boundary; all names and shapes
-        are checked first, so a bad request changes nothing. WeightsReleased while the weights are
+        are checked first, so a bad request changes nothing (`checked`: these very tensors were checked
+        by an earlier call). The copies go as one multi-tensor copy. WeightsReleased while the weights are
         released (release_memory): SGLang's weights are not there to load into either."""
         self._check_weights_present()
-        unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
-        if unknown:
-            raise ValueError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-        for name, t in named_tensors:
-            if tuple(t.shape) != tuple(self._named_tensors[name].shape):
+        if not checked:
+            unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
+            if unknown:
                 raise ValueError(
-                    f"shape mismatch for {name}: got {list(t.shape)}, expected {list(self._named_tensors[name].shape)}"
+                    f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
                 )
+            for name, t in named_tensors:
+                if tuple(t.shape) != tuple(self._named_tensors[name].shape):
+                    raise ValueError(
+                        f"shape mismatch for {name}: got {list(t.shape)}, expected "
+                        f"{list(self._named_tensors[name].shape)}"
+                    )
 
         def apply() -> None:
             self._check_weights_present()  # a release may have come between the checks and this step
+            dst = [self._named_tensors[n] for n, _ in named_tensors]
             with torch.no_grad():
-                for name, t in named_tensors:
-                    self._named_tensors[name].copy_(t)
+                torch._foreach_copy_(dst, [t for _, t in named_tensors])
             if weight_version is not None:
                 self._weight_version = str(weight_version)
 

@@ -41,7 +41,8 @@ router = APIRouter()
 
 _WEIGHT_TRACE = os.environ.get("SLIPSTREAM_WEIGHT_TRACE")
 """Diagnostics: a file to append, per weight update, the GPU timeline of each bucket (CUDA events before
-the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits."""
+the receive, after it, after the load copy; ms from the first), to see where the engine's GPU waits.
+/update_weights_from_tensor: before mapping the payload, before the load, after the load's copy."""
 
 
 def trace_event():
@@ -124,21 +125,32 @@ def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, 
 
 def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:
     """One /update_weights_from_tensor call, in the weight thread: map the sender's memory (CUDA IPC or
-    shared memory; a buffer this engine mapped before is reused, not opened again: ipc.OpenedHandles),
-    copy into the weights at a step boundary (cast to the engine dtype), and wait for the copy to finish
-    before the call is answered: the sender reuses that memory for its next bucket once it has the
-    answer. Returns the number of tensors loaded."""
+    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and wait for the
+    copy to finish before the call is answered: the sender reuses that memory for its next bucket once it
+    has the answer. A payload this engine loaded before (the sender's persistent buffers, serialized once)
+    is not unpickled again: its tensors, still mapped, come from ipc.OpenedHandles and were checked
+    against the weights then. Returns the number of tensors loaded."""
     phases = state.metrics.bucket_phase
     cuda = state.runner.device.type == "cuda"
+    events = [trace_event()]
+    entry = body.serialized_named_tensors[0]
     with state.receiver.gpu_lock:  # opening IPC handles (and their events) never lands in a graph capture
-        named = ipc.load_payload(body.serialized_named_tensors[0], body.load_format)
+        named = state.opened.lookup(entry, body.load_format)
+        kept = named is not None
+        if not kept:
+            named = ipc.load_payload(entry, body.load_format)
+    state.metrics.ipc_payloads.labels(state.model_name, "kept" if kept else "opened").inc()
     t2 = time.perf_counter()
     phases["receive"].observe(t2 - t1)
     try:
-        state.runner.load_weights(named, body.weight_version)
+        events.append(trace_event())
+        state.runner.load_weights(named, body.weight_version, checked=kept)
+        events.append(trace_event())
         if cuda:
             torch.cuda.current_stream(state.runner.device).synchronize()
-        state.opened.hold(named)
+        state.opened.remember(entry, body.load_format, named)
+        if events[0] is not None:
+            trace_bucket(state, events, body.weight_version is not None)
         return len(named)
     except BaseException:
         with state.receiver.gpu_lock:

@@ -5,9 +5,9 @@ handles, shared memory on CPU) instead of through a group.
 - cuda: one Ray placement group of one {"GPU": 1} bundle per trainer rank, STRICT_PACK (one node).
   Trainer rank i and engine i each take half of bundle i's GPU (`num_gpus=0.5`, slime and verl's way),
   so Ray never puts them on different GPUs and sets the same CUDA_VISIBLE_DEVICES for both. A
-  replacement engine goes into its predecessor's bundle, a restarted trainer rank into its own. (The job
-  spec allows one trainer rank on cuda: rank 0 hands every engine its weights through CUDA IPC, and an
-  engine sees only its own GPU; the placement itself takes any number of slots.)
+  replacement engine goes into its predecessor's bundle, a restarted trainer rank into its own. Every
+  trainer rank hands the weights to the engine on its own GPU (an engine sees only its GPU, and a CUDA-IPC
+  handle opens only there: weight_bus/rank_handoff.py); rank 0 pauses and continues them all.
 - cpu: no GPU resources; every actor is pinned to the driver's node (shared memory is per host).
 
 A disaggregated job has no `Colocation`: the pools reserve whole GPUs per actor as before.

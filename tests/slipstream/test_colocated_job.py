@@ -1,7 +1,8 @@
 """Colocated jobs end to end on CPU (`placement: colocated`): the demo's a+b task on the SFT-warmed tiny
 model, a built-in engine pinned to the trainer's host, weights handed over through the ipc bus (shared
 memory), real Redis, Ray and HTTP. The sync schedule releases the engine's memory before every optimizer
-step and resumes it around the publish; the async one keeps both resident. Reward rises in both."""
+step and resumes it around the publish; the async one keeps both resident; two trainer ranks each hand
+the weights to their own engine. Reward rises in all of them."""
 
 from pathlib import Path
 
@@ -130,3 +131,63 @@ def test_colocated_async_job_keeps_both_resident_and_learns(tmp_path, demo_model
     assert scraper.value("trainer-0", "slipstream_bus_updates_total", backend="ipc") >= 1
     assert scraper.value("trainer-0", "slipstream_bus_updates_total", backend="gloo") == 0
     assert scraper.value("trainer-0", "slipstream_colocated_releases_total") == 0
+
+
+class FleetScraper(Scraper):
+    """Scraper reading the trainer and both engines of a two-rank job."""
+
+    REPLICAS = ("trainer-0", "engine-0", "engine-1")
+
+    def __call__(self, record: dict) -> None:
+        self.seen.append(record)
+        if self.samples or record["version"] < self.at:
+            return
+        r = connect((Path(self.spec.output_dir) / "redis.url").read_text())
+        try:
+            targets = {
+                k.decode(): v.decode() for k, v in r.hgetall(JobKeys(self.spec.name).metrics_targets).items()
+            }
+        finally:
+            r.close()
+        for replica in self.REPLICAS:
+            text = httpx.get(f"http://{targets[replica]}/metrics", timeout=10).text
+            self.samples[replica] = [
+                (s.name, s.labels, s.value)
+                for fam in text_string_to_metric_families(text)
+                for s in fam.samples
+            ]
+
+
+def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_path, demo_model):
+    """Two trainer ranks (FSDP over gloo) and two engines: every rank hands the weights to its own engine
+    (weight_bus.rank_handoff), rank 0 pauses and continues both; reward rises."""
+    steps = 20
+    spec = jobspec.from_dict(
+        {
+            "name": "colo-2ranks",
+            "output_dir": str(tmp_path / "run"),
+            "model": {"path": str(demo_model), "build": "tiny-arith", "warmup_steps": 100},
+            "dataset": {"name": "arith", "max_operand": 4},
+            "reward": {"name": "arith", "format_weight": 0.1},
+            "rollout": {"group_size": 8, "concurrency": 8, "sampling": {"max_new_tokens": 6}},
+            "algorithm": {"lr": 1e-3, "groups_per_step": 8, "total_steps": steps},
+            "buffer": {"max_staleness": 1},
+            "placement": "colocated",
+            "trainer": {"num_trainers": 2},
+            "generators": {"num_engines": 2},
+        }
+    )
+    assert spec.bus.backend == "ipc" and spec.schedule == "async"
+    scraper = FleetScraper(spec)
+    result = run_job(spec, on_progress=scraper)
+    seen = scraper.seen
+
+    assert result.version == steps
+    first, last = _rose(seen)
+    assert last > first + 0.05, (first, last, [round(p["reward_mean"], 2) for p in seen])
+    log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
+    assert "from 2 ranks (each to the engines on its device)" in log
+    assert scraper.samples, "the job's metrics were not read"
+    assert scraper.value("trainer-0", "slipstream_bus_updates_total", backend="ipc") >= 3
+    for engine in ("engine-0", "engine-1"):  # each engine loaded payloads (from its own rank)
+        assert scraper.value(engine, "slipstream_engine_ipc_payloads_total") >= 3, engine

@@ -133,3 +133,15 @@ def test_lora_job_refuses_external_engines_and_sglang_without_abort_pause():
         {"model": lora, "generators": {"engine": "sglang"}, "bus": {"pause_mode": "abort"}}
     )
     assert spec.model.lora.rank == 8
+
+
+def test_colocated_lora_job_runs_on_one_trainer_rank():
+    lora = {"path": "m", "lora": {"rank": 8}}
+    spec = jobspec.from_dict({"model": lora, "placement": "colocated"})
+    assert spec.bus.backend == "ipc" and spec.model.lora.rank == 8
+    two = {"trainer": {"num_trainers": 2}, "generators": {"num_engines": 2}}
+    assert (
+        jobspec.from_dict({"model": {"path": "m"}, "placement": "colocated", **two}).trainer.num_trainers == 2
+    )
+    with pytest.raises(jobspec.JobSpecError, match=r"one trainer rank.*\$\.trainer\.num_trainers"):
+        jobspec.from_dict({"model": lora, "placement": "colocated", **two})
