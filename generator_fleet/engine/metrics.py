@@ -225,9 +225,12 @@ class EngineMetrics:
             buckets=GRAMMAR_BUCKETS_S,
             registry=self.registry,
         ).labels(model_name)
+        # Every kind's series exist from the start (at 0), so dashboards show them before the first grammar.
+        compile_by_kind = {k: compile_s.labels(model_name, k) for k in GRAMMAR_KINDS}
+        errors_by_kind = {k: errors.labels(model_name, k) for k in GRAMMAR_KINDS}
         backend = runner.grammar
-        backend.on_compile.append(lambda kind, s: compile_s.labels(model_name, kind).observe(s))
-        backend.on_compile_error.append(lambda kind: errors.labels(model_name, kind).inc())
+        backend.on_compile.append(lambda kind, s: compile_by_kind[kind].observe(s))
+        backend.on_compile_error.append(lambda kind: errors_by_kind[kind].inc())
         backend.on_mask_fill.append(self.grammar_mask_seconds.observe)
         self.model_name = model_name
 

@@ -846,8 +846,8 @@ class Runner:
             r.output_ids.append(choice.tokens[i])  # last: a concurrent progress() reads len(output_ids) first
             self.stats.generation_tokens_total += 1
             if r.constraint is not None and not r.constraint.accept(choice.tokens[i]):
-                # Only reachable when no allowed token was left to sample (e.g. min_new_tokens banning
-                # the stop token a finished grammar allows): the output cannot go on under the grammar.
+                # The mask lets only allowed tokens through, so this is a safety net: an output that
+                # left its grammar cannot go on under it.
                 log.warning(
                     "%s: token %d is outside its %s grammar", r.rid, choice.tokens[i], r.constraint.kind
                 )
