@@ -71,11 +71,14 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgr
 class Constraint:
     """One request's grammar state: the matcher advanced by every token the request accepted."""
 
-    __slots__ = ("kind", "matcher")
+    __slots__ = ("kind", "matcher", "stuck")
 
     def __init__(self, kind: str, compiled: xgr.CompiledGrammar) -> None:
         self.kind = kind
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.stuck = False
+        """No token of the vocabulary can continue the grammar (e.g. a regex over characters the
+        tokenizer lacks): the request cannot go on and is aborted."""
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False if the grammar does not allow it (the matcher is left unchanged)."""
@@ -201,7 +204,9 @@ class GrammarBackend:
 
     def mask(self, constraints: Sequence[Constraint | None], logits: torch.Tensor) -> list[int]:
         """Set to -inf, in place, the logits [B, V] that each row's grammar forbids next (rows whose
-        constraint is None are left alone). Returns the constrained row indices."""
+        constraint is None are left alone). Returns the masked row indices. A row whose grammar allows
+        no token at all is marked `stuck` and left unmasked (an all -inf row cannot be sampled): the
+        token it gets is then refused by its matcher and the runner aborts the request."""
         rows = [i for i, c in enumerate(constraints) if c is not None]
         if not rows:
             return rows
@@ -212,6 +217,14 @@ class GrammarBackend:
         self._batch.batch_fill_next_token_bitmask(
             [constraints[i].matcher for i in rows], bitmask, indices=rows
         )
+        alive = bitmask[rows].ne(0).any(dim=1).tolist()
+        if not all(alive):
+            for i, ok in zip(rows, alive, strict=True):
+                if not ok:
+                    constraints[i].stuck = True
+            rows = [i for i, ok in zip(rows, alive, strict=True) if ok]
+            if not rows:
+                return rows
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         else:

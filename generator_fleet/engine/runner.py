@@ -846,14 +846,22 @@ class Runner:
             r.output_ids.append(choice.tokens[i])  # last: a concurrent progress() reads len(output_ids) first
             self.stats.generation_tokens_total += 1
             if r.constraint is not None and not r.constraint.accept(choice.tokens[i]):
-                # The mask lets only allowed tokens through, so this is a safety net: an output that
-                # left its grammar cannot go on under it.
-                log.warning(
-                    "%s: token %d is outside its %s grammar", r.rid, choice.tokens[i], r.constraint.kind
+                # The mask lets only allowed tokens through: this is a grammar that no token of the
+                # vocabulary can continue (`stuck`), or a safety net.
+                kind = r.constraint.kind
+                why = (
+                    f"no token of the model's vocabulary can continue the {kind}"
+                    if r.constraint.stuck
+                    else f"token {choice.tokens[i]} is not allowed by the {kind}"
                 )
-                self._finish(
-                    r, _abort_reason(f"token {choice.tokens[i]} is not allowed by the {r.constraint.kind}")
-                )
+                log.warning("%s: aborted after %d tokens: %s", r.rid, len(r.output_ids) - 1, why)
+                r.output_ids.pop()  # the refused token is not part of the output
+                r.output_logprobs.pop()
+                r.versions.pop()
+                if r.top_logprobs_num > 0:
+                    r.output_top_logprobs.pop()
+                self.stats.generation_tokens_total -= 1
+                self._finish(r, _abort_reason(why))
                 continue
             reason = self._check_finished(r)
             if reason is not None:

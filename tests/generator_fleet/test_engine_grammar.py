@@ -270,3 +270,20 @@ def test_http_invalid_grammars_are_a_400_with_xgrammars_message_and_queue_nothin
     assert r.status_code == 400 and "Only one of regex, json_schema, or ebnf" in r.text
     r = _post(server, {"text": "1+", "sampling_params": {"structural_tag": '{"format": {}}'}})
     assert r.status_code == 400 and "structural_tag is not supported" in r.text
+
+
+def test_a_grammar_no_token_can_continue_aborts_only_its_request(runner, model):
+    _, m, tok = model
+    prompt = tok.encode("12+34=")
+    # The arithmetic tokenizer has no letters: after "1" the regex needs an "a" that no token gives.
+    stuck = runner.submit(
+        Request("stuck", prompt, greedy(8), constraint=runner.grammar.constraint("regex", "1a+"))
+    )
+    free = runner.submit(
+        Request("free", prompt, SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    )
+    c = stuck.result(60)
+    assert c.finish_reason["type"] == "abort"
+    assert "no token of the model's vocabulary can continue the regex" in c.finish_reason["message"]
+    assert tok.decode(c.output_ids) == "1" and len(c.output_logprobs) == 1
+    assert free.result(60).output_ids == greedy_reference(m, prompt, 8)
