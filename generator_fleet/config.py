@@ -79,6 +79,11 @@ class AgentSpec(Spec):
     """Tool-call format: Hermes/Qwen `<tool_call>{"name":..., "arguments":...}</tool_call>`."""
     system_prompt: str | None = None
     """System turn; `{tools}` in it becomes the tools' JSON schemas (for templates without tool support)."""
+    constrain_tool_calls: bool = False
+    """Generate each tool call under a grammar built from the tools' argument schemas: a turn runs free
+    until it writes `<tool_call>`, then the call's body is constrained (the engine's `ebnf` param) to
+    `{"name": <a tool>, "arguments": <its parameters schema>}` and `</tool_call>`, then the turn ends.
+    Every call then parses and fits a tool's schema; one call per turn. Logprobs are the engine's (masked)."""
 
 
 class SamplingSpec(Spec):

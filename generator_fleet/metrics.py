@@ -37,6 +37,11 @@ TOOL_CALLS = Counter("slipstream_tool_calls_total", "Tool calls made by the agen
 TOOL_ERRORS = Counter(
     "slipstream_tool_errors_total", "Tool calls that failed (bad call, timeout, crash)", ["tool"]
 )
+TOOL_CALLS_CONSTRAINED = Counter(
+    "slipstream_tool_calls_constrained_total",
+    "Tool calls generated under the tools' call grammar (agent.constrain_tool_calls): turns that wrote the "
+    "start tag and went on constrained",
+)
 TOOL_SECONDS = Histogram(
     "slipstream_tool_call_seconds",
     "Latency of one tool call",

@@ -176,6 +176,8 @@ class JobSpec(Spec):
             )
         if self.tools and self.agent is None:
             raise bad("tools", "tools are only offered to a model in agent episodes: set `agent:` too")
+        if self.agent is not None and self.agent.constrain_tool_calls:
+            self._check_call_grammar()
         if self.bus.backend == "ipc":
             check_ipc_engines(self.generators)
         if self.eval is not None:
@@ -213,6 +215,27 @@ class JobSpec(Spec):
                 "a colocated LoRA job runs on one trainer rank: the per-rank handoff (several GPUs) sends "
                 "full weights only",
             )
+
+    def _check_call_grammar(self) -> None:
+        """agent.constrain_tool_calls: tools to call, and a call grammar from the builtin tools' schemas
+        (a custom tool's schema() is its own code, run only by the workers, which check it at start)."""
+        from generator_fleet.agent.constrain import call_grammar
+        from generator_fleet.tools import BUILTIN_TOOLS
+
+        if not self.tools:
+            raise bad("agent.constrain_tool_calls", "constrains tool calls, but the job lists no `tools:`")
+        builtins = []
+        for i, t in enumerate(self.tools):
+            if t.impl is None and t.name in BUILTIN_TOOLS:
+                try:
+                    builtins.append(BUILTIN_TOOLS[t.name](**t.args).schema())
+                except Exception as e:
+                    raise bad(f"tools[{i}].args", f"tool {t.name!r} cannot be built: {e}") from None
+        if builtins:
+            try:
+                call_grammar(builtins, "</tool_call>")
+            except ValueError as e:
+                raise bad("agent.constrain_tool_calls", str(e)) from None
 
     def _check_placement(self) -> None:
         """Colocated: launched engines, one per trainer device, the ipc bus, a schedule that fits."""

@@ -28,4 +28,5 @@ def build_agent(agent: AgentSpec, tools: list[ToolSpec], sampling: SamplingSpec,
         ),
         {"temperature": sp.temperature, "top_p": sp.top_p},
         system_prompt=a.system_prompt,
+        constrain_tool_calls=a.constrain_tool_calls,
     )

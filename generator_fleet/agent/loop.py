@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 
 from generator_fleet import metrics
+from generator_fleet.agent.constrain import call_grammar
 from generator_fleet.agent.parser import ParseResult, ToolCall
 from generator_fleet.agent.render import render_delta, render_prompt
 from generator_fleet.client import GenerateResult
@@ -74,6 +75,9 @@ class Episode:
         self.turn_start = 0
         """Index in response_ids where the current model turn began."""
         self.turns = 0
+        self.in_call = False
+        """The current turn wrote the tool-call start tag and goes on under the call grammar
+        (agent.constrain_tool_calls)."""
         self.tool_calls = 0
         self.tool_errors = 0
         self.tool_reward: float | None = None
@@ -107,6 +111,7 @@ class AgentLoop:
         limits: Limits,
         sampling: dict[str, Any],
         system_prompt: str | None = None,
+        constrain_tool_calls: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.tools = tools
@@ -117,6 +122,15 @@ class AgentLoop:
         self.schemas = [t.schema() for t in tools.values()] or None
         self.stop_ids = {tokenizer.eos_token_id}
         self.turn_suffix = _turn_suffix(tokenizer)
+        self.call_grammar: str | None = None
+        """EBNF of a tool call's body and end tag (constrain_tool_calls; see agent/constrain.py)."""
+        if constrain_tool_calls:
+            self.call_grammar = call_grammar(self.schemas or [], parser.end_tag)
+            log.info(
+                "tool calls constrained to the schemas of %s (%d-character grammar)",
+                sorted(tools),
+                len(self.call_grammar),
+            )
 
     def initial_messages(self, question: str) -> list[dict[str, Any]]:
         """System prompt (where `{tools}` becomes the tools' JSON schemas, Hermes style, for chat
@@ -149,7 +163,7 @@ class AgentLoop:
             for ep in running:
                 room = self.limits.max_total_tokens - len(ep.response_ids)
                 turn_room = self.limits.max_new_tokens - (len(ep.response_ids) - ep.turn_start)
-                params.append({**sampling, "max_new_tokens": max(1, min(room, turn_room))})
+                params.append({**sampling, "max_new_tokens": max(1, min(room, turn_room)), **self._phase(ep)})
             results = await generate([ep.prompt_ids + ep.response_ids for ep in running], params)
             tool_work = []
             for ep, res in zip(running, results, strict=True):
@@ -158,9 +172,36 @@ class AgentLoop:
                     if should_stop():
                         ep.finish("abort")
                     continue  # paused by a weight update: resume this turn from its prefix
+                if self._call_starts(ep, res):
+                    continue  # the same turn goes on under the call grammar
+                ep.in_call = False
                 tool_work.append(self._end_turn(ep, res, ctx))
             await asyncio.gather(*(w for w in tool_work if w is not None))
         return episodes
+
+    def _phase(self, ep: Episode) -> dict[str, Any]:
+        """Sampling params of the episode's next request beyond the loop's own: with constrained tool
+        calls, free text stops at the start tag; a call in progress is generated under the grammar."""
+        if self.call_grammar is None:
+            return {}
+        if ep.in_call:
+            return {"ebnf": self.call_grammar}
+        return {"stop": [self.parser.start_tag]}
+
+    def _call_starts(self, ep: Episode, res: GenerateResult) -> bool:
+        """Whether `res` stopped at the tool-call start tag with room left in the turn: the episode then
+        goes on with the call under the grammar (its tokens, start tag included, are already recorded)."""
+        if self.call_grammar is None or ep.in_call or res.finish_reason != "stop":
+            return False
+        matched = (res.meta_info.get("finish_reason") or {}).get("matched")
+        if matched != self.parser.start_tag:
+            return False
+        turn_used = len(ep.response_ids) - ep.turn_start
+        if len(ep.response_ids) >= self.limits.max_total_tokens or turn_used >= self.limits.max_new_tokens:
+            return False  # no room for the call: the turn ends here (as `length`)
+        ep.in_call = True
+        metrics.TOOL_CALLS_CONSTRAINED.inc()
+        return True
 
     def _end_turn(self, ep: Episode, res: GenerateResult, ctx: ToolContext):
         """A model turn finished (stop or length): record it, decide the next state; returns the tool

@@ -37,16 +37,14 @@ class SamplingParamsIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     no_stop_trim: bool | None = None
     # Accepted and ignored: SGLang also ignores custom_params without a custom logit processor.
     custom_params: dict[str, Any] | None = None
-    # Grammar-constrained decoding: accepted by the schema, refused when non-empty (ignoring them would
-    # silently change what the policy generates); null, "" and [] mean unconstrained. stop_regex is served.
+    # Grammar-constrained decoding (xgrammar): one of json_schema / regex / ebnf per request; null and ""
+    # mean unconstrained. structural_tag is refused when non-empty (ignoring it would silently change what
+    # the policy generates). stop_regex stops at a match in the output.
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
     stop_regex: str | list[str] | None = None
-
-
-CONSTRAINED = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 
 
 class GenerateReqIn(msgspec.Struct, kw_only=True):

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from generator_fleet.engine.api_types import AbortRequest, GenerateReqIn, decode, json_response
 from generator_fleet.engine.runner import Runner
-from generator_fleet.engine.sglang_compat import Item, expand, render
+from generator_fleet.engine.sglang_compat import Item, attach_constraints, expand, render
 from generator_fleet.engine.state import engine_state
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,13 @@ async def generate(request: Request) -> Response:
     runner = state.runner
     body = await decode(request, GenerateReqIn)
     items, is_batch = expand(body, runner, state.max_requests_per_call)
+    constrained = [it.grammar[0] for it in items if it.grammar is not None]
+    if constrained:
+        # Grammars compile in a worker thread before anything is queued: the event loop and the
+        # generation thread go on meanwhile, and an invalid grammar is a 400 that queued nothing.
+        await asyncio.get_running_loop().run_in_executor(None, attach_constraints, items, runner)
+        for kind in constrained:
+            state.metrics.grammar_requests[kind].inc()
     if not state.unpaused.is_set():
         state.waiting += 1
         try:

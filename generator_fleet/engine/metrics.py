@@ -10,12 +10,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from generator_fleet.engine.grammar import KINDS as GRAMMAR_KINDS
 from generator_fleet.engine.memory import TAGS
 from generator_fleet.engine.request import RunnerStats
 from generator_fleet.engine.runner import Runner
 
 # SGLang's default latency buckets are for GPU serving; these also resolve a tiny CPU model's milliseconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+GRAMMAR_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 PAUSE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -204,6 +206,42 @@ class EngineMetrics:
             buckets=PAUSE_BUCKETS_S,
             registry=self.registry,
         ).labels(model_name)
+        kinds = Counter(
+            "slipstream_engine_grammar_requests",
+            "Grammar-constrained requests accepted, by kind (regex, json_schema, ebnf); n > 1 counts each sample.",
+            labelnames=["model_name", "kind"],
+            registry=self.registry,
+        )
+        self.grammar_requests = {k: kinds.labels(model_name, k) for k in GRAMMAR_KINDS}
+        compile_s = Histogram(
+            "slipstream_engine_grammar_compile_seconds",
+            "Time to compile a request's grammar with xgrammar (cache misses only; in a worker thread, "
+            "before the request is queued).",
+            labelnames=["model_name", "kind"],
+            buckets=GRAMMAR_BUCKETS_S,
+            registry=self.registry,
+        )
+        errors = Counter(
+            "slipstream_engine_grammar_compile_errors",
+            "Grammars that did not compile (the request got a 400), by kind.",
+            labelnames=["model_name", "kind"],
+            registry=self.registry,
+        )
+        self.grammar_mask_seconds = Histogram(
+            "slipstream_engine_grammar_mask_seconds",
+            "Per generation step with constrained rows: time to fill their token bitmasks (CPU, batched) "
+            "and apply them to the logits.",
+            labelnames=["model_name"],
+            buckets=GRAMMAR_BUCKETS_S,
+            registry=self.registry,
+        ).labels(model_name)
+        # Every kind's series exist from the start (at 0), so dashboards show them before the first grammar.
+        compile_by_kind = {k: compile_s.labels(model_name, k) for k in GRAMMAR_KINDS}
+        errors_by_kind = {k: errors.labels(model_name, k) for k in GRAMMAR_KINDS}
+        backend = runner.grammar
+        backend.on_compile.append(lambda kind, s: compile_by_kind[kind].observe(s))
+        backend.on_compile_error.append(lambda kind: errors_by_kind[kind].inc())
+        backend.on_mask_fill.append(self.grammar_mask_seconds.observe)
         self.model_name = model_name
 
     def lora_op(self, op: str, ok: bool) -> None:

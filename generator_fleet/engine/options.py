@@ -61,6 +61,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fp32_lm_head: bool = False
     """Logits (final norm output x LM head weight) and their log-softmax in fp32 on a bf16/fp16 model, as
     SGLang's --enable-fp32-lm-head: cuts the engine/trainer logprob mismatch."""
+    constrained_json_disable_any_whitespace: bool = False
+    """json_schema grammars allow only compact/`json.dumps` separators, not any whitespace between JSON
+    tokens (SGLang's flag of this name): a weak policy cannot then loop on whitespace inside an object."""
     load_format: Literal["auto", "dummy"] = "auto"
     """`dummy`: random weights from the model's config instead of loading them (benchmarks; SGLang's)."""
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1)] = 64 << 20

@@ -7,10 +7,13 @@ import concurrent.futures
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
+
+if TYPE_CHECKING:
+    from generator_fleet.engine.grammar import Constraint
 
 GREEDY_EPS = 1e-6
 """temperature below this means greedy, as in SGLang."""
@@ -156,8 +159,12 @@ class Request:
         top_logprobs_num: int = 0,
         priority: int = 0,
         lora_name: str | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.rid = rid
+        self.constraint = constraint
+        """The request's grammar (regex / json_schema / ebnf) matcher; None = unconstrained. Each of n
+        samples has its own; it is advanced by every token the request accepts."""
         self.lora_name = lora_name
         """The LoRA adapter this request runs with (its /generate lora_path); None = the base model."""
         self.priority = priority

@@ -26,6 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error
+from generator_fleet.engine.grammar import GrammarBackend
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
 from generator_fleet.engine.lora import LoraBank, LoraError, read_peft_dir
 from generator_fleet.engine.memory import (
@@ -76,6 +77,7 @@ class Runner:
         fp32_lm_head: bool = False,
         lora: LoraSpec | None = None,
         max_loras: int = 1,
+        json_any_whitespace: bool = True,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -87,7 +89,9 @@ class Runner:
         config on the device, for benchmarks of models that would take minutes to save and load.
         `fp32_lm_head`: logits from the final norm's output and the LM head's weight in fp32.
         `lora`: serve up to `max_loras` LoRA adapters of this shape (max rank, target modules); decode then
-        runs eagerly (no CUDA graphs), the adapter deltas being per-row inputs the graphs do not take."""
+        runs eagerly (no CUDA graphs), the adapter deltas being per-row inputs the graphs do not take.
+        `json_any_whitespace`: json_schema grammars allow any whitespace between JSON tokens (SGLang's
+        default); False allows the compact and `json.dumps` separators only."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -107,6 +111,10 @@ class Runner:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self.grammar = GrammarBackend(
+            self.tokenizer, self.vocab_size, self.eos_token_ids, any_whitespace=json_any_whitespace
+        )
+        """Compiles requests' regex / json_schema / ebnf and masks their logits (xgrammar)."""
         self._weights = WeightsBackup(self.model)
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
@@ -735,6 +743,7 @@ class Runner:
             last = torch.tensor([ends[i] - 1 for i in to_sample], device=self.device)
             logits = self.fwd.logits(hidden[last]).float()
             picked = [rows[i] for i in to_sample]
+            self.grammar.mask([r.constraint for r in picked], logits)
             self._record(picked, sample(picked, logits, self.eos_token_ids), version)
 
     def _input_logprobs(
@@ -789,6 +798,14 @@ class Runner:
         for r in rows:
             r.kv_len += 1
         self.stats.num_decode_steps_total += 1
+        constrained = self.grammar.mask([r.constraint for r in rows], logits)
+        if constrained and choice is not None:
+            # The graph sampled every row from the raw logits: rows with a grammar are sampled again
+            # from their masked logits, the others keep the graph's choice.
+            sub = sample([rows[i] for i in constrained], logits[constrained], self.eos_token_ids)
+            for j, i in enumerate(constrained):
+                choice.tokens[i] = sub.tokens[j]
+                choice.logprobs[i] = sub.logprobs[j]
         self._record(rows, choice or sample(rows, logits, self.eos_token_ids), version)
         self.stats.gen_throughput = len(rows) / max(time.monotonic() - t0, 1e-9)
 
@@ -838,6 +855,24 @@ class Runner:
                 r.output_top_logprobs.append(choice.top[i] or [])
             r.output_ids.append(choice.tokens[i])  # last: a concurrent progress() reads len(output_ids) first
             self.stats.generation_tokens_total += 1
+            if r.constraint is not None and not r.constraint.accept(choice.tokens[i]):
+                # The mask lets only allowed tokens through: this is a grammar that no token of the
+                # vocabulary can continue (`stuck`), or a safety net.
+                kind = r.constraint.kind
+                why = (
+                    f"no token of the model's vocabulary can continue the {kind}"
+                    if r.constraint.stuck
+                    else f"token {choice.tokens[i]} is not allowed by the {kind}"
+                )
+                log.warning("%s: aborted after %d tokens: %s", r.rid, len(r.output_ids) - 1, why)
+                r.output_ids.pop()  # the refused token is not part of the output
+                r.output_logprobs.pop()
+                r.versions.pop()
+                if r.top_logprobs_num > 0:
+                    r.output_top_logprobs.pop()
+                self.stats.generation_tokens_total -= 1
+                self._finish(r, _abort_reason(why))
+                continue
             reason = self._check_finished(r)
             if reason is not None:
                 self._finish(r, reason)
@@ -863,6 +898,8 @@ class Runner:
             for pattern, compiled in r.stop_regex:
                 if compiled.search(tail):
                     return {"type": "stop", "matched": pattern}
+        if r.constraint is not None and r.constraint.terminated:
+            return {"type": "stop", "matched": last}  # SGLang: the grammar's stop token ended it
         return None
 
     # ---- finishing (callers hold _cv or are the generation thread) -------------------------------

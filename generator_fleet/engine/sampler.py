@@ -107,7 +107,10 @@ def sample_row(r: Request, logits: torch.Tensor, eos_token_ids: set[int]) -> int
             x = x - p.frequency_penalty * counts - p.presence_penalty * seen.to(x.dtype)
     if len(r.output_ids) < p.min_new_tokens:
         banned = [t for t in (*eos_token_ids, *p.stop_token_ids) if 0 <= t < x.shape[0]]
+        kept = x[banned].clone()
         x[banned] = float("-inf")
+        if r.constraint is not None and not torch.isfinite(x).any():
+            x[banned] = kept  # a finished grammar allows only the stop token: the grammar wins
     if p.greedy:
         return int(x.argmax())
     x = x / p.temperature

@@ -83,6 +83,7 @@ class EngineServer:
             cuda_graphs=not o.disable_cuda_graph,
             load_format=o.load_format,
             fp32_lm_head=o.fp32_lm_head,
+            json_any_whitespace=not o.constrained_json_disable_any_whitespace,
             lora=o.lora,
             max_loras=o.max_loras,
         )

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from generator_fleet.engine.api_types import CONSTRAINED, BadRequest, GenerateReqIn, SamplingParamsIn
+from generator_fleet.engine.api_types import BadRequest, GenerateReqIn, SamplingParamsIn
+from generator_fleet.engine.grammar import KINDS, GrammarError
 from generator_fleet.engine.lora import LoraError
 from generator_fleet.engine.request import Completion, SamplingParams
 from generator_fleet.engine.request import Request as GenRequest
@@ -26,6 +27,8 @@ class Item(msgspec.Struct):
 
     req: GenRequest
     sp: SamplingParamsIn
+    grammar: tuple[str, str] | None = None
+    """(kind, text) of the request's regex / json_schema / ebnf; compiled by `attach_constraints`."""
 
 
 def per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
@@ -36,11 +39,32 @@ def per_item(value: Any, i: int, n_items: int, name: str, default: Any) -> Any:
     return default if value is None else value
 
 
+def grammar_of(sp: SamplingParamsIn) -> tuple[str, str] | None:
+    """The (kind, text) of `sp`'s grammar, None when unconstrained. Empty values mean "unconstrained":
+    SGLang's frontend sends the keys empty with every gen. At most one kind (SGLang's check)."""
+    if sp.structural_tag:
+        raise BadRequest(
+            "sampling_params.structural_tag is not supported by the built-in engine "
+            "(regex, json_schema and ebnf are)"
+        )
+    set_ = [(k, getattr(sp, k)) for k in KINDS if getattr(sp, k)]
+    if len(set_) > 1:
+        raise BadRequest("Only one of regex, json_schema, or ebnf can be set.")
+    return set_[0] if set_ else None
+
+
+def attach_constraints(items: list[Item], runner: Runner) -> None:
+    """Compile each constrained item's grammar (cached by text) and give its request a fresh matcher;
+    BadRequest with xgrammar's message for an invalid one. Blocking: run it off the event loop."""
+    for it in items:
+        if it.grammar is not None:
+            try:
+                it.req.constraint = runner.grammar.constraint(*it.grammar)
+            except GrammarError as e:
+                raise BadRequest(str(e)) from None
+
+
 def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> SamplingParams:
-    for key in CONSTRAINED:
-        # Empty values mean "unconstrained": SGLang's frontend sends `stop_regex: []` with every gen.
-        if key != "stop_regex" and getattr(sp, key):
-            raise BadRequest(f"sampling_params.{key} is not supported by the built-in engine")
     fields = {
         f: getattr(sp, f)
         for f in SamplingParams.__struct_fields__
@@ -144,6 +168,7 @@ def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list
     items: list[Item] = []
     for i, (prompt, sp) in enumerate(zip(prompts, sps_by_prompt, strict=True)):
         params = resolve_sampling(sp, len(prompt), runner)
+        grammar = grammar_of(sp)
         return_logprob = bool(per_item(body.return_logprob, i, len(prompts), "return_logprob", False))
         start = int(per_item(body.logprob_start_len, i, len(prompts), "logprob_start_len", -1))
         top_k = int(per_item(body.top_logprobs_num, i, len(prompts), "top_logprobs_num", 0))
@@ -164,7 +189,7 @@ def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list
                 priority=body.priority or 0,
                 lora_name=lora_names[i],
             )
-            items.append(Item(req, sp))
+            items.append(Item(req, sp, grammar))
     return items, is_batch
 
 

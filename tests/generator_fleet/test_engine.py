@@ -283,7 +283,7 @@ def test_bad_requests_get_sglang_error_shapes(engine):
     value_error(
         {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CONTEXT_LENGTH}}, "context length"
     )
-    value_error({"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}, "regex")
+    value_error({"input_ids": [1, 2], "sampling_params": {"regex": "(a+"}}, "invalid regex")
     # known-but-unused keys are accepted
     ok = {
         "skip_special_tokens": False,
