@@ -166,7 +166,7 @@ class EngineProcess:
             "--context-length",
             "2048",
         ]
-        if args.lora:
+        if getattr(args, "lora", None):
             cmd += ["--lora", json.dumps({"rank": args.lora})]
         if args.device == "cuda":
             cmd += ["--device", "cuda", "--disable-cuda-graph"]

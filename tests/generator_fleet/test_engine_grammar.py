@@ -287,3 +287,38 @@ def test_a_grammar_no_token_can_continue_aborts_only_its_request(runner, model):
     assert "no token of the model's vocabulary can continue the regex" in c.finish_reason["message"]
     assert tok.decode(c.output_ids) == "1" and len(c.output_logprobs) == 1
     assert free.result(60).output_ids == greedy_reference(m, prompt, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_constrained_rows_of_cuda_graph_steps_equal_the_masked_oracle(model):
+    """On CUDA the decode step is a captured graph that samples every row itself; rows with a grammar are
+    sampled again from their masked logits (fp32, so the CPU oracle's tokens are the reference)."""
+    path, m, tok = model
+    r = Runner(str(path), device="cuda", dtype=torch.float32, context_length=CONTEXT)
+    assert r.graphs is not None
+    r.start()
+    try:
+        prompt = tok.encode("12+34=")
+        cases = [("regex", x) for x in REGEXES] + [("ebnf", EBNF)]
+        futs = [
+            r.submit(Request(f"g{i}", prompt, greedy(), constraint=r.grammar.constraint(k, t)))
+            for i, (k, t) in enumerate(cases)
+        ]
+        free = [  # graph-sampled rows (greedy and temperature) in the same batches
+            r.submit(
+                Request("fg", prompt, SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True))
+            ),
+            r.submit(
+                Request("ft", prompt, SamplingParams(max_new_tokens=12, temperature=0.8, ignore_eos=True))
+            ),
+        ]
+        for (kind, text), f in zip(cases, futs, strict=True):
+            c = f.result(120)
+            ref_ids, ref_lps = constrained_reference(m, tok, r.eos_token_ids, prompt, kind, text, 24)
+            assert c.output_ids == ref_ids, (kind, text)
+            assert c.output_logprobs == pytest.approx(ref_lps, abs=1e-3), (kind, text)
+        assert free[0].result(120).output_ids == greedy_reference(m, prompt, 12)
+        assert len(free[1].result(120).output_ids) == 12
+        assert r.graphs.graphs, "no decode step ran as a CUDA graph"
+    finally:
+        r.stop()
