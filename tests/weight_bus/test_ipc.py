@@ -29,7 +29,12 @@ from weight_bus.ipc_transfer import BucketRing
 from weight_bus.schema import UpdateWeightsFromTensor
 
 ENGINE_SCRIPT = Path(__file__).with_name("ipc_engine.py")
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    **os.environ,
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 class IpcEngine:
