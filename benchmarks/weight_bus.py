@@ -379,12 +379,26 @@ def adapter_weights(shape: str, rank: int, device: torch.device, seed: int) -> l
     return out
 
 
+def make_bus(args, urls: list[str], device):
+    """The bus every run of this benchmark publishes through."""
+    from weight_bus import WeightBus
+
+    return WeightBus(
+        urls,
+        api_key=API_KEY,
+        backend=args.bus_backend,
+        bucket_bytes=args.bucket_mb * 2**20,
+        timeout_s=args.timeout_s,
+        device=device,
+        max_inflight=args.max_inflight,
+    )
+
+
 def measure_lora(args, shape: str, tmp: Path, device: torch.device) -> dict[str, Any]:
     """`--lora`: full-weight and adapter-only publishes to the same engines over the same bus, alternating."""
     import httpx
 
     from models.config import LoraSpec
-    from weight_bus import WeightBus
 
     med = statistics.median
     m: dict[str, Any] = {}
@@ -403,15 +417,7 @@ def measure_lora(args, shape: str, tmp: Path, device: torch.device) -> dict[str,
     engines = start_engines(args, model_dir(tmp / shape, shape), tmp, shape)
     urls = [e.url for e in engines]
     m["engine_start_s"] = max(e.start_s for e in engines)
-    bus = WeightBus(
-        urls,
-        api_key=API_KEY,
-        backend=args.bus_backend,
-        bucket_bytes=args.bucket_mb * 2**20,
-        timeout_s=args.timeout_s,
-        device=device,
-        max_inflight=args.max_inflight,
-    )
+    bus = make_bus(args, urls, device)
     times: dict[str, dict[str, list[float]]] = {
         k: {"publish": [], "transfer": [], "pause": []} for k in sizes
     }
@@ -486,7 +492,6 @@ LORA_RATIOS = (
 
 
 def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save) -> dict[str, Any]:
-    from weight_bus import WeightBus
 
     device = raw.device
     m: dict[str, Any] = {}
@@ -503,15 +508,7 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
     m["engine_start_s"] = max(e.start_s for e in engines)  # booted at once: until the last is ready
     m["engine_start_s_per_engine"] = [e.start_s for e in engines]
     log(f"{shape}: {len(engines)} engine(s) at {urls} after {m['engine_start_s']:.1f}s")
-    bus = WeightBus(
-        urls,
-        api_key=API_KEY,
-        backend=args.bus_backend,
-        bucket_bytes=args.bucket_mb * 2**20,
-        timeout_s=args.timeout_s,
-        device=device,
-        max_inflight=args.max_inflight,
-    )
+    bus = make_bus(args, urls, device)
     try:
         bus.connect()
         t0 = perf_counter()

@@ -17,16 +17,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton ships with CUDA torch builds
-    triton = None
-    tl = None
+from generator_fleet.engine.decode_attention import available, tl, triton
 
-
-def available() -> bool:
-    return triton is not None
+__all__ = ["available"]
 
 
 if triton is not None:
