@@ -68,6 +68,7 @@ def test_direct_handoff_kept_payload_and_reallocation(engines, tmp_path):
     reallocation) are a new payload, and the old tensors' shared memory is closed on every side once
     that update ends."""
     a, b = engines
+    earlier = _shm_files()  # other tests' files in this process are not this test's to check
     named = {n: t.detach().clone() for n, t in noisy_model(tmp_path / "m", 3).state_dict().items()}
     bus = WeightBus([a.url], api_key=KEY, backend="ipc", bucket_bytes=1)
     bus.connect()
@@ -87,7 +88,7 @@ def test_direct_handoff_kept_payload_and_reallocation(engines, tmp_path):
         assert version(a.url) == "2"
 
         # A reallocation: new tensors, new payload; the old storages' files go once the update ends.
-        old_files = _shm_files()
+        old_files = _shm_files() - earlier
         named = {n: t.clone() + 1 for n, t in named.items()}
         gc.collect()
         assert old_files <= _shm_files()  # the engine still maps the old storages
