@@ -32,12 +32,12 @@ from typing import Any, Protocol
 
 import torch
 
-from weight_bus import ipc, metrics
+from weight_bus import ipc
 from weight_bus.errors import BusError
 from weight_bus.group import dtype_from_name, dtype_name
 from weight_bus.ipc_transfer import IpcTransfer
 from weight_bus.membership import IPC, Member, Membership
-from weight_bus.transfer import PublishStats
+from weight_bus.transfer import PublishStats, record_publish
 
 log = logging.getLogger(__name__)
 
@@ -207,12 +207,7 @@ def publish_per_rank(
         joined=[u for u in joined if u in m.urls], dropped=dropped, timeline=timeline,
         handoff=local.handoff, paused=not go["fold"], probed=probe, ranks=ranks.world_size,
     )  # fmt: skip
-    metrics.BYTES.labels(IPC).inc(sum(r["bytes"] for r in results))
-    metrics.TRANSFER_SECONDS.labels(IPC).observe(transfer_s)
-    metrics.PAUSE_SECONDS.labels(IPC).observe(pause_s)
-    metrics.VERSION.set(version)
-    metrics.UPDATES.labels(IPC).inc()
-    metrics.ENGINES.set(len(m.engines))
+    record_publish(stats, IPC, sum(r["bytes"] for r in results), transfer_s, pause_s)
     log.info(
         "published version %d to %d engines from %d ranks (each to the engines on its device): %.1f MB "
         "per rank, %s, transfer %.1f ms, engines paused %.1f ms%s%s",

@@ -109,6 +109,19 @@ def _error(f: Future) -> BaseException | None:
     return f.exception()
 
 
+def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: float, pause_s: float) -> None:
+    """The bus metrics of one finished update (`sent`: bytes sent in all, over every rank)."""
+    metrics.LAST_BYTES.labels(stats.kind).set(stats.bytes)
+    if stats.adapter is not None:
+        metrics.ADAPTER_UPDATES.labels(backend, stats.path).inc()
+    metrics.BYTES.labels(backend).inc(sent)
+    metrics.TRANSFER_SECONDS.labels(backend).observe(transfer_s)
+    metrics.PAUSE_SECONDS.labels(backend).observe(pause_s)
+    metrics.VERSION.set(stats.version)
+    metrics.UPDATES.labels(backend).inc()
+    metrics.ENGINES.set(len(stats.engines))
+
+
 class Transfer:
     """Publishes one version at a time to the engines of `members` (the caller serializes updates)."""
 
@@ -225,16 +238,7 @@ class Transfer:
             paused=not fold,
             probed=probe,
         )
-        backend = m.backend
-        metrics.LAST_BYTES.labels(stats.kind).set(total)
-        if self.lora is not None:
-            metrics.ADAPTER_UPDATES.labels(backend, stats.path).inc()
-        metrics.BYTES.labels(backend).inc(total)
-        metrics.TRANSFER_SECONDS.labels(backend).observe(transfer_s)
-        metrics.PAUSE_SECONDS.labels(backend).observe(pause_s)
-        metrics.VERSION.set(version)
-        metrics.UPDATES.labels(backend).inc()
-        metrics.ENGINES.set(len(m.engines))
+        record_publish(stats, m.backend, total, transfer_s, pause_s)
         log.info(
             "published version %d%s to %d engines: %.1f MB in %d buckets, transfer %.1f ms (%.2f GB/s), "
             "engines paused %.1f ms%s, gather %.1f ms%s%s",
