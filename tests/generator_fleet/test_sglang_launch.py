@@ -146,6 +146,20 @@ def test_command_uses_sglang_flag_names_and_parses_as_sglang_would():
         shim_parse([*minimal[3:], "--no-such-flag"])
 
 
+def _sglang_lora_args_text() -> str:
+    """The source of SGLang's ServerArgs fields (server_args.py, or its `lora` field namespace in newer
+    versions); skips the test where SGLang is not installed."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        pytest.skip("SGLang is not installed: its server_args cannot be checked")
+    srt = Path(spec.origin).parent / "srt"
+    return "".join(
+        f.read_text()
+        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
+        if f.exists()
+    )
+
+
 def test_lora_job_command_enables_lora_with_sglang_flags():
     lora = LoraSpec(rank=16, alpha=32, target_modules=["q_proj", "v_proj", "down_proj"])
     cmd = sglang_command("/m", 30000, SGLangSpec(), lora=lora)
@@ -171,15 +185,7 @@ def test_lora_job_command_enables_lora_with_sglang_flags():
     assert "--enable-lora" not in sglang_command("/m", 30000, SGLangSpec())
     # the flags are SGLang's own: its ServerArgs fields (server_args.py, or its `lora` field namespace
     # in newer versions) where SGLang is installed
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        pytest.skip("SGLang is not installed: its server_args cannot be checked")
-    srt = Path(spec.origin).parent / "srt"
-    text = "".join(
-        f.read_text()
-        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
-        if f.exists()
-    )
+    text = _sglang_lora_args_text()
     for name in ("enable_lora", "max_lora_rank", "lora_target_modules", "max_loras_per_batch"):
         assert re.search(rf"^\s+{name}\s*:", text, re.M), name
 
@@ -206,15 +212,7 @@ def test_lora_job_starts_sglang_with_its_untrained_adapter(tmp_path, tiny_model_
         assert on_adapter["output_ids"] == base
     finally:
         server.stop()
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        pytest.skip("SGLang is not installed: its server_args cannot be checked")
-    srt = Path(spec.origin).parent / "srt"
-    text = "".join(
-        f.read_text()
-        for f in (srt / "server_args.py", srt / "arg_groups" / "fields" / "lora.py")
-        if f.exists()
-    )
+    text = _sglang_lora_args_text()
     assert re.search(r"^\s+lora_paths\s*:", text, re.M)
 
 
