@@ -160,8 +160,11 @@ class FleetScraper(Scraper):
 
 def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_path, demo_model):
     """Two trainer ranks (FSDP over gloo) and two engines: every rank hands the weights to its own engine
-    (weight_bus.rank_handoff), rank 0 pauses and continues both; reward rises."""
-    steps = 20
+    (weight_bus.rank_handoff), rank 0 pauses and continues both, and every version reaches both engines.
+    That the handed-over bytes are each rank's own, bit for bit, is tests/weight_bus/test_rank_handoff.py;
+    that a colocated job learns is the two tests above (a 2-rank job of a few steps moves the reward too
+    little to tell from noise)."""
+    steps = 8
     spec = jobspec.from_dict(
         {
             "name": "colo-2ranks",
@@ -182,11 +185,10 @@ def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_
     result = run_job(spec, on_progress=scraper)
     seen = scraper.seen
 
-    assert result.version == steps
-    first, last = _rose(seen)
-    assert last > first + 0.05, (first, last, [round(p["reward_mean"], 2) for p in seen])
+    assert result.version == steps and [p["version"] for p in seen] == list(range(1, steps + 1))
     log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
-    assert "from 2 ranks (each to the engines on its device)" in log
+    for v in range(1, steps + 1):  # every version, from both ranks, to both engines
+        assert f"published version {v} to 2 engines from 2 ranks (each to the engines on its device)" in log, v
     assert scraper.samples, "the job's metrics were not read"
     assert scraper.value("trainer-0", "slipstream_bus_updates_total", backend="ipc") >= 3
     for engine in ("engine-0", "engine-1"):  # each engine loaded payloads (from its own rank)
