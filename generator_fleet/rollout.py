@@ -30,6 +30,13 @@ ADMISSION_POLL_S = 0.05
 """How often a worker blocked by admission control re-checks the version (seconds)."""
 MAX_ATTEMPTS = 5
 """Engine errors tolerated per group before the group is given up (its admission slot is released)."""
+RETRY_BACKOFF_S = 0.1
+"""First wait before retrying an engine that already failed this batch (no other engine to try); doubles
+with every attempt. With every engine down, retries and given-up groups would otherwise spin as fast as
+connections are refused, taking the CPU a replacement engine and the trainer need."""
+GIVE_UP_BACKOFF_MAX_S = 4.0
+"""Longest wait after a given-up group before the next one (doubling from RETRY_BACKOFF_S per group
+given up in a row; a finished group resets it)."""
 
 
 def adapter_name(model) -> str | None:
@@ -105,6 +112,8 @@ class RolloutWorker:
         )
         self.produced = 0
         self.filtered = 0
+        self._given_up_in_a_row = 0
+        """Groups given up one after another (every engine failing): the wait before the next grows."""
         self._filter_version, self._filtered_in_version, self._cap_warned = -1, 0, False
         self.redis = r
         heartbeat = asyncio.create_task(self._heartbeat())
@@ -173,8 +182,15 @@ class RolloutWorker:
                 samples = await self._group(problem)
             except EngineError as e:
                 await self.producer.release(problem.prompt_id, admitted_at)
-                log.error("group for %s given up: %s", problem.prompt_id, e)
+                self._given_up_in_a_row += 1
+                wait_s = min(RETRY_BACKOFF_S * 2**self._given_up_in_a_row, GIVE_UP_BACKOFF_MAX_S)
+                log.error("group for %s given up: %s; next group in %.1f s", problem.prompt_id, e, wait_s)
+                try:
+                    await asyncio.wait_for(self._stop.wait(), wait_s)
+                except TimeoutError:
+                    pass
                 continue
+            self._given_up_in_a_row = 0
             if reason := await self._filter(samples):
                 await self.producer.release(problem.prompt_id, admitted_at)
                 metrics.GROUPS_FILTERED.labels(reason).inc()
@@ -215,6 +231,8 @@ class RolloutWorker:
         failed: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
             url = self.engines.pick(exclude=failed)
+            if url in failed:  # every routable engine failed this batch already: give them a moment
+                await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 2))
             self.engines.outstanding[url] += len(input_ids)
             try:
                 return await self.engines.clients[url].generate_batch(input_ids, params, return_logprob=True)

@@ -106,8 +106,24 @@ class LocalJob:
             if self.result is not None:
                 raise JobFailed(f"job ended while waiting for {what}: {self.result}")
             if time.monotonic() > deadline:
-                raise JobFailed(f"timed out ({timeout_s:.0f} s) waiting for {what}")
+                raise JobFailed(f"timed out ({timeout_s:.0f} s) waiting for {what}; {self.situation()}")
             time.sleep(0.2)
+
+    def situation(self) -> str:
+        """What a timed-out wait reports: the version, the engine registry and the trainer's last lines."""
+        from weight_bus.registry import EngineRegistry
+
+        parts = []
+        try:
+            reg = EngineRegistry(self.r, self.spec.name)
+            parts.append(f"version {self.version()}, engines live {reg.live()}, joining {reg.joining()}")
+        except Exception as e:  # Redis gone: say so, the timeout is the news
+            parts.append(f"registry unreadable: {e!r}")
+        log_file = Path(self.spec.output_dir) / "logs" / "trainer-0.log"
+        if log_file.exists():
+            tail = log_file.read_text(errors="replace").splitlines()[-12:]
+            parts.append("trainer-0.log ends: " + " | ".join(line[24:] for line in tail))  # sans timestamps
+        return "; ".join(parts)
 
     def wait_progress(self, what: str, steps: int = 3) -> None:
         v0 = self.version()

@@ -188,7 +188,9 @@ def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_
     assert result.version == steps and [p["version"] for p in seen] == list(range(1, steps + 1))
     log = (tmp_path / "run" / "logs" / "trainer-0.log").read_text()
     for v in range(1, steps + 1):  # every version, from both ranks, to both engines
-        assert f"published version {v} to 2 engines from 2 ranks (each to the engines on its device)" in log, v
+        assert (
+            f"published version {v} to 2 engines from 2 ranks (each to the engines on its device)" in log
+        ), v
     assert scraper.samples, "the job's metrics were not read"
     assert scraper.value("trainer-0", "slipstream_bus_updates_total", backend="ipc") >= 3
     for engine in ("engine-0", "engine-1"):  # each engine loaded payloads (from its own rank)
