@@ -47,6 +47,7 @@ import base64
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import io
 import pickle
 import sys
@@ -60,6 +61,9 @@ import torch.multiprocessing  # noqa: F401  (registers torch's reductions with F
 from torch.multiprocessing import reductions
 
 FLATTENED_BUCKET = "flattened_bucket"
+PAYLOAD_REF = "slipstream-payload:"
+"""What a reference to a payload the built-in engine keeps starts with (its answer names it as
+`payload_ref`); base64 never contains ':', so a reference is never taken for a payload."""
 LOAD_FORMATS = (None, "direct", FLATTENED_BUCKET)
 """What /update_weights_from_tensor loads (None and "direct": a list of (name, tensor))."""
 TENSOR_BUCKET_MODULE = "sglang.srt.weight_sync.tensor_bucket"
@@ -354,15 +358,17 @@ class OpenedHandles:
     def __init__(self) -> None:
         self.kept: dict[int, torch.UntypedStorage] = {}
         self.used: dict[int, torch.UntypedStorage] = {}
-        self.payloads_kept: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
-        self.payloads_used: dict[tuple[str | None, str], tuple[Named, list, dict]] = {}
-        """(load format, payload) -> (its tensors, their CPU storages, their storages by address)."""
+        self.payloads_kept: dict[tuple[str | None, str], tuple[Named, list, dict, str]] = {}
+        self.payloads_used: dict[tuple[str | None, str], tuple[Named, list, dict, str]] = {}
+        """(load format, payload or its reference) -> (its tensors, their CPU storages, their storages by
+        address, its reference). A kept payload is found by its text and by its reference alike."""
         self.hits = self.misses = 0
 
     def lookup(self, entry: str, load_format: str | None) -> Named | None:
-        """The tensors `entry` mapped when this receiver loaded it before (and keeps), else None. A hit
-        takes the payload's references as rebuilding it would: the sender takes one per delivery of a
-        CPU storage (weight_bus.ipc.share), which the receiver's rebuild drops."""
+        """The tensors `entry` (a payload, or a reference to one: PAYLOAD_REF) mapped when this receiver
+        loaded it before (and keeps), else None. A hit takes the payload's references as rebuilding it
+        would: the sender takes one per delivery of a CPU storage (weight_bus.ipc.share), which the
+        receiver's rebuild drops."""
         key = (load_format, entry)
         kept = self.payloads_used.get(key) or self.payloads_kept.get(key)
         if kept is None:
@@ -371,18 +377,31 @@ class OpenedHandles:
         self.hits += 1
         for s in kept[1]:
             s._shared_decref()
-        self.payloads_used[key] = kept
+        if key not in self.payloads_used:
+            self._use(load_format, kept)
         self.used.update(kept[2])
         return kept[0]
 
-    def remember(self, entry: str, load_format: str | None, named: Named) -> None:
-        """`entry` loaded into `named`: keep both (and the storages behind them) for the next call."""
-        key = (load_format, entry)
-        if key not in self.payloads_used:
+    def remember(self, entry: str, load_format: str | None, named: Named) -> str:
+        """`entry` loaded into `named`: keep both (and the storages behind them) for the next call.
+        Returns the reference a sender may send instead of `entry` while it is kept."""
+        kept = self.payloads_used.get((load_format, entry))
+        if kept is None:
             held = {s.data_ptr(): s for s in storages(t for _, t in named)}
             cpu = [s for s in held.values() if s.device.type == "cpu"]
-            self.payloads_used[key] = (named, cpu, held)
+            ref = PAYLOAD_REF + hashlib.blake2b(entry.encode(), digest_size=16).hexdigest()
+            kept = (named, cpu, held, ref)
+            self._use(load_format, kept, entry)
             self.used.update(held)
+        return kept[3]
+
+    def _use(self, load_format: str | None, kept: tuple, entry: str | None = None) -> None:
+        """Mark a kept payload used by this update, under its reference (and its text, when known)."""
+        self.payloads_used[(load_format, kept[3])] = kept
+        if entry is None:  # found by reference or text: carry its text key over too
+            entry = next((e for (f, e), k in self.payloads_kept.items() if k is kept and e != kept[3]), None)
+        if entry is not None:
+            self.payloads_used[(load_format, entry)] = kept
 
     def hold(self, named: Named) -> None:
         """Keep the storages behind `named` (tensors a payload mapped) open."""
@@ -411,7 +430,7 @@ class OpenedHandles:
     @property
     def payloads(self) -> int:
         """Payloads kept for a repeat now."""
-        return len(self.payloads_kept.keys() | self.payloads_used.keys())
+        return len({id(k) for k in (*self.payloads_kept.values(), *self.payloads_used.values())})
 
 
 def storages(tensors) -> list[torch.UntypedStorage]:

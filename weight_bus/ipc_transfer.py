@@ -19,21 +19,27 @@ The order and failure semantics are the group transfer's (weight_bus/bus.py); wh
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
+import operator
 import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import FIRST_EXCEPTION, wait
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from weight_bus import ipc
 from weight_bus.errors import BusError, Refused
 from weight_bus.group import dtype_from_name, dtype_name
 from weight_bus.packing import Bucket, pack
-from weight_bus.schema import LoadLoraAdapterFromTensors, UpdateWeightsFromTensor
+from weight_bus.schema import (
+    COMPLETION_EVENT,
+    BuiltinUpdateWeightsFromTensor,
+    LoadLoraAdapterFromTensors,
+    UpdateWeightsFromTensor,
+)
 from weight_bus.transfer import Transfer, UpdateFailed, _error
 
 log = logging.getLogger(__name__)
@@ -112,16 +118,21 @@ class BucketRing:
 
 class DirectPayload:
     """The payload of a direct bucket, kept for the next update with the bucket's metadata: valid while
-    the trainer's tensors are the same (name, device, address, shape, strides, dtype, in order) and their
-    storages alive (so no other storage can have taken an address over). A match needs no other check:
-    these tensors passed IpcTransfer._shareable when the payload was made."""
+    the trainer passes the same tensor objects, in the same order, under the same names, at the same
+    addresses. It holds them (so no other storage can take an address over while it compares); they are
+    the trainer's parameters, alive anyway, and an engine keeps what it mapped alive too. A match needs no
+    other check: these tensors passed IpcTransfer._shareable when the payload was made."""
 
-    def __init__(self, key: list, refs: list, payload: str, b: Bucket) -> None:
-        self.key, self.refs, self.payload = key, refs, payload
+    def __init__(self, tensors: list[torch.Tensor], payload: str, b: Bucket) -> None:
+        self.tensors, self.ptrs, self.payload = tensors, _addresses(tensors), payload
         self.names, self.dtypes, self.shapes, self.nbytes = b.names, b.dtypes, b.shapes, b.nbytes
 
-    def matches(self, key: list) -> bool:
-        return key == self.key and not any(r.expired() for r in self.refs)
+    def matches(self, names: list[str], tensors: list[torch.Tensor]) -> bool:
+        return (
+            names == self.names
+            and all(map(operator.is_, tensors, self.tensors))
+            and _addresses(tensors) == self.ptrs
+        )
 
     def bucket(self, tensors: list[torch.Tensor]) -> Bucket:
         """A direct bucket of `tensors` (that match) with the kept metadata."""
@@ -130,8 +141,8 @@ class DirectPayload:
         )
 
 
-def _direct_key(tensors: list[tuple[str, torch.Tensor]]) -> list:
-    return [(n, t.get_device(), t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in tensors]
+def _addresses(tensors: list[torch.Tensor]) -> list[int]:
+    return list(map(torch.Tensor.data_ptr, tensors))
 
 
 class IpcTransfer(Transfer):
@@ -142,6 +153,8 @@ class IpcTransfer(Transfer):
         self.ring = BucketRing(self.max_inflight + 1, self.device)
         self.direct: DirectPayload | None = None
         """The last direct bucket's payload (its tensors are the trainer's own)."""
+        self._direct_raw: list[torch.Tensor] = []
+        """The tensors of a new direct bucket as the trainer passed them (what a repeat is matched by)."""
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
         self.abort_in_call = False
         """The update folds a pause of mode abort into its one call (abort_all_requests)."""
@@ -203,18 +216,22 @@ class IpcTransfer(Transfer):
                 return
             if self._shareable(first[1], dtype):
                 tensors = [first, *it]
+                names, raw = [n for n, _ in tensors], [t for _, t in tensors]
                 kept = self.direct
-                if kept is not None and kept.matches(_direct_key(tensors)):  # the same tensors again
+                if kept is not None and kept.matches(names, raw):  # the same tensors again
                     self.handoff = "direct"
-                    b = kept.bucket([t for _, t in tensors])
+                    b = kept.bucket(raw)
                     b.payload = kept.payload
                     yield b
                     return
-                if all(self._shareable(t, dtype) for _, t in tensors):
+                if all(self._shareable(t, dtype) for t in raw):
                     self.handoff = "direct"
-                    yield self._direct_bucket(
+                    self.direct = None  # its tensors go before the new payload takes them
+                    b = self._direct_bucket(
                         [(n, t.detach()) if t.requires_grad else (n, t) for n, t in tensors]
                     )
+                    self._direct_raw = raw
+                    yield b
                     return
                 it = iter(tensors)  # the trainer's own tensors: holding them all costs nothing
             else:
@@ -243,12 +260,10 @@ class IpcTransfer(Transfer):
 
     def _direct_payload(self, b: Bucket) -> str:
         """A new payload for the direct bucket b (pack reuses the kept one while the tensors match)."""
-        named = list(zip(b.names, b.tensors, strict=True))
-        self.direct = None  # its references go before the new payload takes its own
-        payload = ipc.serialize(named)
+        payload = ipc.serialize(list(zip(b.names, b.tensors, strict=True)))
         # after serializing: a CPU storage moved into shared memory then (its address changed)
-        refs = [StorageWeakRef(s) for s in ipc.storages(b.tensors)]
-        self.direct = DirectPayload(_direct_key(named), refs, payload, b)
+        self.direct = DirectPayload(self._direct_raw, payload, b)
+        self._direct_raw = []
         return payload
 
     def _drain_ring(self) -> None:
@@ -279,15 +294,26 @@ class IpcTransfer(Transfer):
         if self.lora is not None:
             self._launch_adapter(b, version)
             return
-        body = UpdateWeightsFromTensor(
-            serialized_named_tensors=[b.payload],
+        common = dict(
             load_format=None if b.flat is None else ipc.FLATTENED_BUCKET,
             flush_cache=b.last,
             abort_all_requests=self.abort_in_call and b.index == 0,
             weight_version=str(version) if b.last else None,
         )
+        sglang = UpdateWeightsFromTensor(serialized_named_tensors=[b.payload], **common)
+        completion = COMPLETION_EVENT if self._device_index >= 0 else None
+
+        def body(e) -> UpdateWeightsFromTensor:
+            """A built-in engine gets the reference to a payload it keeps, and answers with an event."""
+            if not e.builtin:
+                return sglang
+            ref = e.payload_refs.get(b.payload) or e.payload_refs_before.get(b.payload) or b.payload
+            return BuiltinUpdateWeightsFromTensor(
+                serialized_named_tensors=[ref], completion=completion, **common
+            )
+
         b.times[0] = time.perf_counter()
-        b.calls = {e.url: e.announce(body) for e in m.engines}
+        b.calls = {e.url: e.announce(body(e)) for e in m.engines}
         b.work = None
 
     def _launch_adapter(self, b: Bucket, version: int) -> None:
@@ -319,14 +345,33 @@ class IpcTransfer(Transfer):
             raise UpdateFailed(
                 b, {u: TimeoutError("no answer in time") for u, f in b.calls.items() if f in late}, None
             )
+        for e in self.members.engines:
+            if e.builtin and (f := b.calls.get(e.url)) is not None:
+                self._answered(e, b, f.result())
         b.times[1] = b.times[2] = time.perf_counter()
         return b
+
+    def _answered(self, e, b: Bucket, answer: dict) -> None:
+        """A built-in engine answered bucket b: remember the reference to the payload it keeps (the
+        references of this update and the one before, as the engine keeps them), and wait for its copy
+        to be done when it answered with an event (then the bucket's memory may be written again)."""
+        if ref := answer.get("payload_ref"):
+            e.payload_refs[b.payload] = ref
+        if b.last:
+            e.payload_refs_before, e.payload_refs = e.payload_refs, {}
+        if handle := answer.get("event"):
+            if e.copy_event is None or e.copy_event[0] != handle:
+                event = torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(handle))
+                e.copy_event = (handle, event)
+            e.copy_event[1].synchronize()
 
     def recover(self, failure: UpdateFailed, pending: deque[Bucket], confirmed: int) -> list[str]:
         """Drop the engines that failed (dead, or no answer in time); the others keep their calls. An
         engine that refused a bucket and still answers a probe is a bug: BusError."""
         m = self.members
         log.warning("weight update (ipc) failed: %s", failure)
+        for e in m.engines:  # an engine whose load failed closed what it kept: send payloads again
+            e.payload_refs, e.payload_refs_before = {}, {}
         refused = {u: e for u, e in failure.errors.items() if isinstance(e, Refused)}
         lost = set(failure.errors) - set(refused)
         if refused:

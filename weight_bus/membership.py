@@ -71,6 +71,12 @@ class Member:
         }
         """What of its server info another trainer rank needs to send it weights (weight_bus.rank_handoff)."""
         self.channel = client.channel(url)
+        self.payload_refs: dict[str, str] = {}
+        self.payload_refs_before: dict[str, str] = {}
+        """ipc: payloads this (built-in) engine keeps -> the reference it answered for each, for this
+        update and the one before (what the engine keeps: ipc.OpenedHandles); sent instead of the payload."""
+        self.copy_event: tuple[str, Any] | None = None
+        """ipc on CUDA: (handle, the opened event) the engine records after each copy (completion event)."""
         self.broken = False
         """An announcement failed: later ones are not sent (they would wait on a group it left)."""
         self.groups = [

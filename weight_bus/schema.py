@@ -55,6 +55,20 @@ class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):
     weight_version: str | None = None
 
 
+class BuiltinUpdateWeightsFromTensor(UpdateWeightsFromTensor, kw_only=True):
+    """What the built-in engine's /update_weights_from_tensor takes beyond SGLang's body (never sent to
+    SGLang). Its answer also names the payload it keeps (`payload_ref`), which a sender may send in the
+    payload's place while the engine keeps it (weight_bus.ipc.PAYLOAD_REF)."""
+
+    completion: str | None = None
+    """COMPLETION_EVENT asks a CUDA engine to answer once the copy is queued, with `event` (base64 of its
+    interprocess CUDA event's IPC handle, recorded after the copy) for the sender to wait on before it
+    reuses the memory; None: the engine answers once the copy is done, as SGLang does."""
+
+
+COMPLETION_EVENT = "event"
+
+
 class UpdateWeightVersion(msgspec.Struct, kw_only=True):
     """POST /update_weight_version (SGLang's UpdateWeightVersionReqInput)."""
 

@@ -148,8 +148,9 @@ class EngineMetrics:
         self.ipc_payloads = Counter(
             "slipstream_engine_ipc_payloads",
             "/update_weights_from_tensor payloads by how their tensors were had: opened (unpickled, the "
-            "sender's handles mapped or found mapped) or kept (the same payload as before, loaded from "
-            "the tensors it mapped then: no unpickling).",
+            "sender's handles mapped or found mapped), kept (the same payload as before, loaded from "
+            "the tensors it mapped then: no unpickling) or ref (a reference to a payload it keeps, sent "
+            "in the payload's place).",
             labelnames=["model_name", "how"],
             registry=self.registry,
         )

@@ -40,6 +40,7 @@ from generator_fleet.engine.memory import (
     empty_cache,
 )
 from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
+from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.sampler import Choice, sample
 from models.config import LoraSpec
@@ -122,6 +123,8 @@ class Runner:
         # after the forward fused the projections, so a weight update is an in-place copy_ into the fused
         # tensors and never re-allocates what the forward pass (and the captured CUDA graphs) use.
         self._named_tensors = self.model.state_dict()
+        self._copy = MultiCopy()
+        """Weight updates' copies in one kernel, its plan kept for the same tensors (engine/multi_copy.py)."""
         if lora is not None:
             self.fwd.lora = LoraBank(lora, self.config, max_loras, self.device, self.dtype)
         self.max_prefill_tokens = max_prefill_tokens or (16384 if self.device.type == "cuda" else 2048)
@@ -356,7 +359,8 @@ class Runner:
     ) -> None:
         """Copy tensors into the parameters of the same HF name at a step boundary; all names and shapes
         are checked first, so a bad request changes nothing (`checked`: these very tensors were checked
-        by an earlier call). The copies go as one multi-tensor copy. WeightsReleased while the weights are
+        by an earlier call). The copies go as one kernel (engine/multi_copy.py; a multi-tensor copy where a
+        cast is needed, and off CUDA). WeightsReleased while the weights are
         released (release_memory): SGLang's weights are not there to load into either."""
         self._check_weights_present()
         if not checked:
@@ -374,9 +378,10 @@ class Runner:
 
         def apply() -> None:
             self._check_weights_present()  # a release may have come between the checks and this step
-            dst = [self._named_tensors[n] for n, _ in named_tensors]
+            names = [n for n, _ in named_tensors]
+            dst = [self._named_tensors[n] for n in names]
             with torch.no_grad():
-                torch._foreach_copy_(dst, [t for _, t in named_tensors])
+                self._copy.copy(names, dst, [t for _, t in named_tensors])
             if weight_version is not None:
                 self._weight_version = str(weight_version)
 
@@ -505,6 +510,7 @@ class Runner:
                     freed[KV_CACHE] = self.cache.free_pool()
                 if WEIGHTS in new:
                     self._named_tensors = {}  # its views would keep the device copies alive
+                    self._copy.clear()
                     self.fwd.unfuse_weights()  # and so would the fused projections
                     freed[WEIGHTS] = self._weights.offload()
                 empty_cache(self.device)
@@ -534,6 +540,7 @@ class Runner:
                     self._weights.restore()
                     self.fwd.fuse_weights()
                     self._named_tensors = self.model.state_dict()
+                    self._copy.clear()
                 if KV_CACHE in todo:
                     self.cache.allocate_pool()
             with self._cv:

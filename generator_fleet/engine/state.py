@@ -41,6 +41,25 @@ class EngineState:
         self.lora_pending: dict[str, dict] = {}
         """Tensors of a LoRA adapter whose group update is under way, by adapter name (weight thread)."""
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)
+        self._copy_event = None
+        self._copy_event_handle = ""
+
+    def copy_done(self, stream) -> str:
+        """Weight thread, CUDA: record the engine's interprocess event on `stream` (after a weight copy
+        was queued on it) and return its IPC handle, base64 (the same for every call: a sender opens it
+        once and waits for its latest record)."""
+        import base64
+
+        import torch
+
+        if self._copy_event is None:
+            with torch.cuda.device(self.runner.device):
+                self._copy_event = torch.cuda.Event(interprocess=True)
+                self._copy_event.record(stream)
+                self._copy_event_handle = base64.b64encode(self._copy_event.ipc_handle()).decode()
+        else:
+            self._copy_event.record(stream)
+        return self._copy_event_handle
 
     async def in_weight_thread(self, fn, *args) -> Any:
         """`fn(*args)` in the weight thread, awaited."""

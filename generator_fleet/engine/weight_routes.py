@@ -29,6 +29,8 @@ from generator_fleet.engine.api_types import (
 from generator_fleet.engine.state import EngineState, engine_state
 from weight_bus import ipc
 from weight_bus.schema import (
+    COMPLETION_EVENT,
+    BuiltinUpdateWeightsFromTensor,
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
     UpdateWeightsFromDistributed,
@@ -123,13 +125,16 @@ def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, 
     )
 
 
-def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: float) -> int:
+def load_from_tensor(state: EngineState, body: BuiltinUpdateWeightsFromTensor, t1: float) -> dict:
     """One /update_weights_from_tensor call, in the weight thread: map the sender's memory (CUDA IPC or
-    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and wait for the
-    copy to finish before the call is answered: the sender reuses that memory for its next bucket once it
-    has the answer. A payload this engine loaded before (the sender's persistent buffers, serialized once)
-    is not unpickled again: its tensors, still mapped, come from ipc.OpenedHandles and were checked
-    against the weights then. Returns the number of tensors loaded."""
+    shared memory), copy into the weights at a step boundary (cast to the engine dtype), and make sure the
+    copy is done before the sender reuses that memory: wait for it before answering, or (`completion:
+    "event"`, a CUDA engine) answer once it is queued, with the engine's interprocess CUDA event, recorded
+    after the copy, for the sender to wait on. The engine's own later steps run after the copy either way
+    (one stream). A payload this engine loaded before (the sender's persistent buffers, serialized once) is
+    not unpickled again: its tensors, still mapped, come from ipc.OpenedHandles and were checked against
+    the weights then; the answer's `payload_ref` names it, for the sender to send instead of the payload
+    while the engine keeps it. Returns the answer's extra fields (with `tensors`, the count loaded)."""
     phases = state.metrics.bucket_phase
     cuda = state.runner.device.type == "cuda"
     events = [trace_event()]
@@ -138,20 +143,28 @@ def load_from_tensor(state: EngineState, body: UpdateWeightsFromTensor, t1: floa
         named = state.opened.lookup(entry, body.load_format)
         kept = named is not None
         if not kept:
+            if entry.startswith(ipc.PAYLOAD_REF):
+                raise ValueError(
+                    f"unknown payload reference {entry}: this engine does not keep it; send the payload"
+                )
             named = ipc.load_payload(entry, body.load_format)
-    state.metrics.ipc_payloads.labels(state.model_name, "kept" if kept else "opened").inc()
+    how = ("ref" if entry.startswith(ipc.PAYLOAD_REF) else "kept") if kept else "opened"
+    state.metrics.ipc_payloads.labels(state.model_name, how).inc()
     t2 = time.perf_counter()
     phases["receive"].observe(t2 - t1)
+    out: dict = {"tensors": len(named)}
     try:
         events.append(trace_event())
         state.runner.load_weights(named, body.weight_version, checked=kept)
         events.append(trace_event())
-        if cuda:
+        if cuda and body.completion == COMPLETION_EVENT:
+            out["event"] = state.copy_done(torch.cuda.current_stream(state.runner.device))
+        elif cuda:
             torch.cuda.current_stream(state.runner.device).synchronize()
-        state.opened.remember(entry, body.load_format, named)
+        out["payload_ref"] = state.opened.remember(entry, body.load_format, named)
         if events[0] is not None:
             trace_bucket(state, events, body.weight_version is not None)
-        return len(named)
+        return out
     except BaseException:
         with state.receiver.gpu_lock:
             closed = state.opened.clear()
@@ -287,21 +300,21 @@ async def update_weights_from_distributed(request: Request) -> Response:
 async def update_weights_from_tensor(request: Request) -> Response:
     state = engine_state(request)
     runner = state.runner
-    body = await decode(request, UpdateWeightsFromTensor)
+    body = await decode(request, BuiltinUpdateWeightsFromTensor)
     if why := tensor_request_problem(body):
         return control(False, f"Failed to update weights: {why}")
-    n = await locked_update(state, body, load_from_tensor, "update_weights_from_tensor")
-    if isinstance(n, Response):
-        return n
+    out = await locked_update(state, body, load_from_tensor, "update_weights_from_tensor")
+    if isinstance(out, Response):
+        return out
     state.metrics.weight_updates.inc()
     log.log(
         logging.INFO if body.weight_version is not None else logging.DEBUG,
         "weights updated from tensor (%d tensors, %s) to version %s",
-        n,
+        out.pop("tensors"),
         body.load_format or "direct",
         runner.weight_version,
     )
-    return control(True, "Success")
+    return control(True, "Success", **out)
 
 
 @router.post("/destroy_weights_update_group")

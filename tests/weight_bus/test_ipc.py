@@ -185,10 +185,9 @@ def test_route_loads_mixed_dtypes_in_both_formats(engines, tmp_path, load_format
         serialized_named_tensors=[entry], load_format=load_format, weight_version="v-route"
     )
     with EngineClient(KEY, 60) as client:
-        assert client.update_weights_from_tensor(engines[1].url, body) == {
-            "success": True,
-            "message": "Success",
-        }
+        answer = client.update_weights_from_tensor(engines[1].url, body)
+    ref = answer.pop("payload_ref")
+    assert answer == {"success": True, "message": "Success"} and ref.startswith(ipc.PAYLOAD_REF)
     _assert_holds(engines[1].weights(), dict(named))
     assert version(engines[1].url) == "v-route"
 
@@ -218,6 +217,42 @@ def test_route_refuses_with_the_reason(engines, tmp_path):
         assert r.json()["success"] is False and reason in r.json()["message"], r.json()
     after = engines[1].weights()
     assert all(torch.equal(before[n], after[n]) for n in before) and version(url) == v
+
+
+def test_route_loads_a_payload_it_keeps_by_reference(engines, tmp_path):
+    """The built-in engine's answer names the payload it keeps; that reference, sent in the payload's
+    place, loads what the sender's memory holds now. A reference the engine does not keep (never given,
+    or dropped with everything it kept after a failed load) is a 400 that says to send the payload, and
+    changes nothing."""
+    url = engines[1].url
+    named = [(n, p.detach().clone()) for n, p in noisy_model(tmp_path / "r", 8).state_dict().items()]
+    named = list({t.data_ptr(): (n, t) for n, t in named}.values())  # tied weights once
+    entry, _ = _payload(None, named)
+    with EngineClient(KEY, 60) as client:
+        ref = client.update_weights_from_tensor(
+            url, UpdateWeightsFromTensor(serialized_named_tensors=[entry], weight_version="r1")
+        )["payload_ref"]
+        torch._foreach_mul_([t for _, t in named], 3.0)  # in place: the memory the engine keeps mapped
+        again = client.update_weights_from_tensor(
+            url, UpdateWeightsFromTensor(serialized_named_tensors=[ref], weight_version="r2")
+        )
+        assert again["success"] and again["payload_ref"] == ref
+        _assert_holds(engines[1].weights(), dict(named))
+        assert version(url) == "r2"
+
+        before = engines[1].weights()
+        unknown = ipc.PAYLOAD_REF + "0" * 32
+        bad = [unknown, _payload(None, [("nope.weight", torch.ones(2))])[0], ref]  # the failure drops ref
+        for body in bad:
+            r = httpx.post(
+                url + "/update_weights_from_tensor",
+                json={"serialized_named_tensors": [body], "weight_version": "x"},
+                headers=AUTH,
+            )
+            assert r.status_code == 400 and r.json()["success"] is False
+        assert "send the payload" in r.json()["message"] and ref in r.json()["message"]
+        after = engines[1].weights()
+        assert all(torch.equal(before[n], after[n]) for n in before) and version(url) == "r2"
 
 
 def test_refused_name_is_bus_error_and_engines_continue(engines, tmp_path):
@@ -496,6 +531,42 @@ def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path)
                 assert got[n].dtype == torch.bfloat16, n  # the engine's dtype on CUDA: the wire's too
                 assert torch.equal(got[n], t.to(torch.bfloat16).cpu()), n
         assert version(engine.url) == "52"
+    finally:
+        bus.close()
+        engine.kill()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model_dir, tmp_path):
+    """The trainer's own bf16 CUDA tensors go direct: the engine answers once its copy is queued, with its
+    interprocess event, which the bus waits on; repeats go as the reference the engine answered. The
+    engine holds every version bit for bit, and generates from it (its steps run after the copy)."""
+    engine = IpcEngine(model_dir, tmp_path, device="cuda")
+    named = {n: t.to("cuda", torch.bfloat16) for n, t in noisy_model(tmp_path / "g", 9).state_dict().items()}
+    named = dict({t.data_ptr(): (n, t) for n, t in named.items()}.values())  # tied weights once
+    bus = WeightBus([engine.url], api_key=KEY, backend="ipc", bucket_bytes=1 << 30)
+    bus.connect()
+    try:
+        for v in (61, 62, 63):
+            with torch.no_grad():
+                torch._foreach_add_(list(named.values()), 0.125)
+            stats = bus.publish(named.items(), version=v, persistent=True)
+            assert (stats.handoff, stats.paused) == ("direct", False)
+            member = bus.members.engines[0]
+            assert member.copy_event is not None and member.payload_refs_before  # event waited, ref kept
+            got = engine.weights()
+            for n, t in named.items():
+                assert torch.equal(got[n], t.cpu()), (v, n)
+        text = httpx.get(engine.url + "/metrics").text
+        assert sample(text, "slipstream_engine_ipc_payloads_total", how="ref") == 2
+        r = httpx.post(
+            engine.url + "/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+            headers=AUTH,
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["meta_info"]["weight_version"] == "63"
     finally:
         bus.close()
         engine.kill()
