@@ -23,6 +23,7 @@ import base64
 import itertools
 import logging
 import operator
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -43,6 +44,8 @@ from weight_bus.schema import (
 from weight_bus.transfer import Transfer, UpdateFailed, _error
 
 log = logging.getLogger(__name__)
+
+COMPLETION_EVENT_ENV = "SLIPSTREAM_IPC_COMPLETION_EVENT"
 
 
 class BucketRing:
@@ -158,6 +161,10 @@ class IpcTransfer(Transfer):
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
         self.abort_in_call = False
         """The update folds a pause of mode abort into its one call (abort_all_requests)."""
+        self.completion_event = os.environ.get(COMPLETION_EVENT_ENV) == "1"
+        """CUDA: built-in engines answer once their copy is queued, with an event this side waits on
+        (BuiltinUpdateWeightsFromTensor.completion); off unless SLIPSTREAM_IPC_COMPLETION_EVENT=1 until
+        it is measured on a GPU."""
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
@@ -301,7 +308,7 @@ class IpcTransfer(Transfer):
             weight_version=str(version) if b.last else None,
         )
         sglang = UpdateWeightsFromTensor(serialized_named_tensors=[b.payload], **common)
-        completion = COMPLETION_EVENT if self._device_index >= 0 else None
+        completion = COMPLETION_EVENT if self._device_index >= 0 and self.completion_event else None
 
         def body(e) -> UpdateWeightsFromTensor:
             """A built-in engine gets the reference to a payload it keeps, and answers with an event."""

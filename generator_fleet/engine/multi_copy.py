@@ -8,11 +8,16 @@ A plan is built once for a list of pairs and reused while the same tensors come 
 persistent buffers, whose payload the engine keeps: weight_bus.ipc.OpenedHandles). Pairs that differ in
 dtype (a cast), are not contiguous, or whose addresses or sizes do not fall on 8-byte words go through
 `torch._foreach_copy_` as before; so does everything off CUDA or without Triton.
+
+Off unless SLIPSTREAM_ENGINE_COPY_KERNEL=1: the kernel is not yet measured on a GPU
+(benchmarks/probes/weight_copy.py times it against both copies; tests/generator_fleet/test_multi_copy.py
+checks it there).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -22,6 +27,7 @@ WORD = 8
 """Bytes one element of the copy moves (int64 words)."""
 BLOCK = 8192
 """Words per chunk: one program copies 64 KiB."""
+ENABLE_ENV = "SLIPSTREAM_ENGINE_COPY_KERNEL"
 
 try:
     import triton
@@ -114,14 +120,16 @@ class MultiCopy:
     is matched by the destinations' names (parameters stay where they are until `clear`), the sources'
     addresses and dtypes (their sizes are the destinations', checked before any copy)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool | None = None) -> None:
+        """`enabled`: use the kernel (None: SLIPSTREAM_ENGINE_COPY_KERNEL=1); else every copy is foreach."""
+        self.enabled = os.environ.get(ENABLE_ENV) == "1" if enabled is None else enabled
         self.plan: CopyPlan | None = None
         self.plans_built = 0
 
     def copy(self, names: list[str], dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         if not dst:
             return
-        if src[0].device.type != "cuda" or triton is None:
+        if not self.enabled or src[0].device.type != "cuda" or triton is None:
             torch._foreach_copy_(dst, src)
             return
         key = (tuple(names), tuple(map(torch.Tensor.data_ptr, src)), tuple(t.dtype for t in src))

@@ -27,7 +27,7 @@ def _pairs(device: str, seed: int):
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_tensor_lands_bit_for_bit_and_a_plan_is_reused_for_the_same_tensors(device):
     names, dst, src = _pairs(device, 0)
-    mc = MultiCopy()
+    mc = MultiCopy(enabled=True)
     for round_ in range(3):
         with torch.no_grad():
             torch._foreach_mul_(src, -1.5)  # in place: the same tensors, new values
@@ -54,5 +54,5 @@ def test_views_into_one_buffer_as_the_fused_projections_are():
     qkv = torch.zeros(96, 64, dtype=torch.bfloat16, device="cuda")
     q, k, v = qkv[:64], qkv[64:80], qkv[80:]
     src = [torch.randn(t.shape, device="cuda").to(torch.bfloat16) for t in (q, k, v)]
-    MultiCopy().copy(["q", "k", "v"], [q, k, v], src)
+    MultiCopy(enabled=True).copy(["q", "k", "v"], [q, k, v], src)
     assert torch.equal(qkv, torch.cat(src))

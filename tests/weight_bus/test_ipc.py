@@ -41,7 +41,7 @@ class IpcEngine:
     """A built-in engine in its own process (tests/weight_bus/ipc_engine.py) whose weights the test can
     read back (`weights()`), and which can really die (`kill()`)."""
 
-    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu") -> None:
+    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu", env: dict | None = None) -> None:
         self.tmp = tmp
         self.proc = subprocess.Popen(
             [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY, device],
@@ -49,7 +49,7 @@ class IpcEngine:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
-            env=ENV,
+            env={**ENV, **(env or {})},
             cwd=ROOT,
         )
         line = self.proc.stdout.readline()
@@ -538,11 +538,12 @@ def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model_dir, tmp_path):
+def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model_dir, tmp_path, monkeypatch):
     """The trainer's own bf16 CUDA tensors go direct: the engine answers once its copy is queued, with its
     interprocess event, which the bus waits on; repeats go as the reference the engine answered. The
     engine holds every version bit for bit, and generates from it (its steps run after the copy)."""
-    engine = IpcEngine(model_dir, tmp_path, device="cuda")
+    monkeypatch.setenv("SLIPSTREAM_IPC_COMPLETION_EVENT", "1")  # the bus's side
+    engine = IpcEngine(model_dir, tmp_path, device="cuda", env={"SLIPSTREAM_ENGINE_COPY_KERNEL": "1"})
     named = {n: t.to("cuda", torch.bfloat16) for n, t in noisy_model(tmp_path / "g", 9).state_dict().items()}
     named = dict({t.data_ptr(): (n, t) for n, t in named.items()}.values())  # tied weights once
     bus = WeightBus([engine.url], api_key=KEY, backend="ipc", bucket_bytes=1 << 30)
