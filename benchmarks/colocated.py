@@ -48,7 +48,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -109,7 +108,7 @@ def d2d_copy_s(nbytes: int, device, repeats: int) -> list[float]:
 
 def engine_payloads(url: str) -> dict[str, float]:
     """The engine's /update_weights_from_tensor payloads so far by how it had their tensors: opened
-    (unpickled) or kept (a repeat of a payload it loaded before)."""
+    (unpickled), kept (a repeat of a payload it loaded before) or ref (a reference to one it keeps)."""
     import re
 
     import httpx
@@ -117,7 +116,7 @@ def engine_payloads(url: str) -> dict[str, float]:
     from benchmarks import weight_bus as wb
 
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {wb.API_KEY}"}).text
-    out = {"opened": 0.0, "kept": 0.0}
+    out = {"opened": 0.0, "kept": 0.0, "ref": 0.0}
     for line in text.splitlines():
         m = re.match(r'slipstream_engine_ipc_payloads_total\{.*how="(\w+)".*\} (\S+)', line)
         if m:
@@ -202,7 +201,7 @@ def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: boo
         m["engine_weight_version"] = version
         m["timeline_last"] = stats.timeline
         m["engine_bucket_phase_ms"] = wb.engine_phases(engine.url)  # host ms per bucket: wait/receive/load
-        m["engine_ipc_payloads"] = engine_payloads(engine.url)  # opened (unpickled) vs kept (repeats)
+        m["engine_ipc_payloads"] = engine_payloads(engine.url)  # opened (unpickled) vs kept/ref (repeats)
         now = phase_totals(engine.url)  # the timed rounds only: host ms per call of each phase
         m["engine_call_phase_ms_timed"] = {
             ph: round((s - warm.get(ph, (0, 0))[0]) / (n - warm.get(ph, (0, 0))[1]) * 1e3, 3)
@@ -466,7 +465,7 @@ def run(args, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix="colocated-bench-", dir=args.work_dir) as tmp:
         work = Path(tmp)
         os.environ.setdefault("SLIPSTREAM_BENCH_KEY", secrets.token_hex(8))
-        try:
+        with rf.recording(log, t_start):
             if "publish" in args.parts:
                 result["metrics"]["publish"] = {}
                 for shape in args.shapes.split(","):
@@ -521,15 +520,6 @@ def run(args, argv: list[str]) -> dict:
                     result["config"]["trl_best_variant"] = best
                     result["ratios"]["vs_trl"] = ours["samples_per_s"] / ok[best]["samples_per_s"]
                 save()
-        except BaseException as exc:  # what was measured is still written
-            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
-            save()
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            result["config"]["wall_s"] = time.monotonic() - t_start
-            save()
-            log(f"wrote {rf.path}")
     return result
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import os
 import shlex
+import time
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +47,38 @@ class ResultFile:
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(self.result, indent=2) + "\n")
+
+    @contextlib.contextmanager
+    def recording(
+        self,
+        log: Callable[[str], None],
+        t_start: float | None = None,
+        finish: Callable[[], None] | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        """Around a benchmark's measurements, so that what was measured is written on every way out: an
+        exception goes into `errors` (with the end of its traceback) and is saved at once; an Exception
+        ends here, a KeyboardInterrupt goes on. Then `finish()` runs (summaries, plots), the wall time
+        since `t_start` (time.monotonic) and the host load go into `config`, the file is saved and its
+        path logged."""
+        try:
+            yield self.result
+        except BaseException as exc:
+            self.result["errors"].append(
+                {"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]}
+            )
+            self.save()
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if finish is not None:
+                finish()
+            config = self.result["config"]
+            if isinstance(config.get("env"), dict):
+                config["env"]["host_load_1m_end"] = os.getloadavg()[0]
+            if t_start is not None:
+                config["wall_s"] = time.monotonic() - t_start
+            self.save()
+            log(f"wrote {self.path}")
 
 
 def apply_presets(args: Any, defaults: dict, cuda: dict, quick: dict) -> None:

@@ -67,7 +67,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -477,7 +476,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.common import ResultFile
 
     rf = ResultFile("scale_run", args.device_kind, argv, args.out_dir)
-    result, out_path, save = rf.result, rf.path, rf.save
+    result, save = rf.result, rf.save
 
     t_start = time.monotonic()
     work_root = Path(args.work_dir) if args.work_dir else None
@@ -523,7 +522,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "env": env_info(args),
         }
         save()
-        try:
+        with rf.recording(log, t_start, lambda: summarise(result)):
             result["metrics"] |= scaled_job(args, model, work, spp)
             save()
             ab: dict[str, Any] = {}
@@ -531,16 +530,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             for ms in (0, args.max_staleness):
                 ab[str(ms)] = ab_job(args, model, work, spp, ms)
                 save()
-        except BaseException as exc:  # what was measured is still written
-            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            summarise(result)
-            result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
-            result["config"]["wall_s"] = time.monotonic() - t_start
-            save()
-            log(f"wrote {out_path}")
     return result
 
 

@@ -621,13 +621,18 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "env": env_info(args),
         },
     )
-    result, out_path, save = rf.result, rf.path, rf.save
+    result, save = rf.result, rf.save
 
-    t_start = perf_counter()
+    t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="weight-bus-bench-") as tmp:
         tmp = Path(tmp)
         raw = None
-        try:
+
+        def stop_raw() -> None:
+            if raw is not None:
+                raw.stop()
+
+        with rf.recording(log, t_start, stop_raw):
             if not args.lora:
                 raw = RawPeers(args, tmp)
             device = torch.device("cuda", args.trainer_gpu) if args.device == "cuda" else torch.device("cpu")
@@ -666,17 +671,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                 result["metrics"]["pause_ms"] = m["pause_ms"]
                 result["metrics"]["transfer_ms"] = m["transfer_ms"]
                 save()
-        except BaseException as exc:  # incl. KeyboardInterrupt: what was measured is still written
-            result["errors"].append({"model": None, "error": repr(exc)})
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            if raw is not None:
-                raw.stop()
-            result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
-            result["config"]["wall_s"] = perf_counter() - t_start
-            save()
-            log(f"wrote {out_path}")
     return result
 
 

@@ -11,7 +11,6 @@ import secrets
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 from benchmarks.async_vs_sync.fp32_head import (
@@ -63,7 +62,7 @@ def run_lengths(args: argparse.Namespace, argv: list[str]) -> dict:
     }
     work_root = Path(args.work_dir) if args.work_dir else None
     with tempfile.TemporaryDirectory(prefix="async-vs-sync-lengths-", dir=work_root) as tmp:
-        try:
+        with rf.recording(log):
 
             def partial(res: dict) -> None:
                 result["metrics"] = res
@@ -78,13 +77,6 @@ def run_lengths(args: argparse.Namespace, argv: list[str]) -> dict:
                 f"{p}_samples_per_s_vs_sync": jobs[p]["samples_per_s"] / jobs["sync"]["samples_per_s"]
                 for p in jobs
             }
-        except BaseException as exc:  # what was measured is still written
-            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            rf.save()
-            log(f"wrote {rf.path}")
     return result
 
 
@@ -98,7 +90,7 @@ def run_fp32_head(args: argparse.Namespace, argv: list[str]) -> dict:
     work_root = Path(args.work_dir) if args.work_dir else None
     with tempfile.TemporaryDirectory(prefix="async-vs-sync-fp32-head-", dir=work_root) as tmp:
         work = Path(tmp)
-        try:
+        with rf.recording(log):
             if args.device == "cuda":
                 os.environ[ENGINE_KEY_ENV] = secrets.token_hex(16)
             # the tiny a+b model has trained logits; a random-weight shape model's are near zero (its bf16
@@ -140,13 +132,6 @@ def run_fp32_head(args: argparse.Namespace, argv: list[str]) -> dict:
                 args, raw, model, work, stalenesses, samples_per_step, on_job=partial
             )
             result["ratios"] = fp32_head_ratios(result["metrics"]["runs"])
-        except BaseException as exc:  # what was measured is still written
-            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            rf.save()
-            log(f"wrote {rf.path}")
     return result
 
 
@@ -224,7 +209,15 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "env": env_info(args),
         }
         save()
-        try:
+
+        def finish() -> None:
+            if result["metrics"]["runs"] or result.get("learning"):
+                try:
+                    result["plots"] = plots(result, args.out_dir, out_path.stem)
+                except Exception as exc:  # noqa: BLE001 - plots never lose the numbers
+                    result["errors"].append({"error": f"plots: {exc!r}"})
+
+        with rf.recording(log, t_start, finish):
             if not args.learning_only:
                 for ms in stalenesses:
                     m = throughput_run(args, raw, model, work, ms, samples_per_step)
@@ -249,21 +242,6 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
                 result["learning"] = learning(args, lraw, lmodel, work, on_job=partial)
                 save()
-        except BaseException as exc:  # what was measured is still written
-            result["errors"].append({"error": repr(exc), "traceback": traceback.format_exception(exc)[-4:]})
-            save()
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            result["config"]["env"]["host_load_1m_end"] = os.getloadavg()[0]
-            result["config"]["wall_s"] = time.monotonic() - t_start
-            if result["metrics"]["runs"] or result.get("learning"):
-                try:
-                    result["plots"] = plots(result, args.out_dir, out_path.stem)
-                except Exception as exc:  # noqa: BLE001 - plots never lose the numbers
-                    result["errors"].append({"error": f"plots: {exc!r}"})
-            save()
-            log(f"wrote {out_path}")
     return result
 
 
