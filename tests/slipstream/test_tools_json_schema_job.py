@@ -25,7 +25,12 @@ API_KEY = "json-schema-job-key"
 
 def check_calls(text: str) -> int:
     """Every `<tool_call>` block of an assistant turn's `text` parses and is a calculator call whose
-    arguments are exactly {"expression": <string>} (the tool's parameters schema); returns how many."""
+    arguments are exactly {"expression": <string>} (the tool's parameters schema); returns how many. A
+    turn that the token budget (max_new_tokens, agent.max_total_tokens) cut off may end inside its last
+    call: that unfinished call is left out, nothing before it."""
+    last_open, last_close = text.rfind("<tool_call>"), text.rfind("</tool_call>")
+    if last_open > last_close:  # cut off by the budget mid-call: only ever the turn's end
+        text = text[:last_open]
     parsed = HermesParser().parse(text)
     assert not parsed.errors, (parsed.errors, text)
     for call in parsed.calls:
