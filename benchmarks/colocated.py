@@ -39,6 +39,7 @@ Result file: benchmarks/results/colocated-<device>-<date>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -142,10 +143,39 @@ def phase_totals(url: str) -> dict[str, tuple[float, float]]:
     return {ph: (sums[ph], counts.get(ph, 0.0)) for ph in sums}
 
 
-def measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True) -> dict[str, Any]:
+OPT_IN = {"SLIPSTREAM_IPC_COMPLETION_EVENT": "1", "SLIPSTREAM_ENGINE_COPY_KERNEL": "1"}
+"""The handoff's opt-in parts: the engine answers once its copy is queued, with an event the bus waits on;
+the engine copies a load in one kernel (docs/sglang_api.md, /update_weights_from_tensor)."""
+
+
+@contextlib.contextmanager
+def environment(extra: dict[str, str]):
+    """`extra` in os.environ for the block (the engine process started in it inherits them)."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measure_publish(
+    args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True, opt_in: bool = False
+) -> dict[str, Any]:
     """`persistent`: the bf16 tensors are published as the trainer's own (the direct handoff: a handle
     per tensor, one call, no pack copy); else as gathered copies (packed into the bus's ring buffers of
-    `bucket_mb`)."""
+    `bucket_mb`). `opt_in`: with the handoff's opt-in parts on (OPT_IN)."""
+    with environment(OPT_IN if opt_in else {}):
+        m = _measure_publish(args, shape, tmp, bucket_mb, persistent)
+    m["opt_in"] = sorted(OPT_IN) if opt_in else []
+    return m
+
+
+def _measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bool) -> dict[str, Any]:
     import torch
 
     from benchmarks import weight_bus as wb
@@ -455,6 +485,8 @@ def run(args, argv: list[str]) -> dict:
             "continue, as the update needs them); medians over the rounds. Headline: the trainer's own bf16 "
             "tensors (persistent: the direct handoff); <shape>-ring-bucket<N>mb: the same tensors as gathered "
             "copies, packed into the bus's ring of N MiB buffers",
+            "publish_vs_d2d_copy_opt_in": "the same for the direct handoff with SLIPSTREAM_IPC_COMPLETION_EVENT=1 "
+            "and SLIPSTREAM_ENGINE_COPY_KERNEL=1 (<shape>-direct-opt-in; CUDA only)",
             "async_vs_sync": "colocated job samples/s at max_staleness 2 / at 0 (trainer clock, steps after warmup)",
             "vs_trl": "Slipstream colocated samples/s / TRL GRPOTrainer samples/s: same model dir, prompts, group "
             "size, samples per optimizer step, fixed response length; the better TRL generation mode",
@@ -469,13 +501,25 @@ def run(args, argv: list[str]) -> dict:
             if "publish" in args.parts:
                 result["metrics"]["publish"] = {}
                 for shape in args.shapes.split(","):
-                    runs = [(None, True)] + [(int(x), False) for x in str(args.bucket_mb).split(",")]
-                    for i, (mb, persistent) in enumerate(runs):
-                        m = measure_publish(args, shape, work, mb or 512, persistent)
+                    runs = [(None, True, False)]  # the headline: the direct handoff as it is by default
+                    if args.device == "cuda":  # beside it, the same with the opt-in parts (CUDA only)
+                        runs.append((None, True, True))
+                    runs += [(int(x), False, False) for x in str(args.bucket_mb).split(",")]
+                    for i, (mb, persistent, opt_in) in enumerate(runs):
+                        m = measure_publish(args, shape, work, mb or 512, persistent, opt_in)
                         m["bucket_mb"] = mb
-                        result["metrics"]["publish"][shape if i == 0 else f"{shape}-ring-bucket{mb}mb"] = m
+                        key = (
+                            f"{shape}-direct-opt-in"
+                            if opt_in
+                            else f"{shape}-ring-bucket{mb}mb"
+                            if mb
+                            else shape
+                        )
+                        result["metrics"]["publish"][key] = m
+                        if opt_in:  # the largest shape's, as the headline
+                            result["ratios"]["publish_vs_d2d_copy_opt_in"] = m["publish_vs_d2d_copy"]
                         log(
-                            f"{shape}, {m['handoff']} ({mb or '-'} MiB buckets): publish {m['publish_ms']:.1f} ms vs d2d copy "
+                            f"{key}, {m['handoff']} ({mb or '-'} MiB buckets): publish {m['publish_ms']:.1f} ms vs d2d copy "
                             f"{m['d2d_copy_ms']:.2f} ms: ratio {m['publish_vs_d2d_copy']:.3f} (pause "
                             f"{m['pause_ms']:.1f}, transfer {m['transfer_ms']:.1f}); engine per bucket "
                             f"{m['engine_bucket_phase_ms']}"
