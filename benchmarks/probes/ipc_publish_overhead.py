@@ -4,9 +4,9 @@ bf16 on CPU, handed to a built-in engine process over shared memory 300 times af
 median publish, the trainer's match of its kept payload (`gather`) and the engine's phases. The copy is
 negligible at this size, so what it times is the per-tensor and per-call work of both sides.
 Compare two checkouts side by side: `ROOT=<checkout> PYTHONPATH=<checkout> python <this file>` for each.
-Seen on a 2-core CPU box, 2026-11-24, four alternating runs of each checkout: the trainer's match went
-from 0.27-0.42 ms to 0.06-0.13 ms (gather medians) with payload references and the identity match; the
-whole publish, 1.76-2.70 ms before and 1.43-2.58 ms after, moved within this shared box's noise.
+Seen on a 2-core CPU box, 2026-11-24, three alternating runs of each checkout: before payload references
+and the identity match, publish 3.92-4.98 ms (median per run), the trainer's match (gather) 0.66-0.81 ms;
+after, publish 2.66-2.87 ms, gather 0.14-0.15 ms.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.environ.get("ROOT", str(Path(__file__).resolve().parents[2])))
+sys.path.insert(0, os.environ.get("ROOT") or str(Path(__file__).resolve().parents[2]))
 from benchmarks import shapes  # noqa: E402
 
 # the tiny shape's narrow layers, as many as the 1.5B shape's, and a small vocabulary
