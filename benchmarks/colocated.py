@@ -125,24 +125,6 @@ def engine_payloads(url: str) -> dict[str, float]:
     return out
 
 
-def phase_totals(url: str) -> dict[str, tuple[float, float]]:
-    """(sum seconds, count) of each phase of the engine's slipstream_engine_weight_bucket_seconds."""
-    import re
-
-    import httpx
-
-    from benchmarks import weight_bus as wb
-
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {wb.API_KEY}"}).text
-    sums: dict[str, float] = {}
-    counts: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r'slipstream_engine_weight_bucket_seconds_(sum|count)\{.*phase="(\w+)".*\} (\S+)', line)
-        if m:
-            (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
-    return {ph: (sums[ph], counts.get(ph, 0.0)) for ph in sums}
-
-
 OPT_IN = {"SLIPSTREAM_IPC_COMPLETION_EVENT": "1", "SLIPSTREAM_ENGINE_COPY_KERNEL": "1"}
 """The handoff's opt-in parts: the engine answers once its copy is queued, with an event the bus waits on;
 the engine copies a load in one kernel (docs/sglang_api.md, /update_weights_from_tensor)."""
@@ -204,7 +186,7 @@ def _measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bo
         m["first_publish_ms"] = (perf_counter() - t0) * 1e3
         m["buckets"] = first.buckets
         d2d_copy_s(nbytes, device, 1)  # untimed
-        warm = phase_totals(engine.url)
+        warm = wb.phase_totals(engine.url)
         copy_s, pub_s, transfer_ms, pause_ms, gather_ms = [], [], [], [], []
         for r in range(args.repeats):
             for side in ("copy", "publish") if r % 2 == 0 else ("publish", "copy"):
@@ -232,7 +214,7 @@ def _measure_publish(args, shape: str, tmp: Path, bucket_mb: int, persistent: bo
         m["timeline_last"] = stats.timeline
         m["engine_bucket_phase_ms"] = wb.engine_phases(engine.url)  # host ms per bucket: wait/receive/load
         m["engine_ipc_payloads"] = engine_payloads(engine.url)  # opened (unpickled) vs kept/ref (repeats)
-        now = phase_totals(engine.url)  # the timed rounds only: host ms per call of each phase
+        now = wb.phase_totals(engine.url)  # the timed rounds only: host ms per call of each phase
         m["engine_call_phase_ms_timed"] = {
             ph: round((s - warm.get(ph, (0, 0))[0]) / (n - warm.get(ph, (0, 0))[1]) * 1e3, 3)
             for ph, (s, n) in now.items()

@@ -343,9 +343,9 @@ def env_info(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def engine_phases(url: str) -> dict[str, float]:
-    """Mean host ms per bucket of each /update_weights_from_distributed phase, from the engine's /metrics
-    (slipstream_engine_weight_bucket_seconds; all publishes of this engine, the untimed first included)."""
+def phase_totals(url: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each phase of the engine's slipstream_engine_weight_bucket_seconds, from
+    its /metrics (all weight loads of this engine so far)."""
     import httpx
 
     text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
@@ -355,7 +355,13 @@ def engine_phases(url: str) -> dict[str, float]:
         m = re.match(r'slipstream_engine_weight_bucket_seconds_(sum|count)\{.*phase="(\w+)".*\} (\S+)', line)
         if m:
             (sums if m[1] == "sum" else counts)[m[2]] = float(m[3])
-    return {ph: round(sums[ph] / counts[ph] * 1e3, 3) for ph in sums if counts.get(ph)}
+    return {ph: (sums[ph], counts.get(ph, 0.0)) for ph in sums}
+
+
+def engine_phases(url: str) -> dict[str, float]:
+    """Mean host ms per bucket of each weight-load phase, from the engine's /metrics (all publishes of
+    this engine, the untimed first included)."""
+    return {ph: round(s / n * 1e3, 3) for ph, (s, n) in phase_totals(url).items() if n}
 
 
 def adapter_weights(shape: str, rank: int, device: torch.device, seed: int) -> list[tuple[str, torch.Tensor]]:
