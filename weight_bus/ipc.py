@@ -339,6 +339,18 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
     return named
 
 
+@dataclasses.dataclass
+class _KeptPayload:
+    """A payload a receiver keeps: the tensors it rebuilt, the CPU storages whose sender references a
+    repeat drops, every storage behind it by address, its reference (PAYLOAD_REF) and its text."""
+
+    named: Named
+    cpu: list[torch.UntypedStorage]
+    held: dict[int, torch.UntypedStorage]
+    ref: str
+    text: str
+
+
 class OpenedHandles:
     """What a receiver opened, kept between calls: the sender storages it mapped, and each payload it
     loaded with the tensors that payload rebuilt, so that a sender repeating a payload (its persistent
@@ -358,11 +370,9 @@ class OpenedHandles:
     def __init__(self) -> None:
         self.kept: dict[int, torch.UntypedStorage] = {}
         self.used: dict[int, torch.UntypedStorage] = {}
-        self.payloads_kept: dict[tuple[str | None, str], tuple[Named, list, dict, str]] = {}
-        self.payloads_used: dict[tuple[str | None, str], tuple[Named, list, dict, str]] = {}
-        """(load format, payload or its reference) -> (its tensors, their CPU storages, their storages by
-        address, its reference). A kept payload is found by its text and by its reference alike."""
-        self.hits = self.misses = 0
+        self.payloads_kept: dict[tuple[str | None, str], _KeptPayload] = {}
+        self.payloads_used: dict[tuple[str | None, str], _KeptPayload] = {}
+        """(load format, payload text or its reference) -> the payload kept: found by either alike."""
 
     def lookup(self, entry: str, load_format: str | None) -> Named | None:
         """The tensors `entry` (a payload, or a reference to one: PAYLOAD_REF) mapped when this receiver
@@ -372,15 +382,11 @@ class OpenedHandles:
         key = (load_format, entry)
         kept = self.payloads_used.get(key) or self.payloads_kept.get(key)
         if kept is None:
-            self.misses += 1
             return None
-        self.hits += 1
-        for s in kept[1]:
+        for s in kept.cpu:
             s._shared_decref()
-        if key not in self.payloads_used:
-            self._use(load_format, kept)
-        self.used.update(kept[2])
-        return kept[0]
+        self._use(load_format, kept)
+        return kept.named
 
     def remember(self, entry: str, load_format: str | None, named: Named) -> str:
         """`entry` loaded into `named`: keep both (and the storages behind them) for the next call.
@@ -388,26 +394,16 @@ class OpenedHandles:
         kept = self.payloads_used.get((load_format, entry))
         if kept is None:
             held = {s.data_ptr(): s for s in storages(t for _, t in named)}
-            cpu = [s for s in held.values() if s.device.type == "cpu"]
             ref = PAYLOAD_REF + hashlib.blake2b(entry.encode(), digest_size=16).hexdigest()
-            kept = (named, cpu, held, ref)
-            self._use(load_format, kept, entry)
-            self.used.update(held)
-        return kept[3]
+            kept = _KeptPayload(named, [s for s in held.values() if s.device.type == "cpu"], held, ref, entry)
+            self._use(load_format, kept)
+        return kept.ref
 
-    def _use(self, load_format: str | None, kept: tuple, entry: str | None = None) -> None:
-        """Mark a kept payload used by this update, under its reference (and its text, when known)."""
-        self.payloads_used[(load_format, kept[3])] = kept
-        if entry is None:  # found by reference or text: carry its text key over too
-            entry = next((e for (f, e), k in self.payloads_kept.items() if k is kept and e != kept[3]), None)
-        if entry is not None:
-            self.payloads_used[(load_format, entry)] = kept
-
-    def hold(self, named: Named) -> None:
-        """Keep the storages behind `named` (tensors a payload mapped) open."""
-        for _, t in named:
-            s = t.untyped_storage()
-            self.used[s.data_ptr()] = s
+    def _use(self, load_format: str | None, kept: _KeptPayload) -> None:
+        """Mark a kept payload (and its storages) used by this update, under its text and its reference."""
+        self.payloads_used[(load_format, kept.text)] = kept
+        self.payloads_used[(load_format, kept.ref)] = kept
+        self.used.update(kept.held)
 
     def end_update(self) -> int:
         """The update ended: keep its storages and payloads, close the others. Returns how many storages
@@ -426,11 +422,6 @@ class OpenedHandles:
 
     def __len__(self) -> int:
         return len(self.kept.keys() | self.used.keys())
-
-    @property
-    def payloads(self) -> int:
-        """Payloads kept for a repeat now."""
-        return len({id(k) for k in (*self.payloads_kept.values(), *self.payloads_used.values())})
 
 
 def storages(tensors) -> list[torch.UntypedStorage]:
