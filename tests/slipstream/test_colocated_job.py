@@ -44,6 +44,8 @@ class Scraper:
     job's trainer and engine serve right then (their addresses are in the job's Redis): what the
     processes themselves counted, not what the spec asked for."""
 
+    REPLICAS = ("trainer-0", "engine-0")
+
     def __init__(self, spec, at_version: int = 3) -> None:
         self.spec, self.at = spec, at_version
         self.seen: list[dict] = []
@@ -60,7 +62,7 @@ class Scraper:
             }
         finally:
             r.close()
-        for replica in ("trainer-0", "engine-0"):
+        for replica in self.REPLICAS:
             text = httpx.get(f"http://{targets[replica]}/metrics", timeout=10).text
             self.samples[replica] = [
                 (s.name, s.labels, s.value)
@@ -137,25 +139,6 @@ class FleetScraper(Scraper):
     """Scraper reading the trainer and both engines of a two-rank job."""
 
     REPLICAS = ("trainer-0", "engine-0", "engine-1")
-
-    def __call__(self, record: dict) -> None:
-        self.seen.append(record)
-        if self.samples or record["version"] < self.at:
-            return
-        r = connect((Path(self.spec.output_dir) / "redis.url").read_text())
-        try:
-            targets = {
-                k.decode(): v.decode() for k, v in r.hgetall(JobKeys(self.spec.name).metrics_targets).items()
-            }
-        finally:
-            r.close()
-        for replica in self.REPLICAS:
-            text = httpx.get(f"http://{targets[replica]}/metrics", timeout=10).text
-            self.samples[replica] = [
-                (s.name, s.labels, s.value)
-                for fam in text_string_to_metric_families(text)
-                for s in fam.samples
-            ]
 
 
 def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_path, demo_model):
