@@ -61,6 +61,20 @@ def tools_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def untrained_tools_model_dir(tmp_path_factory):
+    """The tiny tool model's tokenizer and ChatML layout with random weights (no warm-up): what it writes
+    is noise unless a grammar constrains it."""
+    from model_zoo.tiny_tools import build_tiny_tools
+
+    class Problem:
+        prompt, expression, answer = "What is 2 plus 3?", "2+3", 5
+
+    path = tmp_path_factory.mktemp("untrained_tools")
+    build_tiny_tools(path, [Problem()], warmup_steps=0)
+    return path
+
+
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE
 # at the end of a run (`make test` prints its head, so CI's log shows where the suite's time goes).
 DURATIONS_FILE = "test-durations.txt"

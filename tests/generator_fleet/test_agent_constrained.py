@@ -153,16 +153,10 @@ def test_call_schema_of_several_tools():
 
 
 @pytest.fixture(scope="module")
-def engine_url(tmp_path_factory):
+def engine_url(untrained_tools_model_dir):
     from generator_fleet.engine import EngineServer
-    from model_zoo.tiny_tools import build_tiny_tools
 
-    class Problem:
-        prompt, expression, answer = "What is 2 plus 3?", "2+3", 5
-
-    path = tmp_path_factory.mktemp("untrained_tools")
-    build_tiny_tools(path, [Problem()], warmup_steps=0)
-    server = EngineServer(str(path), api_key=API_KEY, context_length=512).start()
+    server = EngineServer(str(untrained_tools_model_dir), api_key=API_KEY, context_length=512).start()
     yield server.url
     server.stop()
 
