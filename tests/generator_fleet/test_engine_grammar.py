@@ -6,13 +6,13 @@ sample, streaming ends where the grammar does, and the metrics count it all."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import httpx
 import pytest
 import torch
 import xgrammar as xgr
+from sse_stream import stream_objects
 from tiny_engine_model import build_noisy_model, greedy_reference
 
 from generator_fleet.engine import EngineServer
@@ -237,17 +237,7 @@ def test_http_ebnf_and_streaming_end_where_the_grammar_does(server):
     assert whole.status_code == 200, whole.text
     text = whole.json()["text"]
     assert re.fullmatch(r"[1-9][0-9]?\+[1-9][0-9]?=[1-9][0-9]?", text), text
-    chunks = []
-    with httpx.stream(
-        "POST",
-        server.url + "/generate",
-        json={"text": "12+34=", "sampling_params": sp, "stream": True},
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=120,
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
-                chunks.append(json.loads(line[len("data:") :]))
+    chunks = stream_objects(server.url, {"text": "12+34=", "sampling_params": sp, "stream": True}, API_KEY)
     assert chunks[-1]["text"] == text
     assert chunks[-1]["meta_info"]["finish_reason"] == whole.json()["meta_info"]["finish_reason"]
 

@@ -11,6 +11,7 @@ import re
 
 import httpx
 import pytest
+from sse_stream import stream_objects
 
 sgl = pytest.importorskip("sglang", reason="SGLang's frontend (sglang.lang) is not installed")
 
@@ -116,17 +117,8 @@ def test_stop_regex_stops_at_the_first_match_and_keeps_it(backend):
     assert [b["text"] for b in batch] == [expected] * 4
 
     # Streaming ends at the same point.
-    chunks = []
-    with httpx.stream(
-        "POST",
-        backend.base_url + "/generate",
-        json={"text": prompt, "sampling_params": {**sp, "stop_regex": pattern}, "stream": True},
-        headers={"Authorization": f"Bearer {API_KEY}"},
-        timeout=120,
-    ) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:") and line.strip() != "data: [DONE]":
-                chunks.append(json.loads(line[len("data:") :]))
+    body = {"text": prompt, "sampling_params": {**sp, "stop_regex": pattern}, "stream": True}
+    chunks = stream_objects(backend.base_url, body, API_KEY)
     assert chunks[-1]["text"] == expected
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": pattern}
 
@@ -222,17 +214,14 @@ PERSON_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def json_backend(tmp_path_factory):
+def json_backend(untrained_tools_model_dir):
     from generator_fleet.engine import EngineServer
-    from model_zoo.tiny_tools import build_tiny_tools
 
-    class Problem:
-        prompt, expression, answer = "What is 2 plus 3?", "2+3", 5
-
-    path = tmp_path_factory.mktemp("ascii_model")
-    build_tiny_tools(path, [Problem()], warmup_steps=0)
     server = EngineServer(
-        str(path), api_key=API_KEY, context_length=512, constrained_json_disable_any_whitespace=True
+        str(untrained_tools_model_dir),
+        api_key=API_KEY,
+        context_length=512,
+        constrained_json_disable_any_whitespace=True,
     ).start()
     try:
         yield sgl.RuntimeEndpoint(server.url, api_key=API_KEY)
