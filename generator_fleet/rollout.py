@@ -171,10 +171,7 @@ class RolloutWorker:
             )
             if admitted_at is None:
                 metrics.ADMISSION_WAITS.inc()
-                try:
-                    await asyncio.wait_for(self._stop.wait(), ADMISSION_POLL_S)
-                except TimeoutError:
-                    pass
+                await self._idle(ADMISSION_POLL_S)
                 continue
             problem = await self._next_problem()
             await self.producer.begin(problem.prompt_id)
@@ -185,10 +182,7 @@ class RolloutWorker:
                 self._given_up_in_a_row += 1
                 wait_s = min(RETRY_BACKOFF_S * 2**self._given_up_in_a_row, GIVE_UP_BACKOFF_MAX_S)
                 log.error("group for %s given up: %s; next group in %.1f s", problem.prompt_id, e, wait_s)
-                try:
-                    await asyncio.wait_for(self._stop.wait(), wait_s)
-                except TimeoutError:
-                    pass
+                await self._idle(wait_s)
                 continue
             self._given_up_in_a_row = 0
             if reason := await self._filter(samples):
@@ -199,6 +193,13 @@ class RolloutWorker:
                 continue
             await self.producer.put(make_group(self.config.name, problem.prompt_id, samples), admitted_at)
             self.produced += 1
+
+    async def _idle(self, seconds: float) -> None:
+        """Wait `seconds`, or less when the worker is stopped meanwhile."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _filter(self, samples: list[Sample]) -> str | None:
         """Why a finished group is not put into the buffer, or None to keep it. `overlong`: overlong
