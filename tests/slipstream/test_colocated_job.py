@@ -22,7 +22,8 @@ WINDOW = 8
 """Steps averaged at the start and at the end of a job to tell whether reward rose."""
 
 
-def _spec(tmp_path, model, name: str, max_staleness: int):
+def _spec(tmp_path, model, name: str, max_staleness: int, steps: int = STEPS, **sections):
+    """The colocated a+b job; `sections` (trainer, generators, ...) are added to its spec."""
     return jobspec.from_dict(
         {
             "name": name,
@@ -32,9 +33,10 @@ def _spec(tmp_path, model, name: str, max_staleness: int):
             "dataset": {"name": "arith", "max_operand": 4},
             "reward": {"name": "arith", "format_weight": 0.1},
             "rollout": {"group_size": 8, "concurrency": 8, "sampling": {"max_new_tokens": 6}},
-            "algorithm": {"lr": 1e-3, "groups_per_step": 8, "total_steps": STEPS},
+            "algorithm": {"lr": 1e-3, "groups_per_step": 8, "total_steps": steps},
             "buffer": {"max_staleness": max_staleness},
             "placement": "colocated",
+            **sections,
         }
     )
 
@@ -148,20 +150,14 @@ def test_colocated_job_on_two_ranks_hands_each_engine_its_own_ranks_weights(tmp_
     that a colocated job learns is the two tests above (a 2-rank job of a few steps moves the reward too
     little to tell from noise)."""
     steps = 8
-    spec = jobspec.from_dict(
-        {
-            "name": "colo-2ranks",
-            "output_dir": str(tmp_path / "run"),
-            "model": {"path": str(demo_model), "build": "tiny-arith", "warmup_steps": 100},
-            "dataset": {"name": "arith", "max_operand": 4},
-            "reward": {"name": "arith", "format_weight": 0.1},
-            "rollout": {"group_size": 8, "concurrency": 8, "sampling": {"max_new_tokens": 6}},
-            "algorithm": {"lr": 1e-3, "groups_per_step": 8, "total_steps": steps},
-            "buffer": {"max_staleness": 1},
-            "placement": "colocated",
-            "trainer": {"num_trainers": 2},
-            "generators": {"num_engines": 2},
-        }
+    spec = _spec(
+        tmp_path,
+        demo_model,
+        "colo-2ranks",
+        1,
+        steps,
+        trainer={"num_trainers": 2},
+        generators={"num_engines": 2},
     )
     assert spec.bus.backend == "ipc" and spec.schedule == "async"
     scraper = FleetScraper(spec)
