@@ -226,7 +226,9 @@ def test_more_minibatches_than_samples_per_rank_is_refused_at_the_key(tiny_model
 @pytest.mark.slow
 def test_a_job_with_minibatches_clips_and_records_it(tmp_path, tiny_model_dir):
     """A short real CPU job (Redis, Ray, a built-in engine, the weight bus) with 2 mini-batches per batch;
-    staleness 0 makes every batch fully on-policy, so the engines' logprobs are pi_prox."""
+    staleness 0 makes every batch fully on-policy, so the engines' logprobs are pi_prox. The untrained
+    model earns a reward in few groups, and a batch of uniform-reward groups has no gradient and so
+    nothing to clip: dynamic sampling keeps those groups out, so every mini-batch has advantages."""
     from slipstream.job.local import run_job
 
     spec = jobspec.from_dict(
@@ -234,7 +236,12 @@ def test_a_job_with_minibatches_clips_and_records_it(tmp_path, tiny_model_dir):
             "name": "minibatch",
             "output_dir": str(tmp_path / "run"),
             "model": {"path": str(tiny_model_dir)},
-            "rollout": {"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 6}},
+            "rollout": {
+                "group_size": 4,
+                "concurrency": 4,
+                "sampling": {"max_new_tokens": 6},
+                "dynamic_sampling": {"enabled": True},
+            },
             "algorithm": {
                 "groups_per_step": 2,
                 "total_steps": 3,
@@ -250,5 +257,6 @@ def test_a_job_with_minibatches_clips_and_records_it(tmp_path, tiny_model_dir):
     result = run_job(spec, on_progress=seen.append)
     assert result.version == 3 and [r["version"] for r in seen] == [1, 2, 3]  # one version per batch
     assert all(r["optimizer_steps"] == 2 and r["prox_source"] == "engine" for r in seen)
+    assert all(r["reward_mean"] > 0 for r in seen)  # no batch of uniform groups only
     assert max(r["clip_fraction"] for r in seen) > 0
     assert all(r["ratio_min"] <= r["ratio_max"] for r in seen)
