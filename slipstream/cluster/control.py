@@ -28,10 +28,12 @@ from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
 from slipstream.cluster.job_store import (
     ACTIVE_STATES,
+    NO_POOLS,
     JobStore,
     check_name,
     checkpoint_dir,
     latest_checkpoint,
+    resume_fields,
 )
 from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
 from slipstream.job.progress import ProgressReader
@@ -169,24 +171,9 @@ class JobControl:
             new, why = "stopped", f"stopped by Ray before the driver could report: {message}"
         else:
             new, why = "interrupted", f"the driver is gone without reporting an end: {message or ray_status}"
-        ck = latest_checkpoint(checkpoint_dir(json.loads(self.store.spec_json(name) or "{}")))
-        note = (
-            f"latest checkpoint at version {ck['version']}: {ck['path']} "
-            "(resume: submit with trainer.resume_from: latest)"
-            if ck
-            else "no checkpoint was written (a resubmission starts from the initial model)"
-        )
-        error = f"{why}; last reported version {st.get('version', 0)}; {note}"
-        st = self.store.update_status(
-            name,
-            state=new,
-            error=error,
-            checkpoint=ck["path"] if ck else "",
-            checkpoint_version=ck["version"] if ck else None,
-            note=note,
-            phase=None,
-            pools={"generators": 0, "rollout_workers": 0, "trainers": 0},
-        )
+        resume = resume_fields(json.loads(self.store.spec_json(name) or "{}"))
+        error = f"{why}; last reported version {st.get('version', 0)}; {resume['note']}"
+        st = self.store.update_status(name, state=new, error=error, phase=None, pools=NO_POOLS, **resume)
         st["ray_status"] = ray_status
         log.warning("job %s: %s -> %s: %s", name, state, new, error)
         return st

@@ -142,6 +142,27 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any] | None:
         return None
 
 
+NO_POOLS = {"generators": 0, "rollout_workers": 0, "trainers": 0}
+"""The `pools` status field of a job that ended."""
+
+
+def resume_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """The status fields of a job that ended without its driver's report: `checkpoint` (path, "" if
+    none), `checkpoint_version` and `note`, one line on what a resubmission starts from."""
+    ck = latest_checkpoint(checkpoint_dir(spec))
+    note = (
+        f"latest checkpoint at version {ck['version']}: {ck['path']} "
+        "(resume: submit with trainer.resume_from: latest)"
+        if ck
+        else "no checkpoint was written (a resubmission starts from the initial model)"
+    )
+    return {
+        "checkpoint": ck["path"] if ck else "",
+        "checkpoint_version": ck["version"] if ck else None,
+        "note": note,
+    }
+
+
 def checkpoint_dir(spec: dict[str, Any]) -> Path:
     """Where a job's checkpoints go, from its resolved spec (as stored at submit)."""
     tr = spec.get("trainer") or {}

@@ -22,6 +22,8 @@ import os
 import re
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from jobspec import JobSpec
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.cluster.job_store import JobStore, check_name
+from slipstream.cluster.job_store import NO_POOLS, JobStore, check_name, resume_fields
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
@@ -411,6 +413,52 @@ def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
 
 
+RAY_CONNECT_GRACE_S = 10.0
+"""How long ray.init may still block after the job's stop was requested or its Redis went away."""
+
+
+def _connect_ray(store: JobStore, job: str) -> None:
+    """ray.init, watched. While the Ray cluster it dials goes away (a cluster down racing the driver's
+    start), Ray's GCS client blocks in C++, where no Python signal handler runs, SIGTERM's included: the
+    driver would outlive its cluster. A watchdog thread ends the process if ray.init has not returned
+    RAY_CONNECT_GRACE_S after a stop was requested or the cluster's Redis went away; the control API marks
+    the job from Ray's state (`_reconcile`)."""
+    import ray
+
+    connected = threading.Event()
+
+    def watch() -> None:
+        since = None
+        while not connected.wait(1.0):
+            try:
+                why = "its stop was requested" if store.desired(job)["stop"] else None
+            except redis.RedisError as e:
+                why = f"the cluster's Redis is gone ({e})"
+            since = (since or time.monotonic()) if why else None
+            if (
+                since is not None
+                and time.monotonic() - since >= RAY_CONNECT_GRACE_S
+                and not connected.is_set()
+            ):
+                log.error(
+                    "job %s: %s and Ray has not answered for %.0f s since: the driver exits",
+                    job, why, RAY_CONNECT_GRACE_S,
+                )  # fmt: skip
+                for h in logging.getLogger().handlers:
+                    h.flush()
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ray-connect-watch", daemon=True).start()
+    try:
+        # The Ray job's runtime env (PYTHONPATH, HF_HUB_OFFLINE: slipstream/cluster/control.py) reaches
+        # every actor.
+        ray.init(
+            address="auto", namespace=f"slipstream-{job}", log_to_driver=True, logging_level=logging.WARNING
+        )
+    finally:
+        connected.set()
+
+
 def main(argv: list[str] | None = None) -> int:
     from slipstream.cluster import state as cluster_state
 
@@ -448,12 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger().addHandler(fh)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
+    if (want := store.desired(args.job))["stop"]:  # a stop (or cluster down) came between submit and here
+        resume = resume_fields(msgspec.json.decode(store.spec_json(args.job)))
+        store.update_status(args.job, state="stopped", phase=None, pools=NO_POOLS, **resume)
+        log.info(
+            "job %s stopped before its driver started (%s): %s",
+            args.job, want.get("stop_reason") or "stop requested", resume["note"],
+        )  # fmt: skip
+        return 0
     import ray
 
-    # The Ray job's runtime env (PYTHONPATH, HF_HUB_OFFLINE: slipstream/cluster/control.py) reaches every actor.
-    ray.init(
-        address="auto", namespace=f"slipstream-{args.job}", log_to_driver=True, logging_level=logging.WARNING
-    )
+    _connect_ray(store, args.job)
     signal.signal(signal.SIGTERM, _raise_stop)
     driver = JobDriver(spec, redis_url, store)
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)

@@ -386,6 +386,55 @@ def test_a_driver_without_its_jobs_spec_fails_instead_of_running_defaults(info):
 
 
 @pytest.mark.slow
+def test_a_job_stopped_before_its_driver_starts_ends_stopped_without_ray(info, tmp_path):
+    """A stop (or a cluster down) right after submit can reach the job before its driver connects to Ray:
+    the driver ends the job as stopped, with what a resubmission starts from, before connecting to Ray."""
+    control = JobControl(info)
+    spec = jobspec.to_json(jobspec.loads(f"name: early\noutput_dir: {tmp_path / 'early'}"))
+    control.store.create("early", spec, 1, 1)
+    control._job_credentials("early")
+    control.store.request_stop("early", reason="cluster down")
+    run = _driver(info, "early")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "job early stopped before its driver started (cluster down)" in run.stdout, run.stdout
+    st = control.store.status("early")
+    assert st["state"] == "stopped" and st["checkpoint"] == "" and st["checkpoint_version"] is None, st
+    assert "no checkpoint was written" in st["note"] and st["pools"]["trainers"] == 0, st
+
+
+# What ray.init does while the GCS it dials is gone: block inside Ray's C++ client, where no Python signal
+# handler runs (a sleep stands in for it); the driver's watchdog is what ends the process.
+HUNG_CONNECT = """
+import sys, time
+import ray, redis
+from slipstream.cluster.job_store import JobStore
+from slipstream.job import driver
+ray.init = lambda **kw: time.sleep(600)
+driver.RAY_CONNECT_GRACE_S = 1.0
+driver._connect_ray(JobStore(redis.Redis.from_url(sys.argv[1])), sys.argv[2])
+"""
+
+
+@pytest.mark.slow
+def test_a_driver_stuck_connecting_to_ray_exits_once_its_stop_is_requested(info):
+    control = JobControl(info)
+    control.store.create("hung", jobspec.to_json(jobspec.loads("name: hung")), 1, 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HUNG_CONNECT, info.redis_admin_url, "hung"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # no stop requested: it waits for Ray
+        control.store.request_stop("hung")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "job hung: its stop was requested and Ray has not answered for 1 s since" in out, out
+
+
+@pytest.mark.slow
 def test_a_job_whose_trainer_fails_carries_the_real_cause(info, tmp_path, tiny_model_dir):
     from slipstream.cli.jobs import ControlClient
 
