@@ -2,7 +2,8 @@
 model, a built-in engine pinned to the trainer's host, weights handed over through the ipc bus (shared
 memory), real Redis, Ray and HTTP. The sync schedule releases the engine's memory before every optimizer
 step and resumes it around the publish; the async one keeps both resident; two trainer ranks each hand
-the weights to their own engine. Reward rises in all of them."""
+the weights to their own engine. Reward rises in the sync and the async job (the two-rank job is too short
+to tell a rise from noise: it checks that every version reaches both engines)."""
 
 from pathlib import Path
 

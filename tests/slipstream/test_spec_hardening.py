@@ -4,7 +4,9 @@ inside its own directory; non-finite numbers, absurd counts and pools over the s
 submit; `--set name=123` is the name "123"; relative paths follow one rule (the command's working
 directory) in validate and submit; two processes building one model.path build it once, and neither reads
 it half-written; a driver whose job has no valid stored spec fails the job instead of running defaults;
-and a job whose trainer cannot build its weight-update group fails with that cause in its error.
+a driver whose job was stopped before it connected to Ray ends it stopped, and one stuck connecting to Ray
+exits once the stop is requested; and a job whose trainer cannot build its weight-update group fails with
+that cause in its error.
 
 The submit path runs on the real JobControl over a real Redis with no Ray behind it (as in
 test_api_fuzz.py): a spec that passes every check reaches Ray's job submission, which fails (503). The
