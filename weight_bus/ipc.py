@@ -76,6 +76,12 @@ _DEVICE_ARG = 6
 Named = list[tuple[str, torch.Tensor]]
 
 
+class NamedTensors(list):
+    """The (name, tensor) pairs one payload mapped: a list that can be weakly referenced, so that a
+    receiver's per-load state (the engine's copy plan: generator_fleet/engine/multi_copy.py) can know the
+    very list of a kept payload again without holding its mappings open."""
+
+
 @dataclasses.dataclass
 class FlattenedTensorMetadata:
     """One tensor of a flattened bucket: bytes [start_idx, end_idx) of the flat uint8 tensor (SGLang's
@@ -326,7 +332,7 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
         flat = obj["flattened_tensor"]
         if not isinstance(flat, torch.Tensor):
             raise ValueError("flattened_tensor is not a tensor")
-        return reconstruct(flat, list(obj["metadata"]))
+        return NamedTensors(reconstruct(flat, list(obj["metadata"])))
     if isinstance(obj, dict):
         obj = list(obj.items())
     named = []
@@ -336,7 +342,7 @@ def load_payload(entry: str | bytes, load_format: str | None) -> Named:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
             raise ValueError("a direct payload is a list of (name, tensor) pairs")
         named.append((str(item[0]), item[1]))
-    return named
+    return NamedTensors(named)
 
 
 @dataclasses.dataclass

@@ -1,32 +1,35 @@
 """Many tensor copies as one kernel: a weight update copies hundreds of tensors (338 for a Qwen2.5-1.5B
-shape), and `torch._foreach_copy_` over them runs at about 60% of one flat copy's bandwidth on an H200
-(2.3-2.5 ms against 1.47 ms for 3.1 GB). A `CopyPlan` splits every (source, destination) pair into
+shape), and `torch._foreach_copy_` over them runs at about 65% of one flat copy's bandwidth on an H200
+(2.22 ms against 1.45 ms for 3.09 GB). A `CopyPlan` splits every (source, destination) pair into
 fixed-size chunks and copies all of them in one Triton launch that reads each chunk's addresses from a
-table on the device, so the copy runs at flat-copy speed whatever the tensors' sizes.
+table on the device, with 16-byte accesses: 1.52 ms for the same tensors (benchmarks/probes/weight_copy.py,
+nvidia-h200, 2026-11-25).
 
 A plan is built once for a list of pairs and reused while the same tensors come again (a sender's
 persistent buffers, whose payload the engine keeps: weight_bus.ipc.OpenedHandles). Pairs that differ in
-dtype (a cast), are not contiguous, or whose addresses or sizes do not fall on 8-byte words go through
-`torch._foreach_copy_` as before; so does everything off CUDA or without Triton.
-
-Off unless SLIPSTREAM_ENGINE_COPY_KERNEL=1: the kernel is not yet measured on a GPU
-(benchmarks/probes/weight_copy.py times it against both copies; tests/generator_fleet/test_multi_copy.py
-checks it there).
+dtype (a cast), are not contiguous, or whose addresses or sizes are not 16-byte multiples go through
+`torch._foreach_copy_`; so does everything off CUDA or without Triton. SLIPSTREAM_ENGINE_COPY_KERNEL=0
+turns the kernel off.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
+from collections.abc import Callable
 
 import torch
 
 log = logging.getLogger(__name__)
 
 WORD = 8
-"""Bytes one element of the copy moves (int64 words)."""
+"""Bytes one element of the copy is (int64 words); each thread moves two at a time (16-byte accesses)."""
+ALIGN = 16
+"""Bytes every address and size the kernel takes is a multiple of (what lets it use 16-byte accesses)."""
 BLOCK = 8192
 """Words per chunk: one program copies 64 KiB."""
+NUM_WARPS = 8
 ENABLE_ENV = "SLIPSTREAM_ENGINE_COPY_KERNEL"
 
 try:
@@ -39,18 +42,23 @@ if triton is not None:
 
     @triton.jit
     def _copy_chunks(src_ptrs, dst_ptrs, words, chunk_pair, chunk_start, BLOCK: tl.constexpr):
+        """One chunk of one pair per program. The alignment hints (ALIGN, which the plan checked) and
+        an unmasked body for whole chunks make every access 16 bytes wide."""
         pid = tl.program_id(0)
         pair = tl.load(chunk_pair + pid)
-        start = tl.load(chunk_start + pid)
-        n = tl.load(words + pair)
-        src = tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64))
-        dst = tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64))
+        start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
+        n = tl.multiple_of(tl.load(words + pair), 2)
+        src = tl.multiple_of(tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64)), 16)
+        dst = tl.multiple_of(tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64)), 16)
         idx = start + tl.arange(0, BLOCK)
-        mask = idx < n
-        tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+        if start + BLOCK <= n:
+            tl.store(dst + idx, tl.load(src + idx))
+        else:
+            mask = idx < n
+            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
 
 
-def _word_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def _kernel_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     nbytes = src.numel() * src.element_size()
     return (
         src.dtype == dst.dtype
@@ -58,22 +66,33 @@ def _word_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
         and src.is_contiguous()
         and dst.is_contiguous()
         and src.device == dst.device
-        and nbytes % WORD == 0
-        and src.data_ptr() % WORD == 0
-        and dst.data_ptr() % WORD == 0
+        and nbytes % ALIGN == 0
+        and src.data_ptr() % ALIGN == 0
+        and dst.data_ptr() % ALIGN == 0
     )
 
 
 class CopyPlan:
     """The copies of `pairs` (destination, source), split into one chunked kernel for the pairs it can
-    take and a foreach copy for the rest. Valid while every tensor stays where it was (`matches`)."""
+    take and a foreach copy for the rest. Valid while every tensor stays where it was (MultiCopy matches
+    it to a load by `key`, or by `source`)."""
 
-    def __init__(self, dst: list[torch.Tensor], src: list[torch.Tensor], key: tuple) -> None:
+    def __init__(
+        self,
+        dst: list[torch.Tensor],
+        src: list[torch.Tensor],
+        key: tuple,
+        block: int = BLOCK,
+        num_warps: int = NUM_WARPS,
+    ) -> None:
         self.key = key
+        self.source: weakref.ref | None = None
+        """The (name, tensor) list the plan was last run for, while it lives (MultiCopy.copy)."""
+        self.block, self.num_warps = block, num_warps
         device = src[0].device if src else torch.device("cpu")
         fast = triton is not None and device.type == "cuda"
         words = [d.numel() * d.element_size() // WORD for d in dst]
-        kernel = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if fast and _word_copyable(d, s)]
+        kernel = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if fast and _kernel_copyable(d, s)]
         self.rest = sorted(set(range(len(dst))) - set(kernel))
         self.rest_dst = [dst[i] for i in self.rest]
         self.rest_src = [src[i] for i in self.rest]
@@ -82,7 +101,7 @@ class CopyPlan:
         if kernel:
             pair_of_chunk, start_of_chunk = [], []
             for j, i in enumerate(kernel):
-                starts = range(0, words[i], BLOCK)
+                starts = range(0, words[i], block)
                 pair_of_chunk += [j] * len(starts)
                 start_of_chunk += starts
             table = torch.tensor(
@@ -107,8 +126,8 @@ class CopyPlan:
                 self.words,
                 self.chunk_pair,
                 self.chunk_start,
-                BLOCK=BLOCK,
-                num_warps=8,
+                BLOCK=self.block,
+                num_warps=self.num_warps,
             )
         if self.rest:
             torch._foreach_copy_(self.rest_dst, self.rest_src)
@@ -118,32 +137,52 @@ class MultiCopy:
     """The engine's weight copies: the last plan is kept and reused while the same tensors come again.
     A plan holds addresses, not tensors (a sender buffer the engine closes is not kept mapped by it); it
     is matched by the destinations' names (parameters stay where they are until `clear`), the sources'
-    addresses and dtypes (their sizes are the destinations', checked before any copy)."""
+    addresses and dtypes (their sizes are the destinations', checked before any copy). A repeat of the
+    very (name, tensor) list the plan last ran for (a payload the engine keeps mapped: the same list
+    object, weakly referenced) matches without that comparison."""
 
-    def __init__(self, enabled: bool | None = None) -> None:
-        """`enabled`: use the kernel (None: SLIPSTREAM_ENGINE_COPY_KERNEL=1); else every copy is foreach."""
-        self.enabled = os.environ.get(ENABLE_ENV) == "1" if enabled is None else enabled
+    def __init__(self, enabled: bool | None = None, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+        """`enabled`: use the kernel (None: unless SLIPSTREAM_ENGINE_COPY_KERNEL=0); else every copy is
+        foreach. `block` (words per chunk) and `num_warps`: the kernel's launch shape."""
+        self.enabled = os.environ.get(ENABLE_ENV, "1") != "0" if enabled is None else enabled
+        self.block, self.num_warps = block, num_warps
         self.plan: CopyPlan | None = None
         self.plans_built = 0
 
-    def copy(self, names: list[str], dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-        if not dst:
+    def copy(
+        self,
+        named: list[tuple[str, torch.Tensor]],
+        dst_of: Callable[[list[str]], list[torch.Tensor]],
+    ) -> None:
+        """Copy every tensor of `named` into its destination (`dst_of(names)`, the same shapes)."""
+        if not named:
             return
+        plan = self.plan
+        if plan is not None and plan.source is not None and plan.source() is named:
+            plan.run()
+            return
+        names = [n for n, _ in named]
+        src = [t for _, t in named]
+        dst = dst_of(names)
         if not self.enabled or src[0].device.type != "cuda" or triton is None:
             torch._foreach_copy_(dst, src)
             return
         key = (tuple(names), tuple(map(torch.Tensor.data_ptr, src)), tuple(t.dtype for t in src))
-        if self.plan is None or self.plan.key != key:
-            self.plan = CopyPlan(dst, src, key)
+        if plan is None or plan.key != key:
+            plan = self.plan = CopyPlan(dst, src, key, self.block, self.num_warps)
             self.plans_built += 1
             log.debug(
                 "weight copy plan: %d tensors, %d chunks in one kernel (%.1f MB), %d by foreach",
                 len(dst),
-                self.plan.chunks,
-                self.plan.kernel_bytes / 1e6,
-                len(self.plan.rest),
+                plan.chunks,
+                plan.kernel_bytes / 1e6,
+                len(plan.rest),
             )
-        self.plan.run()
+        try:
+            plan.source = weakref.ref(named)
+        except TypeError:  # a plain list: matched by its key next time
+            plan.source = None
+        plan.run()
 
     def clear(self) -> None:
         """Forget the plan (the weights moved: a release and resume re-allocates them)."""

@@ -360,8 +360,9 @@ class Runner:
         """Copy tensors into the parameters of the same HF name at a step boundary; all names and shapes
         are checked first, so a bad request changes nothing (`checked`: these very tensors were checked
         by an earlier call). The copies go as one kernel (engine/multi_copy.py; a multi-tensor copy where a
-        cast is needed, and off CUDA). WeightsReleased while the weights are
-        released (release_memory): SGLang's weights are not there to load into either."""
+        cast is needed, and off CUDA); a kept payload's list (`named_tensors` itself) reuses its plan.
+        WeightsReleased while the weights are released (release_memory): SGLang's weights are not there
+        to load into either."""
         self._check_weights_present()
         if not checked:
             unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
@@ -378,14 +379,16 @@ class Runner:
 
         def apply() -> None:
             self._check_weights_present()  # a release may have come between the checks and this step
-            names = [n for n, _ in named_tensors]
-            dst = [self._named_tensors[n] for n in names]
             with torch.no_grad():
-                self._copy.copy(names, dst, [t for _, t in named_tensors])
+                self._copy.copy(named_tensors, self._destinations)
             if weight_version is not None:
                 self._weight_version = str(weight_version)
 
         self.at_step_boundary(apply)
+
+    def _destinations(self, names: list[str]) -> list[torch.Tensor]:
+        """The parameters of these HF names (the destinations of a weight load)."""
+        return [self._named_tensors[n] for n in names]
 
     # ---- LoRA adapters -----------------------------------------------------------------------------
 
