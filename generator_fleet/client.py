@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from weight_bus.engine_client import auth_headers
+from weight_bus.engine_client import KEEPALIVE_S, auth_headers
 
 DEFAULT_TIMEOUT_S = 1800.0
 """Read timeout per call: a /generate may legitimately wait out a long pause for a weight update."""
@@ -147,7 +147,11 @@ class EngineClient:
             headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
             # A rollout worker keeps hundreds of /generate calls open on one engine.
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_S,
+            ),
         )
 
     async def __aenter__(self) -> EngineClient:

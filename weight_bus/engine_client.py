@@ -35,6 +35,13 @@ from weight_bus.schema import (
 PROBE_TIMEOUT_S = 5.0
 """GET /get_server_info bound (it never waits on a collective), and a channel's connect timeout."""
 
+KEEPALIVE_S = 4.0
+"""An idle pooled connection to an engine is not reused after this long (this client's and the rollout's,
+generator_fleet/client.py): under the 5 s after which uvicorn (SGLang's server and the built-in engine)
+closes an idle connection. At httpx's default, also 5 s, a request can be written into a connection the
+engine is closing, and fails with no response (the pipelined weight calls reconnect after 1 s idle:
+weight_bus/pipeline.py)."""
+
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header every engine checks (the job's engine key), for generation and control calls alike."""
@@ -62,7 +69,10 @@ class EngineClient:
         # the server's delayed ACK of the headers, 40 ms per call on Linux.
         nodelay = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
         self._http = httpx.Client(
-            headers=self.headers, timeout=timeout_s, transport=httpx.HTTPTransport(socket_options=nodelay)
+            headers=self.headers,
+            timeout=timeout_s,
+            transport=httpx.HTTPTransport(socket_options=nodelay),
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
 
     @property

@@ -144,6 +144,20 @@ class DirectPayload:
         )
 
 
+def wait_event(event: torch.cuda.Event, deadline: float) -> bool:
+    """Wait for another process's CUDA event, bounded: spin on `query` (a weight copy takes milliseconds),
+    then poll every 0.1 ms. An unbounded `synchronize` could wait forever on an event whose process died
+    before its work ran. Returns whether the event completed by `deadline` (time.monotonic)."""
+    spin_until = time.monotonic() + 0.005
+    while not event.query():
+        now = time.monotonic()
+        if now > deadline:
+            return False
+        if now > spin_until:
+            time.sleep(1e-4)
+    return True
+
+
 def _addresses(tensors: list[torch.Tensor]) -> list[int]:
     return list(map(torch.Tensor.data_ptr, tensors))
 
@@ -161,10 +175,10 @@ class IpcTransfer(Transfer):
         self.max_failures = 1 << 30  # each failure drops the engines that failed: no rebuild to bound
         self.abort_in_call = False
         """The update folds a pause of mode abort into its one call (abort_all_requests)."""
-        self.completion_event = os.environ.get(COMPLETION_EVENT_ENV) == "1"
+        self.completion_event = os.environ.get(COMPLETION_EVENT_ENV, "1") != "0"
         """CUDA: built-in engines answer once their copy is queued, with an event this side waits on
-        (BuiltinUpdateWeightsFromTensor.completion); off unless SLIPSTREAM_IPC_COMPLETION_EVENT=1 until
-        it is measured on a GPU."""
+        (BuiltinUpdateWeightsFromTensor.completion), so the answer's trip overlaps the copy; off with
+        SLIPSTREAM_IPC_COMPLETION_EVENT=0 (the engine then answers once its copy is done)."""
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
@@ -352,16 +366,23 @@ class IpcTransfer(Transfer):
             raise UpdateFailed(
                 b, {u: TimeoutError("no answer in time") for u, f in b.calls.items() if f in late}, None
             )
-        for e in self.members.engines:
-            if e.builtin and (f := b.calls.get(e.url)) is not None:
-                self._answered(e, b, f.result())
+        deadline = time.monotonic() + self.timeout_s
+        copies = {
+            e.url: self._answered(e, b, f.result(), deadline)
+            for e in self.members.engines
+            if e.builtin and (f := b.calls.get(e.url)) is not None
+        }
+        if late := {u: TimeoutError("its copy was not done in time") for u, ok in copies.items() if not ok}:
+            raise UpdateFailed(b, late, None)
         b.times[1] = b.times[2] = time.perf_counter()
         return b
 
-    def _answered(self, e, b: Bucket, answer: dict) -> None:
+    def _answered(self, e, b: Bucket, answer: dict, deadline: float) -> bool:
         """A built-in engine answered bucket b: remember the reference to the payload it keeps (the
         references of this update and the one before, as the engine keeps them), and wait for its copy
-        to be done when it answered with an event (then the bucket's memory may be written again)."""
+        to be done when it answered with an event (then the bucket's memory may be written again).
+        Returns whether the copy is done: False when the event did not complete by `deadline` (an engine
+        that died or hung after answering; it is dropped as one that did not answer)."""
         if ref := answer.get("payload_ref"):
             e.payload_refs[b.payload] = ref
         if b.last:
@@ -370,7 +391,8 @@ class IpcTransfer(Transfer):
             if e.copy_event is None or e.copy_event[0] != handle:
                 event = torch.cuda.Event.from_ipc_handle(self.device, base64.b64decode(handle))
                 e.copy_event = (handle, event)
-            e.copy_event[1].synchronize()
+            return wait_event(e.copy_event[1], deadline)
+        return True
 
     def recover(self, failure: UpdateFailed, pending: deque[Bucket], confirmed: int) -> list[str]:
         """Drop the engines that failed (dead, or no answer in time); the others keep their calls. An

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,7 @@ from metrics_text import sample
 
 from weight_bus import BusError, EngineClient, WeightBus, ipc, metrics
 from weight_bus.errors import Refused
-from weight_bus.ipc_transfer import BucketRing
+from weight_bus.ipc_transfer import BucketRing, wait_event
 from weight_bus.schema import UpdateWeightsFromTensor
 
 ENGINE_SCRIPT = Path(__file__).with_name("ipc_engine.py")
@@ -538,12 +539,11 @@ def test_publish_over_cuda_ipc_to_an_engine_on_the_same_gpu(model_dir, tmp_path)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model_dir, tmp_path, monkeypatch):
+def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model_dir, tmp_path):
     """The trainer's own bf16 CUDA tensors go direct: the engine answers once its copy is queued, with its
     interprocess event, which the bus waits on; repeats go as the reference the engine answered. The
     engine holds every version bit for bit, and generates from it (its steps run after the copy)."""
-    monkeypatch.setenv("SLIPSTREAM_IPC_COMPLETION_EVENT", "1")  # the bus's side
-    engine = IpcEngine(model_dir, tmp_path, device="cuda", env={"SLIPSTREAM_ENGINE_COPY_KERNEL": "1"})
+    engine = IpcEngine(model_dir, tmp_path, device="cuda")  # the event and the copy kernel: defaults
     named = {n: t.to("cuda", torch.bfloat16) for n, t in noisy_model(tmp_path / "g", 9).state_dict().items()}
     named = dict({t.data_ptr(): (n, t) for n, t in named.items()}.values())  # tied weights once
     bus = WeightBus([engine.url], api_key=KEY, backend="ipc", bucket_bytes=1 << 30)
@@ -609,3 +609,24 @@ def test_engines_keep_ring_mapped_and_close_a_replaced_ring(engines, tmp_path):
             assert version(e.url) == "22"
     finally:
         bus.close()
+
+
+class _Event:
+    """Stands in for an engine's CUDA event (query() as torch.cuda.Event has it): done after `after` s."""
+
+    def __init__(self, after: float | None) -> None:
+        self.done_at = None if after is None else time.monotonic() + after
+
+    def query(self) -> bool:
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+
+def test_the_wait_for_an_engines_copy_event_is_bounded():
+    """The bus waits for an engine's copy event (an answer that came once the copy was queued) until the
+    update's deadline, not forever: an engine that died or hung after answering fails the update's call
+    as one that did not answer, and is dropped."""
+    assert wait_event(_Event(0.0), time.monotonic() + 1.0)
+    assert wait_event(_Event(0.02), time.monotonic() + 1.0)  # past the spin: polled
+    t0 = time.monotonic()
+    assert not wait_event(_Event(None), t0 + 0.05)
+    assert 0.05 <= time.monotonic() - t0 < 1.0
