@@ -157,11 +157,17 @@ def shard(
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A sharded DTensor gathered to a plain tensor (a collective: every rank calls it); plain tensors pass."""
+    """A sharded DTensor gathered to a plain tensor (a collective: every rank calls it); plain tensors pass.
+    On a mesh of one rank the local tensor is the whole one and is returned as it is, without DTensor's
+    redistribute (a one-GPU trainer's publish gathers every parameter this way)."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return t
+    if t.device_mesh.size() == 1 and t.device.type == t.device_mesh.device_type:
+        local = t.to_local()
+        if local.shape == t.shape:
+            return local
     if t.device.type != t.device_mesh.device_type:  # CPU-offloaded shard, GPU mesh: gather on the GPU
         local = t.to_local().to(t.device_mesh.device_type)
         t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())

@@ -367,6 +367,7 @@ class Trainer:
                 t_step = time.monotonic()
                 if self.is_main:
                     self.buffer.commit(entries, version, cfg.buffer.max_staleness)
+                t_commit = time.monotonic()
                 # every bus.update_every versions, and the last one, so engines end on the final policy
                 due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
                 if due and self.handoff is not None:
@@ -379,7 +380,7 @@ class Trainer:
             version += 1
             if self.is_main:
                 self.buffer.set_version(version)
-                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub)
+                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit)
             if (tr.checkpoint_every and version % tr.checkpoint_every == 0) or header["checkpoint"]:
                 last_checkpoint = (version, self.checkpoint(version))
         # ranks that ran no step learn where rank 0 is, whether the pool restarts, and whether a stop
@@ -402,7 +403,7 @@ class Trainer:
             "restart": restart,
         }
 
-    def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub) -> None:
+    def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit) -> None:
         cfg = self.config
         samples = [s for g in groups for s in g.samples]
         stale = [version - 1 - g.min_version for g in groups]
@@ -429,6 +430,8 @@ class Trainer:
             "pause_s": pub.pause_s if pub else 0.0,
             # the whole publish as the trainer waits on it: buffer commit, gather, pause, transfer, continue
             "publish_call_s": t_pub - t_step,
+            "commit_s": t_commit - t_step,  # the replay buffer's commit of the step's entries
+            "publish_gather_s": pub.gather_ms / 1e3 if pub else 0.0,  # gathering and packing the weights
             "elapsed_s": time.monotonic() - t_start,
             "placement": "colocated" if cfg.schedule else "disaggregated",
             "schedule": cfg.schedule,
