@@ -11,8 +11,10 @@ Parts (`--parts`, default all; each writes into the same result file as soon as 
   trainer's own (`persistent`: the direct handoff, one /update_weights_from_tensor call of per-tensor
   CUDA-IPC handles, its payload serialized once and kept by the engine, pause folded into the call, no
   probe once the engine answered); <shape>-ring-bucket<N>mb: the same tensors as gathered copies, packed
-  into the bus's ring of N MiB buffers. ratios.publish_vs_d2d_copy = copy time / whole publish time
-  (medians; the largest shape is the headline). pause_ms, transfer_ms and gather_ms from PublishStats;
+  into the bus's ring of N MiB buffers; <shape>-direct-plain (CUDA): the direct handoff with the engine's
+  one-kernel copy and the event completion off (each copy by `_foreach_copy_`, the answer after it).
+  ratios.publish_vs_d2d_copy = copy time / whole publish time (medians; the largest shape is the
+  headline). pause_ms, transfer_ms and gather_ms from PublishStats;
   handoff, paused, probed, the engine's per-call phases and its payloads opened vs kept.
 - `schedules`: the async_vs_sync benchmark's GPU job (Qwen2.5-0.5B shape with random weights, the
   tiny-tools ChatML tokenizer, multi-turn word problems with the calculator) as a colocated job, run
@@ -125,9 +127,10 @@ def engine_payloads(url: str) -> dict[str, float]:
     return out
 
 
-OPT_IN = {"SLIPSTREAM_IPC_COMPLETION_EVENT": "1", "SLIPSTREAM_ENGINE_COPY_KERNEL": "1"}
-"""The handoff's opt-in parts: the engine answers once its copy is queued, with an event the bus waits on;
-the engine copies a load in one kernel (docs/sglang_api.md, /update_weights_from_tensor)."""
+PLAIN = {"SLIPSTREAM_IPC_COMPLETION_EVENT": "0", "SLIPSTREAM_ENGINE_COPY_KERNEL": "0"}
+"""The handoff without its two CUDA parts, for comparison: the engine answers once its copy is done (not
+once it is queued, with an event the bus waits on), and copies with `_foreach_copy_` (not in one kernel);
+docs/sglang_api.md, /update_weights_from_tensor."""
 
 
 @contextlib.contextmanager
@@ -146,14 +149,14 @@ def environment(extra: dict[str, str]):
 
 
 def measure_publish(
-    args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True, opt_in: bool = False
+    args, shape: str, tmp: Path, bucket_mb: int, persistent: bool = True, plain: bool = False
 ) -> dict[str, Any]:
     """`persistent`: the bf16 tensors are published as the trainer's own (the direct handoff: a handle
     per tensor, one call, no pack copy); else as gathered copies (packed into the bus's ring buffers of
-    `bucket_mb`). `opt_in`: with the handoff's opt-in parts on (OPT_IN)."""
-    with environment(OPT_IN if opt_in else {}):
+    `bucket_mb`). `plain`: with the handoff's CUDA parts off (PLAIN)."""
+    with environment(PLAIN if plain else {}):
         m = _measure_publish(args, shape, tmp, bucket_mb, persistent)
-    m["opt_in"] = sorted(OPT_IN) if opt_in else []
+    m["env"] = PLAIN if plain else {}
     return m
 
 
@@ -265,10 +268,11 @@ def colocated_raw(args, model: Path, task: str) -> dict[str, Any]:
     return base_spec(ns, model, task)
 
 
-def step_split(progress: list[dict], warmup: int) -> dict[str, float]:
+def step_split(progress: list[dict], warmup: int) -> dict[str, Any]:
     """Mean seconds per timed step: generate (waiting for a batch; the records' wait_s leaves the engines'
     memory release out), train, publish (the publish call less the resume around it), memory release and
-    resume (sync), other (the rest of the trainer's wall time between records)."""
+    resume (sync), other (the rest of the trainer's wall time between records); and publish_parts, what
+    the publish holds."""
     timed = progress[warmup:]
     n = len(timed)
     window = timed[-1]["elapsed_s"] - progress[warmup - 1]["elapsed_s"]
@@ -282,6 +286,14 @@ def step_split(progress: list[dict], warmup: int) -> dict[str, float]:
         "resume_s": mean("resume_s"),
     }
     out["other_s"] = out["step_wall_s"] - sum(v for k, v in out.items() if k != "step_wall_s")
+    # within publish_s (not added again): the buffer commit, the weights' gather and pack, the engines'
+    # pause window (which holds the transfer) and the transfer itself
+    out["publish_parts"] = {
+        "commit_s": mean("commit_s"),
+        "gather_s": mean("publish_gather_s"),
+        "pause_s": mean("pause_s"),
+        "transfer_s": mean("publish_s"),
+    }
     return out
 
 
@@ -467,8 +479,8 @@ def run(args, argv: list[str]) -> dict:
             "continue, as the update needs them); medians over the rounds. Headline: the trainer's own bf16 "
             "tensors (persistent: the direct handoff); <shape>-ring-bucket<N>mb: the same tensors as gathered "
             "copies, packed into the bus's ring of N MiB buffers",
-            "publish_vs_d2d_copy_opt_in": "the same for the direct handoff with SLIPSTREAM_IPC_COMPLETION_EVENT=1 "
-            "and SLIPSTREAM_ENGINE_COPY_KERNEL=1 (<shape>-direct-opt-in; CUDA only)",
+            "publish_vs_d2d_copy_plain": "the same for the direct handoff with SLIPSTREAM_IPC_COMPLETION_EVENT=0 "
+            "and SLIPSTREAM_ENGINE_COPY_KERNEL=0 (<shape>-direct-plain; CUDA only)",
             "async_vs_sync": "colocated job samples/s at max_staleness 2 / at 0 (trainer clock, steps after warmup)",
             "vs_trl": "Slipstream colocated samples/s / TRL GRPOTrainer samples/s: same model dir, prompts, group "
             "size, samples per optimizer step, fixed response length; the better TRL generation mode",
@@ -484,22 +496,22 @@ def run(args, argv: list[str]) -> dict:
                 result["metrics"]["publish"] = {}
                 for shape in args.shapes.split(","):
                     runs = [(None, True, False)]  # the headline: the direct handoff as it is by default
-                    if args.device == "cuda":  # beside it, the same with the opt-in parts (CUDA only)
+                    if args.device == "cuda":  # beside it, the same without its CUDA parts
                         runs.append((None, True, True))
                     runs += [(int(x), False, False) for x in str(args.bucket_mb).split(",")]
-                    for i, (mb, persistent, opt_in) in enumerate(runs):
-                        m = measure_publish(args, shape, work, mb or 512, persistent, opt_in)
+                    for i, (mb, persistent, plain) in enumerate(runs):
+                        m = measure_publish(args, shape, work, mb or 512, persistent, plain)
                         m["bucket_mb"] = mb
                         key = (
-                            f"{shape}-direct-opt-in"
-                            if opt_in
+                            f"{shape}-direct-plain"
+                            if plain
                             else f"{shape}-ring-bucket{mb}mb"
                             if mb
                             else shape
                         )
                         result["metrics"]["publish"][key] = m
-                        if opt_in:  # the largest shape's, as the headline
-                            result["ratios"]["publish_vs_d2d_copy_opt_in"] = m["publish_vs_d2d_copy"]
+                        if plain:  # the largest shape's, as the headline
+                            result["ratios"]["publish_vs_d2d_copy_plain"] = m["publish_vs_d2d_copy"]
                         log(
                             f"{key}, {m['handoff']} ({mb or '-'} MiB buckets): publish {m['publish_ms']:.1f} ms vs d2d copy "
                             f"{m['d2d_copy_ms']:.2f} ms: ratio {m['publish_vs_d2d_copy']:.3f} (pause "
