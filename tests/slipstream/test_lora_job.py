@@ -4,7 +4,7 @@ trainer training the adapter only and publishing it alone over the gloo bus (the
 weights), rollouts on the adapter (`lora_path`), real Redis, Ray and HTTP. Reward rises."""
 
 import pytest
-from test_colocated_job import Scraper, _rose
+from test_colocated_job import WARMUP, Scraper, _rose
 
 import jobspec
 from slipstream.job.local import run_job
@@ -29,7 +29,7 @@ def test_lora_job_publishes_the_adapter_only_and_learns(tmp_path, demo_model):
             "dataset": {"name": "arith", "max_operand": 4},
             "reward": {"name": "arith", "format_weight": 0.1},
             "rollout": {"group_size": 8, "concurrency": 8, "sampling": {"max_new_tokens": 6}},
-            "algorithm": {"lr": 3e-3, "groups_per_step": 8, "total_steps": STEPS},
+            "algorithm": {"lr": 3e-3, "lr_warmup_steps": WARMUP, "groups_per_step": 8, "total_steps": STEPS},
             "buffer": {"max_staleness": 1},
             "generators": {"num_engines": 1},
         }
