@@ -28,7 +28,7 @@ WARMUP = 5
 """Optimizer steps of learning-rate warmup. Adam's first steps move every weight by about the full rate;
 without warmup, 3 of 8 async runs fell to a step reward of 0.05-0.08 at steps 5-6 and one rose by only
 0.057 (CI saw one rise by 0.0004). With it, 8 async runs rose by 0.13-0.23 and 6 sync runs by 0.13-0.27,
-no step below 0.12. The LoRA job (test_lora_job.py) warms up too: 6 runs without warmup rose by
+no step below 0.11. The LoRA job (test_lora_job.py) warms up too: 6 runs without warmup rose by
 0.06-0.25, 6 with it by 0.16-0.22."""
 
 
