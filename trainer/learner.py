@@ -567,8 +567,11 @@ class Learner:
 
     # --- weights out ---------------------------------------------------------------------------------
     def parameters_unsharded(self) -> bool:
-        """Whether `full_parameters` yields the parameters' own storages (nothing sharded, so nothing is
-        gathered): the weight bus may then share them as they are (WeightBus.publish `persistent`)."""
+        """Whether the parameters are plain tensors (nothing sharded, so nothing is gathered):
+        `full_parameters` then yields their own storages, which the weight bus may share as they are
+        (WeightBus.publish `persistent`). On a mesh of one rank `full_parameters` yields the DTensors' own
+        local storages too (distributed.full_tensor), but they count as sharded here: the bus packs them
+        into its own buffers (a one-GPU trainer's fp32 parameters need the cast to the wire dtype anyway)."""
         from torch.distributed.tensor import DTensor
 
         return not any(isinstance(p, DTensor) for p in self.model.parameters())
