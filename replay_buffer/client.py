@@ -2,9 +2,11 @@
 timeout with capped exponential backoff for up to ~OUTAGE_S, so a restart of redis-server (its AOF
 replays in a second or two) pauses a job instead of killing its processes.
 
-A command whose reply was lost may have been applied (an XADD, a counter): the buffer tolerates that
-(a group stored twice is skipped as a duplicate by the trainer's trained-id check and counted in
-`duplicates`).
+A command whose reply was lost may have been applied, and is then applied again by the retry (Redis
+stalled past the socket timeout runs both copies once it continues). The buffer tolerates that: a group
+stored twice is skipped as a duplicate by the trainer's trained-id check and counted in `duplicates`; the
+trainer's commit and its drops count once however often they arrive (replay_buffer/scripts.py: COMMIT,
+SETTLE).
 """
 
 from __future__ import annotations

@@ -70,6 +70,13 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("trained")
 
     @property
+    def commits(self) -> str:
+        """Zset commit id -> version of the trainer's recent commits (scripts.COMMIT): a commit sent again
+        by a client's retry after its reply was lost finds its id here and changes nothing. Pruned to the
+        last COMMITS_KEPT versions: a retry only ever re-sends the commit its trainer is waiting on."""
+        return self._k("commits")
+
+    @property
     def reservations(self) -> str:
         """Hash worker -> admitted groups not yet produced."""
         return self._k("reservations")
@@ -184,7 +191,8 @@ class JobKeys(msgspec.Struct, frozen=True):
         """Every key a run writes (not the control records of slipstream/cluster/job_store.py): a new run of the same
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
         return [
-            self.groups, self.dead_letter, self.version, self.started, self.trained, self.reservations,
+            self.groups, self.dead_letter, self.version, self.started, self.trained, self.commits,
+            self.reservations,
             self.workers, self.recycle, self.reissue, self.ledger, self.stats, self.staleness, self.admitted,
             self.lengths,
             self.progress, self.run, self.engines, self.engines_joining, self.metrics_targets,

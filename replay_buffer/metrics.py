@@ -30,6 +30,11 @@ REDIS_OOM = Counter(
     "slipstream_buffer_redis_oom_total",
     "Buffer writes Redis refused at its memory limit (maxmemory, noeviction)",
 )
+COMMIT_REPLAYS = Counter(
+    "slipstream_buffer_commit_replays_total",
+    "Trainer commits Redis received again after it had applied them (a retry after a lost reply, e.g. "
+    "Redis stalled past the socket timeout); each was counted once",
+)
 OLDEST_AGE = Gauge(
     "slipstream_buffer_oldest_age_seconds",
     "Age of the oldest group still in the stream after trimming (waiting or being trained); 0 when empty",

@@ -1,4 +1,5 @@
-"""Lua scripts that keep admission control atomic across every rollout worker of a job.
+"""Lua scripts that keep admission control atomic across every rollout worker of a job, and the trainer's
+bookkeeping (COMMIT, SETTLE, DEAD_LETTER) counted once however often a client's retry sends it.
 
 Reservations are tracked per worker (`reservations` hash) and every worker holds a lease in the
 `workers` zset (score = expiry, Redis server time in ms, so worker clocks never matter). Any admission
@@ -131,4 +132,60 @@ for _, k in ipairs(KEYS) do
   if redis.call('HINCRBY', k, ARGV[1], -1) <= 0 then redis.call('HDEL', k, ARGV[1]) end
 end
 return 0
+"""
+
+COMMIT = """
+-- KEYS: commits, trained, groups, stats, staleness, lengths, ledger
+-- ARGV: commit id, consumer group, the commit as JSON: {version, keep, groups: [[group_id, min_version]...],
+--   entries: [entry_id...], staleness: {versions: groups}, lengths: {"trained:<tokens>": samples},
+--   ledger: true/false, forget_below: version (absent: keep every trained id)}
+-- One optimizer step's bookkeeping, applied once per commit id: a client whose reply was lost (Redis
+-- stalled past its socket timeout) sends the same call again, and Redis runs both copies once it
+-- continues; XACK and ZADD would shrug that off, the counters would not (steps = versions + 1).
+-- Returns 1 when applied, 0 when this commit id had been applied already.
+redis.replicate_commands()
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+local c = cjson.decode(ARGV[3])
+for _, g in ipairs(c.groups) do redis.call('ZADD', KEYS[2], g[2], g[1]) end
+for _, id in ipairs(c.entries) do redis.call('XACK', KEYS[3], ARGV[2], id) end
+redis.call('HINCRBY', KEYS[4], 'consumed', #c.entries)
+redis.call('HINCRBY', KEYS[4], 'steps', 1)
+if c.ledger then
+  for _, g in ipairs(c.groups) do redis.call('RPUSH', KEYS[7], g[1]) end
+end
+for s, n in pairs(c.staleness) do redis.call('HINCRBY', KEYS[5], s, n) end
+for k, n in pairs(c.lengths) do redis.call('HINCRBY', KEYS[6], k, n) end
+if c.forget_below then redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. c.forget_below) end
+redis.call('ZADD', KEYS[1], c.version, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (c.version - c.keep))
+return 1
+"""
+
+SETTLE = """
+-- KEYS: groups, stats, started, recycle, lengths
+-- ARGV: consumer group, entry id, counter, give the admission slot back (1/0), recycle (1/0), prompt_id,
+--   lengths JSON {"stale:<tokens>": samples}
+-- A group the trainer will not train (dropped as stale or from the future, skipped as a duplicate): its
+-- counts go in only when this call's XACK acknowledged the entry, so a copy sent again by a client's
+-- retry (or another trainer settling the same entry) counts nothing twice. Returns 1 when counted.
+redis.replicate_commands()
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+if ARGV[4] == '1' then redis.call('DECR', KEYS[3]) end
+if ARGV[5] == '1' then
+  redis.call('RPUSH', KEYS[4], ARGV[6])
+  redis.call('HINCRBY', KEYS[2], 'recycled', 1)
+end
+for k, n in pairs(cjson.decode(ARGV[7])) do redis.call('HINCRBY', KEYS[5], k, n) end
+return 1
+"""
+
+DEAD_LETTER = """
+-- KEYS: groups, dead letters, stats   ARGV: consumer group, entry id, reason, payload, maxlen
+-- An entry that does not decode moves to the dead-letter stream once, as SETTLE counts once.
+redis.replicate_commands()
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', 'entry_id', ARGV[2], 'reason', ARGV[3], 'd', ARGV[4])
+redis.call('HINCRBY', KEYS[3], 'dead_letter', 1)
+return 1
 """

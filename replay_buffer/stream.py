@@ -6,8 +6,12 @@ Invariants:
   that dies between read and commit leaves its groups pending; the next `take_batch` of any trainer
   re-reads its own pending entries after a restart and claims (XAUTOCLAIM) other consumers' entries once
   they have been idle for `reclaim_idle_ms`.
-- `commit` records the group_ids as trained in the same MULTI as the XACK, so a redelivered group that
+- `commit` records the group_ids as trained in the same script as the XACK, so a redelivered group that
   was already trained is recognised and skipped, never trained twice.
+- The books count each step and each group once: a client sends a write again when Redis' reply is lost
+  (a stall past the socket timeout: replay_buffer/client.py), and Redis runs both copies once it
+  continues. A commit carries an id (its version and entries) that the script records and checks; a drop,
+  skip or dead letter counts only when its own XACK acknowledged the entry (scripts.COMMIT, SETTLE).
 - Admission: a producer may start group number `started + 1` only while it is
   <= (version + max_staleness + 1) * groups_per_step (replay_buffer/scripts.py). A dropped stale group
   gives its slot back, otherwise at max_staleness = 0 one drop would starve the step that needs it.
@@ -22,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -43,6 +48,8 @@ log = logging.getLogger(__name__)
 DEFAULT_LEASE_MS = 30_000
 DEAD_LETTER_MAXLEN = 100_000
 """Dead letters are kept for inspection, capped (approximately) so a flood of garbage cannot fill Redis."""
+COMMITS_KEPT = 64
+"""Versions whose commit ids are remembered (JobKeys.commits): a retry only re-sends the commit in flight."""
 
 
 class Entry(msgspec.Struct):
@@ -66,13 +73,19 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-def _count_lengths(pipe, key: str, fate: str, lengths: list[int]) -> None:
-    """Add samples' response lengths to the run's length histogram (one HINCRBY per distinct length)."""
-    counts: dict[int, int] = {}
+def _length_counts(fate: str, lengths: list[int]) -> dict[str, int]:
+    """Samples' response lengths as increments of the run's length histogram (`<fate>:<tokens>` -> samples)."""
+    counts: dict[str, int] = {}
     for n in lengths:
-        counts[n] = counts.get(n, 0) + 1
-    for n, c in counts.items():
-        pipe.hincrby(key, f"{fate}:{n}", c)
+        counts[f"{fate}:{n}"] = counts.get(f"{fate}:{n}", 0) + 1
+    return counts
+
+
+def commit_id(entries: list[Entry], version: int) -> str:
+    """A commit's identity: its version and the entries it acknowledges. A retry of the same call has the
+    same id; two different commits cannot (an entry is committed once: it is never redelivered after)."""
+    digest = hashlib.sha1(" ".join(e.entry_id for e in entries).encode()).hexdigest()[:20]
+    return f"{version}:{digest}"
 
 
 class RedisFullError(RuntimeError):
@@ -146,6 +159,9 @@ class ReplayBuffer:
         """Response tokens of each sample in the groups dropped (or recycled) as too stale since the last
         `pop_stale_lengths` (the trainer's per-step record)."""
         self._rewind = client.register_script(scripts.REWIND)
+        self._commit = client.register_script(scripts.COMMIT)
+        self._settle_script = client.register_script(scripts.SETTLE)
+        self._dead_letter_script = client.register_script(scripts.DEAD_LETTER)
 
     def ensure_group(self) -> None:
         try:
@@ -326,30 +342,33 @@ class ReplayBuffer:
         return self._read_new(count, block_ms)
 
     def _dead_letter(self, entry_id: str, fields: dict | None, reason: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(
-            self.keys.dead_letter,
-            {"entry_id": entry_id, "reason": reason, "d": (fields or {}).get(b"d", b"")},
-            maxlen=DEAD_LETTER_MAXLEN,
-            approximate=True,
-        )
-        pipe.xack(self.keys.groups, TRAINER_GROUP, entry_id)
-        pipe.hincrby(self.keys.stats, "dead_letter", 1)
-        pipe.execute()
+        keys = [self.keys.groups, self.keys.dead_letter, self.keys.stats]
+        payload = (fields or {}).get(b"d", b"")
+        args = [TRAINER_GROUP, entry_id, reason, payload, DEAD_LETTER_MAXLEN]
+        self._dead_letter_script(keys=keys, args=args)
         metrics.DEAD_LETTER.inc()
         log.warning("dead-lettered entry %s: %s", entry_id, reason)
 
+    def _settle(self, entry: Entry, counter: str, give_back: bool, lengths: list[int] | None = None) -> None:
+        """Acknowledge a group that will not be trained and count it under `counter` (once: scripts.SETTLE);
+        `give_back`: its admission slot returns to the pool (recycled too under stale_policy recycle)."""
+        recycle = give_back and self.stale_policy == "recycle"
+        keys = [self.keys.groups, self.keys.stats, self.keys.started, self.keys.recycle, self.keys.lengths]
+        args = [
+            TRAINER_GROUP,
+            entry.entry_id,
+            counter,
+            int(give_back),
+            int(recycle),
+            entry.group.prompt_id,
+            json.dumps(_length_counts("stale", lengths or [])),
+        ]
+        self._settle_script(keys=keys, args=args)
+
     def _drop_stale(self, entry: Entry, version: int) -> None:
         lengths = [len(s) for s in entry.group.samples]
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
-        pipe.hincrby(self.keys.stats, "dropped_stale", 1)
-        _count_lengths(pipe, self.keys.lengths, "stale", lengths)
-        pipe.decr(self.keys.started)  # give the admission slot back (see module docstring)
-        if self.stale_policy == "recycle":
-            pipe.rpush(self.keys.recycle, entry.group.prompt_id)
-            pipe.hincrby(self.keys.stats, "recycled", 1)
-        pipe.execute()
+        # the admission slot goes back (see module docstring)
+        self._settle(entry, "dropped_stale", give_back=True, lengths=lengths)
         metrics.GROUPS_DROPPED.inc()
         self.stale_lengths += lengths
         for n in lengths:
@@ -364,14 +383,8 @@ class ReplayBuffer:
         )
 
     def _drop_future(self, entry: Entry, version: int) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
-        pipe.hincrby(self.keys.stats, "dropped_future", 1)
-        pipe.decr(self.keys.started)  # its slot was not used by this attempt's steps: give it back
-        if self.stale_policy == "recycle":
-            pipe.rpush(self.keys.recycle, entry.group.prompt_id)
-            pipe.hincrby(self.keys.stats, "recycled", 1)
-        pipe.execute()
+        # its slot was not used by this attempt's steps: give it back
+        self._settle(entry, "dropped_future", give_back=True)
         metrics.GROUPS_FUTURE.inc()
         log.warning(
             "dropped group %s (prompt %s) from the future: versions %d..%d, trainer at version %d",
@@ -383,10 +396,7 @@ class ReplayBuffer:
         )
 
     def _skip_duplicate(self, entry: Entry) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xack(self.keys.groups, TRAINER_GROUP, entry.entry_id)
-        pipe.hincrby(self.keys.stats, "duplicates", 1)
-        pipe.execute()
+        self._settle(entry, "duplicates", give_back=False)
         metrics.DUPLICATES.inc()
         log.warning("skipped already-trained group %s (entry %s)", entry.group.group_id, entry.entry_id)
 
@@ -447,33 +457,48 @@ class ReplayBuffer:
 
     def commit(self, entries: list[Entry], version: int, max_staleness: int | None = None) -> None:
         """After the optimizer step that used `entries` (trained at `version`): mark trained, ack, count,
-        then trim acknowledged entries. With `max_staleness`, forget trained ids too old to matter."""
+        then trim acknowledged entries. With `max_staleness`, forget trained ids too old to matter.
+        Idempotent: the same call again (a client's retry after a lost reply) changes nothing."""
         if not entries:
             return
-        pipe = self.r.pipeline(transaction=True)
-        pipe.zadd(self.keys.trained, {e.group.group_id: e.group.min_version for e in entries})
-        pipe.xack(self.keys.groups, TRAINER_GROUP, *[e.entry_id for e in entries])
-        pipe.hincrby(self.keys.stats, "consumed", len(entries))
-        pipe.hincrby(self.keys.stats, "steps", 1)
-        if self.ledger:
-            pipe.rpush(self.keys.ledger, *[e.group.group_id for e in entries])
         lengths = [len(s) for e in entries for s in e.group.samples]
-        _count_lengths(pipe, self.keys.lengths, "trained", lengths)
-        for e in entries:
-            s = staleness(version, e.group.min_version)
-            pipe.hincrby(self.keys.staleness, str(s), 1)
-            metrics.STALENESS.observe(s)
+        stale = [staleness(version, e.group.min_version) for e in entries]
+        hist: dict[str, int] = {}
+        for s in stale:
+            hist[str(s)] = hist.get(str(s), 0) + 1
+        commit = {
+            "version": version,
+            "keep": COMMITS_KEPT,
+            "groups": [[e.group.group_id, e.group.min_version] for e in entries],
+            "entries": [e.entry_id for e in entries],
+            "staleness": hist,
+            "lengths": _length_counts("trained", lengths),
+            "ledger": self.ledger,
+        }
         if max_staleness is not None:
             # A redelivered group with min_version < (next version) - max_staleness is stale: dropped
             # as such, so its id need not be remembered.
-            pipe.zremrangebyscore(self.keys.trained, "-inf", f"({version + 1 - max_staleness}")
+            commit["forget_below"] = version + 1 - max_staleness
+        cid = commit_id(entries, version)
+        k = self.keys
         try:
-            pipe.execute()
+            applied = self._commit(
+                keys=[k.commits, k.trained, k.groups, k.stats, k.staleness, k.lengths, k.ledger],
+                args=[cid, TRAINER_GROUP, json.dumps(commit)],
+            )
         except redis.ResponseError as e:
             if is_oom(e):
                 raise full_error(e, self.keys.job, _memory(self.r)) from e
             raise
+        if not applied:
+            # the usual cause: Redis stalled past the socket timeout, the client sent the commit again and
+            # Redis ran the first copy once it continued; this process' metrics below count it once
+            metrics.COMMIT_REPLAYS.inc()
+            log.warning("commit %s (version %d, %d groups) was applied already: a retry after Redis' "
+                        "reply was lost; counted once", cid, version, len(entries))  # fmt: skip
         metrics.GROUPS_CONSUMED.inc(len(entries))
+        for s in stale:
+            metrics.STALENESS.observe(s)
         for n in lengths:
             metrics.RESPONSE_TOKENS.labels("trained").observe(n)
         if time.monotonic() >= self._next_trim:  # trimming costs ~5 round trips: at most every interval
