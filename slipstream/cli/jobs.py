@@ -224,6 +224,8 @@ def render_status(st: dict):
         )
     if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
         rows.insert(0, ("phase", st["phase"]))
+    if st.get("stale_s") is not None:  # the API could not reach Redis: its last answer, and how old
+        rows.insert(0, ("STALE", f"last known state, {st['stale_s']:.0f} s old: {st.get('stale_reason')}"))
     if any((restarts := st.get("restarts") or {}).values()):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
     if st.get("schedule"):  # placement colocated: how engines and trainer share the devices

@@ -96,12 +96,16 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
         return control
 
     def call(fn, *args, **kw):
-        from slipstream.cluster.control import ControlError
+        from slipstream.cluster.control import REDIS_UNAVAILABLE, ControlError
 
         try:
             return fn(*args, **kw)
         except ControlError as e:
             raise HTTPException(e.status, str(e)) from None
+        except REDIS_UNAVAILABLE as e:  # a stall or outage, not a bug: say so instead of a bare 500
+            message = control.redis_unavailable(e)
+            log.warning("%s: 503: %s", fn.__name__, message)
+            raise HTTPException(503, message, headers={"Retry-After": "5"}) from None
 
     auth = [Depends(authorized)]
 

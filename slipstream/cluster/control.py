@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 import redis
 import yaml
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import jobspec
 from common.logtext import plain
@@ -44,6 +46,12 @@ RAY_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 SUBMIT_GRACE_S = 120.0
 """A job recorded as submitted with no Ray job id after this long never reached Ray (the control API
 died between recording it and submitting it): it is marked interrupted."""
+REDIS_TIMEOUT_S = 5.0
+"""How long the control plane waits for one Redis reply. A request is answered (503, or a status's last
+known state) after about this long when Redis stalls, instead of hanging on it or retrying for a minute
+as a job's processes do (replay_buffer/client.py)."""
+REDIS_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
+"""What redis-py raises when Redis does not answer (stalled, overloaded, down, unreachable)."""
 
 
 class ControlError(Exception):
@@ -91,15 +99,40 @@ def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
 
 
 class JobControl:
-    def __init__(self, info: ClusterInfo, tool_modules: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        info: ClusterInfo,
+        tool_modules: list[str] | None = None,
+        redis_timeout_s: float = REDIS_TIMEOUT_S,
+    ) -> None:
         """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any)."""
         self.info = info
         self.tool_modules = tool_modules
         self.home = Path(info.home)
-        self.r = redis.Redis.from_url(info.redis_url, socket_connect_timeout=5)
+        self.redis_timeout_s = redis_timeout_s
+        # One retry, on a broken connection only (a restarted Redis leaves the pooled socket dead); a
+        # timeout is not retried: the request answers after redis_timeout_s.
+        self.r = redis.Redis.from_url(
+            info.redis_url,
+            socket_timeout=redis_timeout_s,
+            socket_connect_timeout=redis_timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
         self.store = JobStore(self.r)
         self._ray = None
         self._admin = None
+        self._last_status: dict[str, tuple[float, dict]] = {}
+        """Job name -> (time.monotonic(), status) of the last `get` that Redis answered: what `get`
+        answers, with its age, while Redis does not."""
+
+    def redis_unavailable(self, e: redis.RedisError) -> str:
+        """The message for a request Redis did not answer (the control API's 503)."""
+        where = self.info.redis_url.rsplit("@", 1)[-1]  # host:port/db, never the credentials
+        return (
+            f"the cluster's Redis at {where} did not answer within {self.redis_timeout_s:g} s "
+            f"({type(e).__name__}: {e}): it is stalled, overloaded or down; the jobs keep running and "
+            "their processes retry; try again shortly"
+        )
 
     @property
     def admin(self) -> redis.Redis:
@@ -270,9 +303,20 @@ class JobControl:
         return {"name": spec.name, "ray_job_id": ray_id, "output_dir": spec.output_dir}
 
     def get(self, name: str) -> dict:
-        st = self._job(name, reconcile=True)
-        st["name"] = name
-        st["desired"] = self.store.desired(name)
+        """The job's status. While Redis does not answer, the last status this process read, with
+        `stale_s` (its age, seconds) and `stale_reason`; a job it never read raises (the API's 503)."""
+        try:
+            st = self._job(name, reconcile=True)
+            st["name"] = name
+            st["desired"] = self.store.desired(name)
+        except REDIS_UNAVAILABLE as e:
+            if name not in self._last_status:
+                raise
+            at, last = self._last_status[name]
+            age = time.monotonic() - at
+            log.warning("job %s: Redis did not answer (%s); answering its status of %.0f s ago", name, e, age)
+            return {**last, "stale_s": round(age, 1), "stale_reason": self.redis_unavailable(e)}
+        self._last_status[name] = (time.monotonic(), st)
         return st
 
     def list(self) -> list[dict]:
@@ -471,6 +515,7 @@ class JobControl:
             )
         out = Path(st.get("output_dir") or self.home / "jobs" / name)
         removed = self.store.remove(name)
+        self._last_status.pop(name, None)
         try:  # its processes are gone: so goes its Redis user
             delete_job_user(self.admin, name)
             (self.home / "jobs" / name / "redis_url").unlink(missing_ok=True)

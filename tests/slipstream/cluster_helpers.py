@@ -68,9 +68,10 @@ def wait_for(
 
 
 @contextmanager
-def control_without_ray(home: Path, api_token: str = "unused") -> Iterator:
-    """The real JobControl over a real Redis, with nothing listening where Ray would be (what the control
-    plane does before it reaches Ray: spec checks, job records, errors)."""
+def control_with_redis(home: Path, api_token: str = "unused", **control_kw) -> Iterator:
+    """(control, redis): the real JobControl over a real Redis (a ManagedRedis, for fault tests that stop
+    it), with nothing listening where Ray would be (what the control plane does before it reaches Ray:
+    spec checks, job records, errors)."""
     from common.net import free_port
     from replay_buffer.redis_server import ManagedRedis
     from slipstream.cluster.control import JobControl
@@ -82,8 +83,39 @@ def control_without_ray(home: Path, api_token: str = "unused") -> Iterator:
             ray_address=no_ray, dashboard_url=f"http://{no_ray}", prometheus_url=None,
             api_url="", api_token=api_token, ray_auth_token="unused", pids={}, running=True,
         )  # fmt: skip
-        control = JobControl(info)
+        control = JobControl(info, **control_kw)
         try:
-            yield control
+            yield control, redis
         finally:
             control.r.close()
+
+
+@contextmanager
+def control_without_ray(home: Path, api_token: str = "unused") -> Iterator:
+    """The real JobControl of `control_with_redis`."""
+    with control_with_redis(home, api_token) as (control, _):
+        yield control
+
+
+@contextmanager
+def serving(app, **config) -> Iterator[str]:
+    """The base URL of `app` served by uvicorn in a thread of this process (real HTTP on loopback)."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)  # uvicorn has no startup event to wait on
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -15,16 +15,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
-import threading
-import time
 
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from api_fuzz import error_message, fuzz
-from cluster_helpers import control_without_ray
+from cluster_helpers import control_without_ray, serving
 
 from slipstream.cluster.api import MAX_BODY_BYTES, create_app
 from slipstream.cluster.control import JobControl
@@ -42,24 +38,10 @@ NO_RAY = "Ray job submission failed"
 def api(tmp_path_factory):
     """(url, control) of a control API over a real Redis and an address where Ray would be."""
     with control_without_ray(tmp_path_factory.mktemp("home"), api_token=TOKEN) as control:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         # A kept-alive connection stays open between cases: on a loaded box hypothesis can take longer than
         # uvicorn's 5 s default to make the next case, and a close racing the next request is a reset.
-        config = uvicorn.Config(create_app(TOKEN, control), log_level="warning", timeout_keep_alive=600)
-        server = uvicorn.Server(config)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "control API did not start"
-            time.sleep(0.02)  # uvicorn has no startup event to wait on
-        try:
+        with serving(create_app(TOKEN, control), timeout_keep_alive=600) as url:
             yield url, control
-        finally:
-            server.should_exit = True
-            thread.join(10)
 
 
 @pytest.fixture(scope="module")
