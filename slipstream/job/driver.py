@@ -89,8 +89,8 @@ class JobDriver:
         """The newest eval record of this attempt (its version and scores go into the status)."""
         self.run_info: dict = {}  # run_id, attempt (ReplayBuffer.begin_run)
         self.tracker: Tracker | None = None
-        """TensorBoard / W&B (the spec's `tracking`), from begin_run on; eval results go in with
-        `tracker.log_scalars(results, version)`."""
+        """TensorBoard / W&B (the spec's `tracking`), from begin_run on: every record of the progress
+        stream, the trainer's steps and the evaluator's records alike, goes in through `_track`."""
         self._closed = False
 
     @property
@@ -325,6 +325,7 @@ class JobDriver:
             self.report()
         evals, self.progress.new_evals = self.progress.new_evals, []
         for rec in evals:
+            self._track(rec)  # eval/* scalars; the tracker skips what an earlier attempt wrote
             if not self.progress.this_attempt(rec):
                 continue
             self.last_eval = rec

@@ -1,5 +1,6 @@
-"""Experiment tracking: a job's per-step metrics (its trainer progress records), any other scalars keyed by
-version (eval results: `Tracker.log_scalars`) and its resolved spec, written to TensorBoard event files
+"""Experiment tracking: a job's per-step metrics (its trainer progress records, `train/*`), its evaluations
+(the evaluator's `kind: "eval"` records in the same stream, `eval/*`), any other scalars keyed by version
+(`Tracker.log_scalars`) and its resolved spec, written to TensorBoard event files
 (`<output_dir>/tensorboard/`) and to W&B (`<output_dir>/wandb/`, offline by default), as the spec's
 `tracking` section says.
 
@@ -12,7 +13,8 @@ Steps are the policy versions. A version is written once per run, across trainer
 attempts: the run's high-water mark is kept in `<output_dir>/tracking.json`; records an earlier
 attempt already wrote are skipped when a resumed attempt reads them again, and a version trained again after
 the trainer resumed from an older checkpoint is rewritten with TensorBoard's purge_step (events at or after
-it from before are discarded). W&B cannot rewrite history: there the first write of a version stays.
+it from before are discarded, evaluations' too). W&B cannot rewrite history: there the first write of a
+version stays. Evaluations keep their own high-water mark (`eval_version`), as they trail the steps.
 """
 
 from __future__ import annotations
@@ -30,17 +32,21 @@ import msgspec
 from prometheus_client import Counter
 
 from jobspec import JobSpec, to_json
+from slipstream.job.progress import is_eval
 
 log = logging.getLogger("slipstream.job.tracking")
 
 TB_DIR = "tensorboard"
 WANDB_DIR = "wandb"
 STATE_FILE = "tracking.json"
-"""In the output_dir: {run_id, version (highest written), wandb_id, config (written)}."""
+"""In the output_dir: {run_id, version (highest step written), eval_version (highest evaluation written),
+wandb_id, config (written)}."""
 QUEUE_MAX = 10_000
 """Writes waiting for the tracker's thread; beyond it a write is dropped (and counted), never waited for."""
 PROGRESS_PREFIX = "train"
 """Tag namespace of the trainer's progress records (`train/reward_mean`)."""
+EVAL_PREFIX = "eval"
+"""Tag namespace of the evaluator's records' scores (`eval/accuracy`, `eval/pass@4`)."""
 _NOT_SCALARS = ("step", "version", "attempt")
 """Record keys that are the x-axis or identity, not metrics."""
 
@@ -219,6 +225,8 @@ class Tracker:
         same_run = state.get("run_id") == self.run_id and self.run_id is not None
         self.written_upto = int(state.get("version", 0)) if same_run else 0
         """Highest version written in this run (by this process or an earlier attempt's driver)."""
+        self.eval_written_upto = int(state.get("eval_version", -1)) if same_run else -1
+        """Highest evaluated version written in this run (-1: none; version 0 is evaluated too)."""
         self._config_written = same_run and bool(state.get("config"))
         resume = spec.trainer.resume_from is not None
         self.wandb_id = (
@@ -238,9 +246,16 @@ class Tracker:
 
     # --- the driver's side (never blocks) ------------------------------------------------------------
     def log_progress(self, record: dict) -> None:
-        """One trainer progress record at its version."""
+        """One record of the job's progress stream at its version: a trainer step's (`train/*`) or an
+        evaluation's (`kind: "eval"`: its scores, `eval/*`)."""
         version = record.get("version")
         if not isinstance(version, int):
+            return
+        if is_eval(record):
+            if record.get("attempt", self.attempt) < self.attempt and version <= self.eval_written_upto:
+                return  # an earlier attempt's evaluation, already written by its driver
+            self.eval_written_upto = max(self.eval_written_upto, version)
+            self._put(("scalars", EVAL_PREFIX, scalars_of(record.get("eval") or {}), version, False))
             return
         if record.get("attempt", self.attempt) < self.attempt and version <= self.written_upto:
             return  # an earlier attempt's record, already written by its driver
@@ -248,8 +263,8 @@ class Tracker:
         self.written_upto = version
         self._put(("scalars", PROGRESS_PREFIX, scalars_of(record), version, rewrite))
 
-    def log_scalars(self, values: dict, version: int, prefix: str = "eval") -> None:
-        """Any scalars at a version, under `prefix/` (eval results: `log_scalars(results, version)`)."""
+    def log_scalars(self, values: dict, version: int, prefix: str = EVAL_PREFIX) -> None:
+        """Any scalars at a version, under `prefix/` (the evaluator's records go in through log_progress)."""
         self._put(("scalars", prefix, scalars_of(values), int(version), False))
 
     def log_config(self) -> None:
@@ -315,8 +330,8 @@ class Tracker:
             return {}
 
     def _write_state(self) -> None:
-        state = {"run_id": self.run_id, "version": self._done_upto, "wandb_id": self.wandb_id,
-                 "config": self._config_done}  # fmt: skip
+        state = {"run_id": self.run_id, "version": self._done_upto, "eval_version": self._eval_done_upto,
+                 "wandb_id": self.wandb_id, "config": self._config_done}  # fmt: skip
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / f".{STATE_FILE}.tmp"
         tmp.write_text(json.dumps(state))
@@ -343,6 +358,7 @@ class Tracker:
 
     def _work(self) -> None:
         self._done_upto = self.written_upto
+        self._eval_done_upto = self.eval_written_upto
         self._config_done = self._config_written
         while True:
             item = self._q.get()
@@ -366,6 +382,8 @@ class Tracker:
                 self._config_done = True
             elif item[1] == PROGRESS_PREFIX:
                 self._done_upto = item[3]
+            elif item[1] == EVAL_PREFIX:
+                self._eval_done_upto = max(self._eval_done_upto, item[3])
             if self._q.empty():  # a pause in the stream of writes: make them durable
                 self._settle("flush")
         self._settle("close")

@@ -131,6 +131,65 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 7)]
 
 
+def _eval_rec(version, accuracy, attempt=1):
+    """An evaluator's record as generator_fleet/evaluation.py writes it to the progress stream."""
+    scores = {"accuracy": accuracy, "pass@4": min(1.0, 2 * accuracy), "problems": 64.0, "duration_s": 2.5}
+    return {"kind": "eval", "version": version, "version_max": version, "eval": scores,
+            "elapsed_s": float(version), "attempt": attempt}  # fmt: skip
+
+
+def test_evaluation_records_become_eval_scalars_once_per_run(tmp_path):
+    spec = _spec(tmp_path, wandb=False)
+    t = Tracker(spec, {"run_id": "r1", "attempt": 1})
+    t.log_progress(_eval_rec(0, 0.25))  # version 0 is evaluated before the first step
+    for v in (1, 2):
+        t.log_progress(_rec(v, v))
+    t.log_progress(_eval_rec(2, 0.5))
+    t.close()
+    acc = _events(tmp_path)
+    assert _steps(acc, "eval/accuracy") == [(0, 0.25), (2, 0.5)]
+    assert _steps(acc, "eval/pass@4") == [(0, 0.5), (2, 1.0)]
+    assert {"eval/problems", "eval/duration_s"} <= set(acc.Tags()["scalars"])
+    assert "eval/version" not in acc.Tags()["scalars"] and "eval/attempt" not in acc.Tags()["scalars"]
+    assert _steps(acc, "train/reward_mean") == [(1, 1), (2, 2)]  # the steps' curves are untouched
+    assert json.loads((tmp_path / "tracking.json").read_text())["eval_version"] == 2
+
+    # a resumed attempt's driver reads the earlier attempt's evaluations again: not written twice
+    t = Tracker(spec, {"run_id": "r1", "attempt": 2})
+    for rec in (_eval_rec(0, 0.25), _rec(1, 1), _rec(2, 2), _eval_rec(2, 0.5)):
+        t.log_progress({**rec, "attempt": 1})
+    t.log_progress(_rec(3, 3, attempt=2))
+    t.log_progress(_eval_rec(3, 0.75, attempt=2))
+    t.close()
+    assert _steps(_events(tmp_path), "eval/accuracy") == [(0, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
+    tmp_path, redis_server, redis_client, job_id
+):
+    """The driver's own path: records in a real Redis progress stream, read by JobDriver.read_progress
+    (no pools started), land in TensorBoard as train/* and eval/* (evaluations were once dropped)."""
+    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.driver import JobDriver
+
+    spec = jobspec.from_dict({"name": job_id, "output_dir": str(tmp_path)})
+    store = JobStore(redis_client)
+    store.create(job_id, jobspec.to_json(spec), 1, 1)
+    driver = JobDriver(spec, redis_server.url, store)
+    driver.begin_run()
+    stream = driver.buffer.keys.progress
+    step = {"reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0, "loss": 0.1, "samples": 4,
+            "response_tokens": 16, "run_id": driver.run_info["run_id"], "attempt": 1}  # fmt: skip
+    for rec in (_eval_rec(0, 0.25), {**step, "step": 1, "version": 1, "elapsed_s": 1.0}, _eval_rec(1, 0.5)):
+        redis_client.xadd(stream, {"j": json.dumps(rec)})
+    driver.read_progress(block_ms=0)
+    driver.tracker.close()
+    assert driver.last_eval["version"] == 1
+    acc = _events(tmp_path)
+    assert _steps(acc, "eval/accuracy") == [(0, 0.25), (1, 0.5)]
+    assert _steps(acc, "train/reward_mean") == [(1, 0.5)]
+
+
 def test_a_failing_writer_is_counted_and_logged_once_and_never_raises(tmp_path, caplog):
     (tmp_path / "tensorboard").write_text("a file where the event directory should be")
     t = Tracker(
