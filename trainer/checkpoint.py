@@ -4,8 +4,12 @@ A checkpoint is a directory written with torch.distributed.checkpoint: every ran
 the policy (and critic) weights and AdamW state, keyed by parameter name, plus `trainer_state.json` (step,
 weight version, buffer counters, world size, the LR schedule's step `lr_step`) from rank 0. DCP stores each tensor's global shape and the
 slices each file holds, so a checkpoint written by N ranks loads into M ranks: each rank reads the slices
-its own shards need (resharding). `<checkpoint_dir>/latest` names the newest complete one; it is written
-last, so a crash mid-save leaves the previous one as latest.
+its own shards need (resharding). A checkpoint is written under a temporary name (`.step-N.partial`, which
+neither `latest`, pruning nor a resume ever looks at) and renamed into place only when complete; a save
+that fails (a full disk) removes its partial directory and re-raises, one killed outright leaves it for the
+next save to remove. `<checkpoint_dir>/latest` names the newest complete one and is replaced atomically,
+last, so a crash mid-save leaves the previous one as latest and the newest complete checkpoint never goes
+backwards.
 
 A LoRA job's checkpoint (model.lora) holds the adapter's tensors and their AdamW state only, not the
 frozen base: that comes from model.path when the job resumes. Its trainer_state carries `lora` (the adapter's
@@ -22,10 +26,13 @@ second transformers directory in `merged/`.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -99,24 +106,78 @@ def step_dir(checkpoint_dir: str | Path, step: int) -> Path:
     return Path(checkpoint_dir) / f"step-{step:08d}"
 
 
-def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None) -> Path:
-    """Write a checkpoint (a collective: every rank calls it). `trainer_state` (JSON-able) is rank 0's."""
+def partial_dir(path: str | Path) -> Path:
+    """Where the checkpoint `path` is written until it is complete."""
     path = Path(path)
+    return path.with_name(f".{path.name}.partial")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC / EDQUOT, raised by this rank or reported by DCP from another (CheckpointException)."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or any(
+        m in str(e) for m in ("No space left on device", "Disk quota exceeded")
+    )
+
+
+def _free(path: Path) -> str:
+    """`<free> free of <total> at <dir>`: the filesystem of the nearest existing directory of `path`."""
+    for p in (path, *path.parents):
+        if p.exists():
+            usage = shutil.disk_usage(p)
+            return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {p}"
+    return "free space unknown"
+
+
+def save(
+    learner,
+    path: str | Path,
+    trainer_state: dict,
+    keep: int | None = None,
+    before_complete: Callable[[], None] | None = None,
+) -> Path:
+    """Write a checkpoint (a collective: every rank calls it). `trainer_state` (JSON-able) is rank 0's.
+    It is written to `partial_dir(path)` and renamed to `path` once complete; on failure the partial
+    directory is removed and the error re-raised (a full disk as OSError ENOSPC naming the path and the
+    free space there). Rank 0 renames and prunes: every rank sees one filesystem here, as the state file
+    and `latest`, which only rank 0 writes, always assumed. `before_complete` runs on rank 0 between the
+    shards and the state file (the fault tests inject a full disk there)."""
+    path = Path(path)
+    tmp = partial_dir(path)
     pool = learner.pool
     t0 = time.monotonic()
-    if pool.is_main and path.exists():
-        shutil.rmtree(path)  # a half-written earlier attempt at the same step
-    pool.barrier()
-    dcp.save(_app_state(learner), checkpoint_id=str(path))
-    pool.barrier()
+    try:
+        if pool.is_main and tmp.exists():
+            shutil.rmtree(tmp)  # a save of this step that was killed before it could clean up
+        pool.barrier()
+        dcp.save(_app_state(learner), checkpoint_id=str(tmp))
+        pool.barrier()
+        if pool.is_main:
+            if before_complete is not None:
+                before_complete()
+            state = {**trainer_state, "world_size": pool.world_size, "lr_step": learner.lr_step}
+            lora = learner.model_spec.lora
+            if lora is not None:
+                state["lora"] = lora_meta(lora)
+                state["base"] = {**learner.base_fingerprint, "path": learner.model_spec.path}
+            (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+            replaced = path.with_name(f".{path.name}.replaced.partial")
+            if path.exists():  # an earlier checkpoint of the same step: out of the way in one rename
+                path.rename(replaced)
+            tmp.rename(path)
+            _write_latest(path)
+            shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException as e:  # CheckpointException is a BaseException
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e):
+            raise OSError(
+                errno.ENOSPC,
+                f"No space left on device writing checkpoint {path} ({_free(path.parent)}); its partial "
+                "directory was removed",
+            ) from e
+        raise
     if pool.is_main:
-        state = {**trainer_state, "world_size": pool.world_size, "lr_step": learner.lr_step}
-        lora = learner.model_spec.lora
-        if lora is not None:
-            state["lora"] = lora_meta(lora)
-            state["base"] = {**learner.base_fingerprint, "path": learner.model_spec.path}
-        (path / STATE_FILE).write_text(json.dumps(state, indent=2))
-        (path.parent / LATEST).write_text(path.name)
+        for old in path.parent.glob(".step-*.partial"):  # saves killed outright (kill -9, a lost node)
+            shutil.rmtree(old, ignore_errors=True)
         if keep:
             for old in sorted(path.parent.glob("step-*"))[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -142,6 +203,13 @@ def save(learner, path: str | Path, trainer_state: dict, keep: int | None = None
             )
     pool.barrier()
     return path
+
+
+def _write_latest(path: Path) -> None:
+    """`latest` -> path.name, replaced atomically: a full disk leaves the old pointer whole, never empty."""
+    tmp = path.parent / f".{LATEST}.tmp"
+    tmp.write_text(path.name)
+    os.replace(tmp, path.parent / LATEST)
 
 
 LORA_SHAPE = ("rank", "alpha", "target_modules")
