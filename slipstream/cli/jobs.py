@@ -175,7 +175,8 @@ def add_parsers(sub) -> None:
     rm.add_argument(
         "--purge",
         action="store_true",
-        help="also delete its output directory (only $SLIPSTREAM_HOME/jobs/JOB; default: kept)",
+        help="also delete its output directory, $SLIPSTREAM_HOME/jobs/JOB, and nothing outside it (a "
+        "symlink there: the link only; default: kept)",
     )
 
 
@@ -326,7 +327,9 @@ def main(args: argparse.Namespace) -> int:
         if args.cmd == "rm":
             out = client.remove(args.job, args.purge)
             kept = "deleted" if out["output_removed"] else "kept"
-            if args.purge and not out["output_removed"]:
+            if out.get("link_removed"):
+                kept += f" (the link {out['link_removed']} removed; --purge never follows it)"
+            elif args.purge and not out["output_removed"]:
                 kept += " (--purge deletes only the job's own directory under $SLIPSTREAM_HOME/jobs)"
             print(f"job {args.job} removed ({out['keys']} Redis keys); output {out['output_dir']} {kept}")
             return 0

@@ -157,7 +157,8 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
     @app.delete("/jobs/{name}", dependencies=auth, summary="Remove an ended job's records")
     def remove(name: str, purge: bool = False) -> dict:
         """Deletes the job's control records and Redis keys; refuses (409) a job that may still run.
-        `purge`: also delete its output directory, when that is HOME/jobs/NAME."""
+        `purge`: also delete the job's own directory HOME/jobs/NAME and nothing outside it (a symlink
+        there is removed as a link, its target kept: `link_removed`)."""
         return call(ctl().remove, name, purge)
 
     @app.post("/jobs/{name}/checkpoint", dependencies=auth, summary="Checkpoint after the current step")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import shlex
 import shutil
@@ -79,6 +80,28 @@ def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jo
                 f"only under its own directory (leave it unset, or give a path inside it) - at `{key}`"
             )
     return s
+
+
+def purge_job_dir(home: Path, name: str) -> dict:
+    """Delete job `name`'s own directory, HOME/jobs/NAME, and nothing outside it: HOME and the jobs root
+    may be links (the operator's choice of disk), but the job's entry in it is not followed. A link there
+    is removed as a link, its target kept (it may be another job's directory, or anything at all); a real
+    directory is deleted without following the links inside it (shutil.rmtree unlinks them). Returns
+    {"deleted": path} or {"link": path, "target": where it pointed}, {} when there is nothing."""
+    root = (home / "jobs").resolve()
+    job_dir = root / name
+    if job_dir.parent != root or name in ("", ".", ".."):  # a name is one plain path component
+        raise ControlError(422, f"job name {name!r} is not a directory name")
+    if job_dir.is_symlink():
+        target = os.readlink(job_dir)
+        job_dir.unlink()
+        log.warning("job %s: %s is a link (to %s): removed the link, kept its target", name, job_dir, target)
+        return {"link": str(job_dir), "target": target}
+    if job_dir.is_dir():
+        shutil.rmtree(job_dir)
+        log.info("job %s: deleted %s", name, job_dir)
+        return {"deleted": str(job_dir)}
+    return {}
 
 
 def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
@@ -506,8 +529,9 @@ class JobControl:
 
     def remove(self, name: str, purge: bool = False) -> dict:
         """Delete an ended job's records: its control entry and every Redis key under its prefix (the
-        stream, ledger, progress, status...). Its output directory stays unless `purge`, and even then only
-        when it is the job's own directory under HOME/jobs. A job that may still run is refused."""
+        stream, ledger, progress, status...). Its output directory stays unless `purge` (`purge_job_dir`:
+        the job's own directory under HOME/jobs, and nothing outside it). A job that may still run is
+        refused."""
         st = self.get(name)  # also notices a driver that died without reporting
         if st.get("state") in ACTIVE_STATES:
             raise ControlError(
@@ -521,19 +545,21 @@ class JobControl:
             (self.home / "jobs" / name / "redis_url").unlink(missing_ok=True)
         except redis.RedisError as e:
             log.warning("job %s: its Redis user could not be deleted: %s", name, e)
-        output_removed = False
-        if purge:
-            own = (self.home / "jobs" / name).resolve()
-            if out.resolve() == own and own.is_dir():
-                shutil.rmtree(own)
-                output_removed = True
-            elif out.exists():
-                log.info("job %s: output %s is outside %s; kept", name, out, self.home / "jobs")
+        purged = purge_job_dir(self.home, name) if purge else {}
+        output_removed = purged.get("deleted") is not None
+        if purge and out.exists():  # what is left is outside the job's directory (or behind its link)
+            log.info("job %s: output %s is outside %s; kept", name, out, self.home / "jobs" / name)
         log.info(
             "job %s removed (%d Redis keys; output %s %s)",
             name, removed, out, "deleted" if output_removed else "kept",
         )  # fmt: skip
-        return {"name": name, "keys": removed, "output_dir": str(out), "output_removed": output_removed}
+        return {
+            "name": name,
+            "keys": removed,
+            "output_dir": str(out),
+            "output_removed": output_removed,
+            "link_removed": purged.get("link"),
+        }
 
     def checkpoint(self, name: str) -> dict:
         st = self._job(name, reconcile=True)
