@@ -497,6 +497,18 @@ LORA_RATIOS = (
 )
 
 
+def publish_variant(bus, variant: str, params, version: int):
+    """One publish of `params` the way `variant` says: "bus" (the default: streamed once the trainer's
+    tensors are known, in place), "per_bucket" (SGLang's protocol: an HTTP call and an engine copy per
+    bucket, with pause and continue around them), "staged" (streamed beside the serving weights)."""
+    bus.transfer.stream = variant != "per_bucket"
+    bus.transfer.stage = variant == "staged"
+    try:
+        return bus.publish(iter(params), version=version)
+    finally:
+        bus.transfer.stream, bus.transfer.stage = True, False
+
+
 def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save) -> dict[str, Any]:
 
     device = raw.device
@@ -525,28 +537,64 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
             f"{shape}: first publish {m['first_publish_ms']:.1f} ms ({first.buckets} buckets; communicator setup)"
         )
         raw.measure(nbytes)  # untimed: the peer allocates its buffer
-        raw_s, bus_s, transfer_ms, pause_ms, gather_ms = [], [], [], [], []
+        variants = ["bus"] + (
+            [] if args.bus_backend == "ipc" or args.no_variants else ["per_bucket", "staged"]
+        )
+        for v in variants[1:]:  # untimed: a staged engine allocates its staging arena at its first one
+            publish_variant(bus, v, params, version=1)
+        raw_s: list[float] = []
+        timed: dict[str, dict[str, list[float]]] = {
+            v: {"s": [], "transfer": [], "pause": [], "gather": []} for v in variants
+        }
+        version = 1
         for r in range(args.repeats):
-            sides = ["raw", "bus"] if r % 2 == 0 else ["bus", "raw"]
+            sides = ["raw", *variants]
+            sides = sides[r % len(sides) :] + sides[: r % len(sides)]  # each side first in turn
             for side in sides:
                 if side == "raw":
                     raw_s.append(raw.measure(nbytes))
-                else:
-                    t0 = perf_counter()
-                    stats = bus.publish(iter(params), version=2 + r)
-                    bus_s.append(perf_counter() - t0)
-                    transfer_ms.append(stats.transfer_ms)
-                    pause_ms.append(stats.pause_ms)
-                    gather_ms.append(stats.gather_ms)
-                    if sorted(stats.engines) != sorted(urls) or stats.bytes != nbytes:
-                        raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
+                    continue
+                version += 1
+                t0 = perf_counter()
+                stats = publish_variant(bus, side, params, version)
+                took = perf_counter() - t0
+                for k, x in (
+                    ("s", took),
+                    ("transfer", stats.transfer_ms),
+                    ("pause", stats.pause_ms),
+                    ("gather", stats.gather_ms),
+                ):
+                    timed[side][k].append(x)
+                if sorted(stats.engines) != sorted(urls) or stats.bytes < nbytes:
+                    raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
+                if side == "bus":
+                    m["stream"] = stats.stream
+                    m["timeline_last"] = stats.timeline  # per bucket: [index, launched, sent, answered] ms
             log(
-                f"{shape} round {r + 1}/{args.repeats}: raw {raw_s[-1] * 1e3:.2f} ms, bus {bus_s[-1] * 1e3:.2f} ms "
-                f"(transfer {transfer_ms[-1]:.2f}, pause {pause_ms[-1]:.2f})"
+                f"{shape} round {r + 1}/{args.repeats}: raw {raw_s[-1] * 1e3:.2f} ms, "
+                + ", ".join(
+                    f"{v} {timed[v]['s'][-1] * 1e3:.2f} ms (pause {timed[v]['pause'][-1]:.2f})"
+                    for v in variants
+                )
+            )
+        bus_s, transfer_ms, pause_ms, gather_ms = (
+            timed["bus"][k] for k in ("s", "transfer", "pause", "gather")
+        )
+        for v in variants[1:]:
+            med = statistics.median
+            m[v] = {
+                "publish_ms": med(timed[v]["s"]) * 1e3,
+                "transfer_ms": med(timed[v]["transfer"]),
+                "pause_ms": med(timed[v]["pause"]),
+                "vs_raw_broadcast": med(raw_s) / med(timed[v]["s"]),
+                "publish_ms_all": [x * 1e3 for x in timed[v]["s"]],
+            }
+            log(
+                f"{shape}: {v} {m[v]['publish_ms']:.2f} ms ({m[v]['vs_raw_broadcast']:.3f} of raw), pause {m[v]['pause_ms']:.2f} ms"
             )
         import httpx
 
-        m["final_version"] = 1 + args.repeats
+        m["final_version"] = version
         m["engine_weight_versions"] = [
             httpx.get(u + "/get_model_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()[
                 "weight_version"
@@ -557,7 +605,6 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
             raise RuntimeError(
                 f"engines at versions {m['engine_weight_versions']}, expected {m['final_version']}"
             )
-        m["timeline_last"] = stats.timeline  # per bucket: [index, launched, sent, answered] ms
         per_engine = [engine_phases(u) for u in urls]
         m["engine_bucket_phase_ms_per_engine"] = per_engine  # in --engine-gpus order
         m["engine_bucket_phase_ms"] = {  # mean over the engines (one engine: its own)
@@ -747,6 +794,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-inflight", type=int, default=MAX_INFLIGHT, help="unconfirmed buckets at a time (bus default)"
     )
     p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
+    p.add_argument(
+        "--no-variants",
+        action="store_true",
+        help="time only the default publish (not also SGLang's per-bucket protocol and the staged update)",
+    )
     p.add_argument(
         "--lora",
         type=int,

@@ -112,6 +112,8 @@ class WeightBus:
         repair_in_stream: bool | None = None,
         lora=None,
         lora_dir: str | None = None,
+        stream: bool = True,
+        stage: bool = False,
     ) -> None:
         """`dtype`: what the weights travel and load as ("bfloat16", ...); None: the engines' dtype from
         /get_server_info when they all report the same concrete one, else the trainer's own.
@@ -124,7 +126,9 @@ class WeightBus:
         mid-update, re-send the unconfirmed buckets to the survivors (default: gloo), or park them until
         the next update (default: NCCL; see Transfer.recover). `lora` (models.config.LoraSpec; a LoRA
         job): every publish is adapter-only (weight_bus/lora.py), and `lora_dir` is where the adapter's
-        PEFT directories go for engines that load it from disk (SGLang without ipc)."""
+        PEFT directories go for engines that load it from disk (SGLang without ipc). `stream`: after the
+        first update, send each update to built-in engines as one call (weight_bus/stream.py); `stage`:
+        such engines receive into a staging copy of their weights while generating (bus.stage_weights)."""
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: expected one of {PAUSE_MODES}")
         if backend not in BACKENDS:
@@ -160,6 +164,7 @@ class WeightBus:
             repair_in_stream=backend == "gloo" if repair_in_stream is None else repair_in_stream,
             lora=lora,
             lora_dir=lora_dir,
+            **({} if backend == IPC else {"stream": stream, "stage": stage}),
         )
         self._lock = threading.Lock()
         """One update (or connect) at a time: an update never overlaps another."""

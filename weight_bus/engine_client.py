@@ -30,6 +30,7 @@ from weight_bus.schema import (
     UpdateWeightsFromDistributed,
     UpdateWeightsFromTensor,
     UpdateWeightVersion,
+    WeightLayout,
 )
 
 PROBE_TIMEOUT_S = 5.0
@@ -96,6 +97,13 @@ class EngineClient:
         if resp.status_code != 200:
             raise Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
         return resp.json()
+
+    def weight_layout(self, url: str) -> WeightLayout:
+        """GET /weight_layout (built-in engine): where each weight lives in its arena."""
+        resp = self._http.get(url + "/weight_layout", timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise Refused(f"{url}/weight_layout: HTTP {resp.status_code}: {resp.text[:200]}")
+        return msgspec.json.decode(resp.content, type=WeightLayout)
 
     def healthy(self, url: str, timeout_s: float | None = None) -> bool:
         """GET /health answers 200 (SGLang answers 503 while it starts); False on any transport error."""

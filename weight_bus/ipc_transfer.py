@@ -184,6 +184,10 @@ class IpcTransfer(Transfer):
         self._device_index = -1 if self.device.type == "cpu" else self.device.index
         """`Tensor.get_device()` of a tensor on the bus device (cheaper to compare than devices)."""
 
+    def stream_plan(self, dtype: torch.dtype | None) -> None:
+        """No streamed updates: each bucket is already one call that hands a handle over."""
+        return None
+
     def probe_due(self) -> bool:
         """No probe while the last update reached every engine: a dead engine fails the update's own
         call and is dropped then (joiners are still probed)."""

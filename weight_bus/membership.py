@@ -61,6 +61,8 @@ class Member:
         self.tp_size = int(info.get("tp_size", 1))
         self.builtin = info.get("version") == BUILTIN_ENGINE
         self.dtype = info.get("dtype")
+        self.layout = info.get("weight_layout")
+        """The digest of the engine's weight arena layout (built-in engine; None: no arena)."""
         self.device_uuid = info.get("device_uuid")
         """The CUDA device the engine runs on (the built-in engine says; None: unknown, or CPU)."""
         self.info = {

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -20,11 +21,13 @@ from weight_bus.group import (
     new_group,
     shutdown_group,
 )
-from weight_bus.schema import InitWeightsUpdateGroup, UpdateWeightsFromDistributed
+from weight_bus.schema import InitWeightsUpdateGroup, StreamBucket, UpdateWeightsFromDistributed
 
 log = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
+WAIT_POLL_S = 5e-5
+"""How often a streamed update's host thread checks that its last receive completed."""
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -82,6 +85,8 @@ class WeightReceiver:
         self.gpu_lock = gpu_lock if gpu_lock is not None else contextlib.nullcontext()
         self.groups: dict[str, dist.ProcessGroup] = {}
         self.rings: dict[str, _Ring] = {}
+        self.timeouts: dict[str, float] = {}
+        """Each group's collective timeout (InitWeightsUpdateGroup.timeout_s)."""
         self.broken: set[str] = set()
         """Groups a receive failed on (a peer died, the sender left): their later receives fail at once
         instead of each waiting out the group timeout; the bus builds a new group."""
@@ -99,6 +104,7 @@ class WeightReceiver:
             req.group_name,
             req.timeout_s or DEFAULT_TIMEOUT_S,
         )
+        self.timeouts[req.group_name] = req.timeout_s or DEFAULT_TIMEOUT_S
         log.info(
             "joined weight group %s as rank %d/%d (%s)", req.group_name, rank, req.world_size, req.backend
         )
@@ -108,6 +114,7 @@ class WeightReceiver:
         group = self.groups.pop(group_name, None)
         self.broken.discard(group_name)
         self.rings.pop(group_name, None)
+        self.timeouts.pop(group_name, None)
         if group is None:
             raise ValueError(f"no group {group_name!r}")
         with self.gpu_lock:
@@ -122,11 +129,7 @@ class WeightReceiver:
         flattened bucket into a reused buffer on a side stream (_Ring), overlapping the next bucket's
         receive with this one's copy; the returned tensors are then only valid inside `load`. Without it,
         each call receives into fresh tensors that the caller keeps."""
-        group = self.groups.get(req.group_name)
-        if group is None:
-            raise ValueError(f"no weight update group {req.group_name!r}; call /init_weights_update_group")
-        if req.group_name in self.broken:
-            raise RuntimeError(f"weight update group {req.group_name!r} failed earlier; it must be rebuilt")
+        group = self._group(req.group_name)
         try:
             named = self._receive(group, req, load)
         except _LoadFailed as e:  # the bytes arrived: the group is still in step with rank 0
@@ -139,6 +142,58 @@ class WeightReceiver:
         if req.weight_version is not None:  # the update's last bucket: its buffers go back
             self.rings.pop(req.group_name, None)
         return named
+
+    def receive_stream(
+        self,
+        req: UpdateWeightsFromDistributed,
+        target: Callable[[StreamBucket], torch.Tensor | None],
+        load: Callable[[StreamBucket, Named], None],
+    ) -> None:
+        """Receive every bucket of `req.stream`, in order, one broadcast each, and return once the last
+        one is in (each wait bounded by the group's timeout). A bucket for which `target` gives a tensor
+        (a byte range of the engine's weight arena) is received straight into it: these broadcasts are
+        all posted at once and complete back to back. Any other is a flattened bucket of named tensors,
+        received into a reused buffer (CUDA: the _Ring, overlapping the next receive with this copy) and
+        handed to `load(bucket, named)`. A failure breaks the group, as in `receive`."""
+        group = self._group(req.group_name)
+        timeout_s = self.timeouts.get(req.group_name, DEFAULT_TIMEOUT_S)
+        try:
+            last = None
+            for b in req.stream:
+                dest = target(b)
+                if dest is not None:
+                    with self.gpu_lock:
+                        last = broadcast_async(group, dest)
+                    continue
+                if last is not None:  # a named bucket's buffer must not wait behind unfinished receives
+                    _wait(last, timeout_s)
+                    last = None
+                one = UpdateWeightsFromDistributed(
+                    names=b.names, dtypes=b.dtypes, shapes=b.shapes, group_name=req.group_name,
+                    load_format=FLATTENED_BUCKET,
+                )  # fmt: skip
+                self._receive(group, one, lambda named, b=b: load(b, named))
+            if last is not None:
+                _wait(last, timeout_s)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # named buckets' copies are done
+        except _LoadFailed as e:
+            self.broken.add(req.group_name)  # later buckets were never received: out of step with rank 0
+            self.rings.pop(req.group_name, None)
+            raise e.__cause__ from None
+        except Exception:
+            self.broken.add(req.group_name)
+            self.rings.pop(req.group_name, None)
+            raise
+        self.rings.pop(req.group_name, None)
+
+    def _group(self, name: str) -> dist.ProcessGroup:
+        group = self.groups.get(name)
+        if group is None:
+            raise ValueError(f"no weight update group {name!r}; call /init_weights_update_group")
+        if name in self.broken:
+            raise RuntimeError(f"weight update group {name!r} failed earlier; it must be rebuilt")
+        return group
 
     def _receive(
         self,
@@ -187,6 +242,17 @@ class WeightReceiver:
             out.append((name, t))
         _load(load, out)
         return out
+
+
+def _wait(work: dist.Work, timeout_s: float) -> None:
+    """Wait (host) until a receive is complete, bounded: TimeoutError past `timeout_s`; its error if it
+    failed."""
+    deadline = time.monotonic() + timeout_s
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a weight broadcast did not complete within {timeout_s:.0f} s")
+        time.sleep(WAIT_POLL_S)
+    work.wait()
 
 
 class _LoadFailed(Exception):

@@ -40,6 +40,56 @@ class UpdateWeightsFromDistributed(msgspec.Struct, kw_only=True):
     adapter `lora_name` (replacing it atomically if loaded) instead of into the base weights."""
     lora_config: dict | None = None
     """With `lora_name`: the adapter's PEFT adapter_config (r, lora_alpha, target_modules)."""
+    stream: list[StreamBucket] | None = None
+    """Slipstream extension (the built-in engine only; never sent to SGLang): the whole update in this one
+    call. The engine receives these buckets back to back, in order, one broadcast each (`names`, `dtypes`
+    and `shapes` above stay empty), and answers once the last one is in and `weight_version` set. It
+    holds its step boundary meanwhile (generation waits, in-flight requests keep their KV: the pause is
+    folded into the call) unless `stage` lets it generate on until the swap."""
+    layout: str | None = None
+    """With `stream` buckets that carry an `offset`: the digest of the engine's WeightLayout the trainer
+    planned them from; an engine whose layout differs refuses the update before anything is received."""
+    stage: bool = False
+    """With `stream`: receive the weight-arena buckets into a second arena beside the serving one while
+    generation goes on, and copy it over the serving weights at one step boundary at the end (the pause
+    is that copy, not the transfer). Costs the engine one more copy of its weights in device memory,
+    allocated at the first staged update and kept; an engine that cannot allocate it receives in place."""
+
+
+class StreamBucket(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One bucket of a streamed update (UpdateWeightsFromDistributed.stream): one broadcast of `nbytes`.
+    With `offset`, the bytes are the engine's weight arena [offset, offset + nbytes) and are received
+    straight into it; without, they are a flattened bucket of the named tensors, copied into the weights
+    (or, with `lora_name`, kept for the adapter) as the per-bucket call does."""
+
+    nbytes: int
+    offset: int | None = None
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+
+
+class LayoutEntry(msgspec.Struct, array_like=True):
+    """Where one HF-named tensor lives in an engine's weight arena (tied names share their bytes)."""
+
+    name: str
+    offset: int
+    """Byte offset of the tensor's first element in the arena."""
+    dtype: str
+    shape: list[int]
+
+
+class WeightLayout(msgspec.Struct, kw_only=True):
+    """GET /weight_layout (built-in engine): every weight of the engine in one contiguous arena, in HF
+    state_dict order, each layer's q/k/v and gate/up adjacent (the fused projections are views of it). A
+    trainer that knows it packs each bucket as a byte range of the arena, which the engine receives in
+    place: no receive buffer, no copy."""
+
+    nbytes: int
+    """The arena's size in bytes (gaps between tensors included: each block starts 256-byte aligned)."""
+    entries: list[LayoutEntry]
+    digest: str
+    """Identifies the layout (names, offsets, dtypes, shapes, size); /get_server_info's `weight_layout`."""
 
 
 class UpdateWeightsFromTensor(msgspec.Struct, kw_only=True):

@@ -4,6 +4,7 @@ mid-update, continue the engines. The update's order and failure semantics are i
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -21,7 +22,8 @@ from weight_bus.group import broadcast_async
 from weight_bus.membership import IPC, MAX_REBUILDS, Member, Membership
 from weight_bus.packing import Bucket, pack
 from weight_bus.receiver import FLATTENED_BUCKET
-from weight_bus.schema import UpdateWeightsFromDistributed
+from weight_bus.schema import UpdateWeightsFromDistributed, WeightLayout
+from weight_bus.stream import Plan, Sent, arena_plan, named_plan, pack_arena
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,11 @@ class PublishStats(msgspec.Struct, kw_only=True):
     adapter: str | None = None
     """An adapter-only update (a job with model.lora): the adapter's name on the engines; None = full
     weights."""
+    stream: str = ""
+    """A streamed update (weight_bus/stream.py: one call per engine): "arena" (byte ranges of the engines'
+    weight arena, received in place) or "named" (flattened named buckets); "" for per-bucket calls."""
+    staged: bool = False
+    """Streamed into the engines' staging arenas while they generated; pause_ms is the swap at the end."""
     path: str = "group"
     """How the tensors went: "group" (broadcast), "ipc" (handles), "files" (a PEFT directory the engines
     loaded: weight_bus/lora.py)."""
@@ -109,6 +116,20 @@ def _error(f: Future) -> BaseException | None:
     return f.exception()
 
 
+class _Recorder:
+    """Passes the trainer's (name, tensor) pairs through and notes what was sent (name, shape, dtype);
+    `complete` once the iterator ran out."""
+
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.it, self.sent, self.complete = it, [], False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.it:
+            self.sent.append((name, tuple(t.shape), t.dtype))
+            yield name, t
+        self.complete = True
+
+
 def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: float, pause_s: float) -> None:
     """The bus metrics of one finished update (`sent`: bytes sent in all, over every rank)."""
     metrics.LAST_BYTES.labels(stats.kind).set(stats.bytes)
@@ -137,9 +158,14 @@ class Transfer:
         repair_in_stream: bool,
         lora=None,
         lora_dir: str | None = None,
+        stream: bool = True,
+        stage: bool = False,
     ) -> None:
         """`lora` (a models.config.LoraSpec): every update is adapter-only (weight_bus/lora.py);
-        `lora_dir`: where the adapter's PEFT directories go for engines that load it from disk."""
+        `lora_dir`: where the adapter's PEFT directories go for engines that load it from disk.
+        `stream`: once the trainer's tensors are known (after the first update) and every engine is a
+        built-in one, send each update as one call per engine (weight_bus/stream.py); `stage`: streamed
+        engines receive into a staging arena while they generate and swap at the end."""
         self.members, self.client, self.pool = members, client, pool
         self.lora = lora
         self.lora_dir = lora_dir
@@ -156,6 +182,15 @@ class Transfer:
         """The last update reached every engine in the group and dropped none."""
         self.handoff = ""
         """PublishStats.handoff of the update under way."""
+        self.stream, self.stage = stream, stage
+        self.sent: list[Sent] | None = None
+        """What the trainer sent in the last whole update (names, shapes, dtypes): what streamed updates
+        are planned from."""
+        self.layouts: dict[str, WeightLayout] = {}
+        """Engine weight layouts fetched, by digest."""
+        self._plan: tuple[tuple, Plan] | None = None
+        self._engine_pause_ms = 0.0
+        self._staged = False
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
@@ -177,8 +212,13 @@ class Transfer:
         joined, dropped = m.sync(probe=probe)
         dtype = m.wire_dtype()
         files = self.adapter_files()
+        plan = None if files else self.stream_plan(dtype)
+        seen = _Recorder(it)
         t_gather = time.perf_counter()
-        stream = self.pack(it, dtype, whole=files, persistent=persistent and self.lora is None)
+        if plan is not None and plan.kind == "arena":
+            stream = pack_arena(plan, iter(seen), self.device)
+        else:
+            stream = self.pack(iter(seen), dtype, whole=files, persistent=persistent and self.lora is None)
         first = next(stream, None)
         gather_s = time.perf_counter() - t_gather
         if first is None:
@@ -189,7 +229,7 @@ class Transfer:
                 version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
                 gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
             )  # fmt: skip
-        fold = self.folds_pause(first)
+        fold = self.pause_mode == "in_place" if plan is not None else self.folds_pause(first)
         paused = [] if fold else list(m.engines)
         t_pause = time.perf_counter()
         total = n_buckets = 0
@@ -203,7 +243,11 @@ class Transfer:
                 dropped += m.drop(list(failed))
                 m.rebuild()
             t_transfer = time.perf_counter()
-            move = self._transfer_files if files else self._transfer
+            self._engine_pause_ms = 0.0
+            if plan is not None:
+                move = functools.partial(self._transfer_stream, plan)
+            else:
+                move = self._transfer_files if files else self._transfer
             total, n_buckets, pack_s, more_dropped, timeline = move(first, stream, version)
             gather_s += pack_s
             dropped += more_dropped
@@ -218,6 +262,10 @@ class Transfer:
                 log.warning("engine %s: continue failed: %s", url, err)
             dropped += m.drop(list(failed))
         pause_s = time.perf_counter() - t_pause  # folded: the engines wait at a step boundary meanwhile
+        if plan is not None and fold:  # the engines said how long their generation waited
+            pause_s = self._engine_pause_ms / 1e3
+        if seen.complete and seen.sent:
+            self.sent = seen.sent
         self.healthy = bool(m.engines) and not dropped
         m.promote(joined)
         stats = PublishStats(
@@ -234,6 +282,8 @@ class Transfer:
             timeline=timeline,
             adapter=self.lora.name if self.lora is not None else None,
             path="files" if files else ("ipc" if m.backend == IPC else "group"),
+            stream=plan.kind if plan is not None else "",
+            staged=plan is not None and self.stage and self._staged,
             handoff=self.handoff,
             paused=not fold,
             probed=probe,
@@ -250,7 +300,9 @@ class Transfer:
             stats.transfer_ms,
             total / max(transfer_s, 1e-9) / 1e9,
             stats.pause_ms,
-            f" ({self.handoff}, pause folded into the call)" if fold else "",
+            f" ({self.handoff or plan.kind + ' stream' if plan else self.handoff}, pause folded into the call)"
+            if fold
+            else "",
             stats.gather_ms,
             f", joined {stats.joined}" if stats.joined else "",
             f", dropped {dropped}" if dropped else "",
@@ -300,6 +352,168 @@ class Transfer:
             timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
             self.release(done)
         return total, count, pack_s, dropped, timeline
+
+    def stream_plan(self, dtype: torch.dtype | None) -> Plan | None:
+        """The plan of a streamed update (weight_bus/stream.py), or None for per-bucket calls: the first
+        update (what the trainer sends is not known yet), an engine that is not a built-in one, or
+        streaming turned off. Arena buckets where every engine reports the same weight layout and the
+        trainer's tensors fill it; else named buckets. Planned once per change of either."""
+        m = self.members
+        if not self.stream or self.sent is None or not m.engines or any(not e.builtin for e in m.engines):
+            return None
+        digests = sorted({str(e.layout) for e in m.engines if e.layout}) if self.lora is None else []
+        single = len(digests) == 1 and all(e.layout for e in m.engines)
+        key = (tuple(self.sent), self.bucket_bytes, dtype, tuple(digests) if single else None)
+        if self._plan is not None and self._plan[0] == key:
+            return self._plan[1]
+        plan: Plan | str | None = None
+        if single:
+            digest = digests[0]
+            layout = self.layouts.get(digest)
+            if layout is None:
+                try:
+                    layout = self.layouts[digest] = self.client.weight_layout(m.engines[0].url)
+                except Exception as e:  # this update goes as named buckets; the next one asks again
+                    log.warning("weight layout of %s: %s", m.engines[0].url, e)
+            if layout is not None and layout.digest == digest:
+                plan = arena_plan(layout, self.sent, self.bucket_bytes)
+                if isinstance(plan, str):
+                    log.info("streamed weight updates go as named buckets: %s", plan)
+                    plan = None
+        if plan is None:
+            plan = named_plan(self.sent, self.bucket_bytes, dtype)
+        self._plan = (key, plan)
+        log.info(
+            "weight updates stream as one call per engine: %d %s buckets (%.1f MB)%s",
+            len(plan.buckets),
+            plan.kind,
+            sum(b.nbytes for b in plan.buckets) / 1e6,
+            ", staged beside the serving weights" if self.stage and plan.kind == "arena" else "",
+        )
+        return plan
+
+    def _transfer_stream(self, plan: Plan, first: Bucket, stream: Iterator[Bucket], version: int):
+        """One streamed update: one call to every engine with the whole plan, then the broadcasts, each
+        bucket packed while the ones before it are on the wire (at most max_inflight unfinished), then
+        every engine's answer. Returns what `_transfer` does; on a failure the engines that did not
+        finish are dropped (dead) or parked until the next update (alive: their weights are incomplete)."""
+        m = self.members
+        body = UpdateWeightsFromDistributed(
+            names=[],
+            dtypes=[],
+            shapes=[],
+            group_name=m.name,
+            load_format=FLATTENED_BUCKET,
+            weight_version=str(version),
+            flush_cache=True,
+            stream=plan.buckets,
+            layout=plan.digest,
+            stage=self.stage,
+            lora_name=self.lora.name if self.lora is not None else None,
+            lora_config=self.lora.peft_config() if self.lora is not None else None,
+        )
+        t0 = time.perf_counter()
+        calls = {e.url: e.announce(body) for e in m.engines}
+        timeline: list[list[float]] = []
+        inflight: deque[Bucket] = deque()
+        total = count = 0
+        pack_s = 0.0
+        b: Bucket | None = first
+        try:
+            while b is not None:
+                if plan.kind == "named" and b.names != plan.buckets[b.index].names:
+                    raise BusError(f"bucket {b.index}: the trainer's tensors are not the update's plan")
+                b.calls = calls
+                b.times[0] = time.perf_counter()
+                b.work = broadcast_async(m.group, b.flat)
+                inflight.append(b)
+                while inflight and (len(inflight) > self.max_inflight or inflight[0].work.is_completed()):
+                    done = self._sent(inflight.popleft(), calls)
+                    total += done.nbytes
+                    count += 1
+                    timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
+                    self.release(done)
+                if b.last:
+                    break
+                t = time.perf_counter()
+                b = next(stream)
+                pack_s += time.perf_counter() - t
+            while inflight:
+                done = self._sent(inflight.popleft(), calls)
+                total += done.nbytes
+                count += 1
+                timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
+                self.release(done)
+            answers = self._answers(calls)
+        except UpdateFailed as failure:
+            return total, count, pack_s, self._recover_stream(failure, calls), timeline
+        t_end = round((time.perf_counter() - t0) * 1e3, 3)
+        for row in timeline:
+            row[3] = t_end
+        self._staged = all(a.get("staged") for a in answers.values())
+        self._engine_pause_ms = max((float(a.get("paused_ms", 0.0)) for a in answers.values()), default=0.0)
+        return total, count, pack_s, [], timeline
+
+    def _sent(self, b: Bucket, calls: dict[str, Future]) -> Bucket:
+        """Wait (bounded) until rank 0's broadcast of b is done, failing early on an engine's error."""
+        deadline = time.monotonic() + self.timeout_s + self.grace
+        while not b.work.is_completed():
+            errors = {u: err for u, f in calls.items() if (err := _error(f)) is not None}
+            if errors:
+                raise UpdateFailed(b, errors, None)
+            if time.monotonic() > deadline:
+                raise UpdateFailed(b, {}, TimeoutError("broadcast did not complete"))
+            time.sleep(POLL_S)
+        try:
+            b.work.wait()
+        except Exception as e:
+            raise UpdateFailed(b, {}, e) from e
+        b.times[1] = b.times[2] = time.perf_counter()
+        return b
+
+    def _answers(self, calls: dict[str, Future]) -> dict[str, dict]:
+        """Every engine's answer to the streamed call (bounded): it has the whole update then."""
+        wait(calls.values(), timeout=self.timeout_s + self.grace)
+        errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
+        errors = {u: e for u, e in errors.items() if e is not None}
+        if errors:
+            raise UpdateFailed(Bucket(-1, [], [], [], None, True, [], nbytes=0), errors, None)
+        return {u: f.result() for u, f in calls.items()}
+
+    def _recover_stream(self, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
+        """After a failed streamed update: leave the group (rank 0's unfinished broadcasts fail, and so do
+        the engines' receives), tell the dead from the alive by their answers and a probe, drop the dead,
+        and park the alive ones that did not finish (their weights are incomplete: they stay paused and
+        rejoin with the whole model at the next update). An engine that refused while everyone was alive
+        and nothing failed on the wire is a bug: BusError."""
+        m = self.members
+        log.warning("streamed weight update failed: %s", failure)
+        m.leave_group()
+        errors: dict[str, BaseException] = dict(failure.errors)
+        for e in m.engines:
+            if e.url in errors and not isinstance(errors[e.url], Refused):
+                e.channel.close()
+        wait(calls.values(), timeout=self.timeout_s + 2 * self.grace)
+        for url, f in calls.items():
+            if url not in errors:
+                err = _error(f) if f.done() else TimeoutError("no answer in time")
+                if err is not None:
+                    errors[url] = err
+        lost = {u for u, e in errors.items() if not isinstance(e, Refused)}
+        infos = m.probe([u for u in m.urls if u not in lost])
+        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
+        refused = {u: e for u, e in errors.items() if u not in lost}
+        if refused and not lost and failure.collective is None:
+            raise BusError("; ".join(str(e) for e in refused.values()))
+        dropped = m.drop(sorted(lost))
+        for url in dropped:
+            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        unfinished = [e for e in m.engines if e.url in errors]
+        list(self.pool.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
+        parked = m.drop([e.url for e in unfinished], park=True)
+        if parked:
+            log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
+        return dropped + parked
 
     def pack(
         self,

@@ -82,6 +82,14 @@ class AbortRequest(msgspec.Struct, kw_only=True):
     abort_all: bool = False
 
 
+class GetWeightsByName(msgspec.Struct, kw_only=True):
+    """POST /get_weights_by_name (SGLang's GetWeightsByNameReqInput): the first `truncate_size` rows of
+    the weight `name` (HF name), as nested lists of numbers."""
+
+    name: str
+    truncate_size: int = 100
+
+
 class UpdateWeightVersion(msgspec.Struct, kw_only=True):
     new_version: str
     abort_all_requests: bool = False

@@ -90,6 +90,7 @@ def server_info(state: EngineState) -> dict[str, Any]:
         "dp_size": 1,
         "pp_size": 1,
         "weight_update_groups": sorted(state.receiver.groups),
+        "weight_layout": layout.digest if (layout := runner.weight_layout()) is not None else None,
         "memory_released": snap["memory_released"],
         "internal_states": [{**snap, "num_queue_reqs": snap["num_queue_reqs"] + state.waiting}],
         "version": VERSION,

@@ -51,67 +51,83 @@ def empty_cache(device: torch.device) -> None:
 
 
 class WeightsBackup:
-    """The model's parameters and buffers moved to host memory and back. Each tensor object stays the
-    module's (only its `.data` changes), so modules, tied weights and optimizers' references hold;
-    views taken before `offload` (a state_dict) keep the old storage and must be taken again after
-    `restore`. On CUDA the pinned host buffers stay allocated after a restore and are reused by the next
-    offload (pinning gigabytes takes seconds; a colocated engine releases every step)."""
+    """The model's parameters and buffers moved to host memory and back, storage by storage: tensors that
+    share one storage (the weight arena, engine/arena.py; fused projections) come back sharing one again,
+    at the same offsets, so the arena's layout holds across a release. Each tensor object stays the
+    module's (only its `.data` changes), so modules, tied weights and optimizers' references hold; views
+    taken before `offload` (a state_dict) keep the old storage and must be taken again after `restore`.
+    On CUDA the pinned host buffers stay allocated after a restore and are reused by the next offload
+    (pinning gigabytes takes seconds; a colocated engine releases every step)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._pinned: dict[int, torch.Tensor] = {}
-        """id(tensor) -> its pinned host buffer, kept between offloads."""
+        self._saved: list[tuple[torch.Tensor, int, int, tuple, tuple]] = []
+        """(tensor, index of its storage in _hosts, storage offset, size, stride) of each offloaded tensor."""
+        self._hosts: list[tuple[torch.Tensor, torch.device]] = []
+        """Each offloaded storage's bytes on the host (uint8) and the device it came from."""
+        self._pinned: list[torch.Tensor] = []
+        """Pinned host buffers, by storage position, kept between offloads."""
 
     @property
     def offloaded(self) -> bool:
         return bool(self._saved)
 
     def offload(self) -> int:
-        """Copy every parameter and buffer to host memory (pinned when on CUDA) and leave an empty tensor
-        on the device in its place; returns the device bytes dropped (0 when already offloaded). On CPU
-        the tensors themselves are kept (they are host memory already): nothing is copied."""
+        """Copy every parameter's and buffer's storage to host memory (pinned when on CUDA) and leave an
+        empty tensor on the device in each one's place; returns the device bytes dropped (0 when already
+        offloaded). On CPU the storages themselves are kept (they are host memory already): nothing is
+        copied."""
         if self._saved:
             return 0
         seen: set[int] = set()
-        saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        index: dict[int, int] = {}
+        saved, hosts = [], []
         total = 0
         on_cuda = False
         for t in itertools.chain(self.model.parameters(), self.model.buffers()):
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            data = t.data
-            if data.device.type == "cuda":
-                on_cuda = True
-                host = self._pinned.get(id(t))
-                if host is None or host.shape != data.shape or host.dtype != data.dtype:
-                    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                    self._pinned[id(t)] = host
-                host.copy_(data, non_blocking=True)
-            else:
-                host = data
-            saved.append((t, host))
-            total += data.numel() * data.element_size()
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in index:
+                index[key] = len(hosts)
+                data = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+                if data.device.type == "cuda":
+                    on_cuda = True
+                    i = len(hosts)
+                    if i >= len(self._pinned) or self._pinned[i].numel() != data.numel():
+                        pinned = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+                        self._pinned[i : i + 1] = [pinned]
+                    host = self._pinned[i]
+                    host.copy_(data, non_blocking=True)
+                else:
+                    host = data
+                hosts.append((host, t.device))
+                total += data.numel()
+            saved.append((t, index[key], t.storage_offset(), tuple(t.shape), t.stride()))
         if on_cuda:
             torch.cuda.synchronize()  # every copy has landed before the device memory goes
-        for t, _ in saved:
+        for t, *_ in saved:
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
-        self._saved = saved
+        self._saved, self._hosts = saved, hosts
         return total
 
     def restore(self) -> int:
-        """Put every offloaded tensor back on its device, bytes unchanged; returns the bytes restored."""
-        total = 0
+        """Put every offloaded storage back on its device, bytes unchanged, and each tensor back into it
+        at its offset; returns the bytes restored."""
+        storages = []
         on_cuda = False
-        for t, host in self._saved:
-            if t.device.type == "cuda":
+        for host, device in self._hosts:
+            if device.type == "cuda":
                 on_cuda = True
-                t.data = host.to(t.device, non_blocking=True)
+                storages.append(host.to(device, non_blocking=True).untyped_storage())
             else:
-                t.data = host
-            total += host.numel() * host.element_size()
+                storages.append(host.untyped_storage())
+        for t, i, offset, size, stride in self._saved:
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device).set_(storages[i], offset, size, stride)
+        total = sum(host.numel() for host, _ in self._hosts)
         if on_cuda:
             torch.cuda.synchronize()  # the pinned buffers are written again only by the next offload
-        self._saved = []
+        self._saved, self._hosts = [], []
         return total

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from generator_fleet.engine import arena
 from generator_fleet.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class PagedForward:
         self.qkv_b: list[torch.Tensor | None] | None = None
         self.gate_up_w: list[torch.Tensor] | None = None
         self.gate_up_b: list[torch.Tensor | None] | None = None
+        self.arena: arena.Arena | None = None
+        """Every weight in one buffer (engine/arena.py); None when the model could not be laid out."""
         self.fuse_weights()
         self._fused_kernels = self._fused_kernels_usable()
         log.info(
@@ -123,24 +126,53 @@ class PagedForward:
     # ---- fused projections -------------------------------------------------------------------------
 
     def fuse_weights(self) -> None:
-        """Concatenate each layer's q/k/v weights (and biases) into one tensor and gate/up into another,
-        and make the HF parameters views into them: a weight update's in-place copy by HF name lands in
+        """Lay every weight out in one arena (engine/arena.py: a weight update can then be received
+        straight into it), each layer's q/k/v weights (and biases) adjacent as one tensor and gate/up as
+        another, the HF parameters views into them: a weight update's in-place copy by HF name lands in
         the fused tensor. Called again after the weights come back from host memory (WeightsBackup
-        restores each parameter to its own storage); a state_dict taken before is stale after it."""
-        self.qkv_w, self.qkv_b, self.gate_up_w, self.gate_up_b = [], [], [], []
-        for layer in self.decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            w, b = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            self.qkv_w.append(w)
-            self.qkv_b.append(b)
-            w, b = _fuse_linears([mlp.gate_proj, mlp.up_proj])
-            self.gate_up_w.append(w)
-            self.gate_up_b.append(b)
+        restores the arena as it was; only the views are taken again); a state_dict taken before a
+        release is stale after it. Without an arena (tensors on several devices, or not contiguous) the
+        projections are fused by concatenation, as views of their own tensors."""
+        layers = [
+            (
+                i,
+                [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                [layer.mlp.gate_proj, layer.mlp.up_proj],
+            )
+            for i, layer in enumerate(self.decoder.layers)
+        ]
+        mixed = any(
+            0 < sum(m.bias is not None for m in mods) < len(mods) for _, *pair in layers for mods in pair
+        )
+        groups: list[list[torch.Tensor]] = []
+        kinds: list[tuple[str, int]] = []
+        for i, qkv, gate_up in layers:
+            for kind, mods in (("qkv", qkv), ("gate_up", gate_up)):
+                groups.append([m.weight for m in mods])
+                kinds.append((kind + "_w", i))
+                if mods[0].bias is not None:
+                    groups.append([m.bias for m in mods])
+                    kinds.append((kind + "_b", i))
+        # Some projections biased and others not: the fused bias needs zero rows the arena has no
+        # tensor for, so such a model keeps concatenated fused tensors and no arena.
+        self.arena = None if mixed else arena.lay_out(self.model, groups)
+        n = len(layers)
+        fused: dict[str, list] = {k: [None] * n for k in ("qkv_w", "qkv_b", "gate_up_w", "gate_up_b")}
+        if self.arena is not None:
+            for (kind, i), t in zip(kinds, self.arena.fused, strict=True):
+                fused[kind][i] = t
+        else:
+            for i, qkv, gate_up in layers:
+                fused["qkv_w"][i], fused["qkv_b"][i] = _fuse_linears(qkv)
+                fused["gate_up_w"][i], fused["gate_up_b"][i] = _fuse_linears(gate_up)
+        self.qkv_w, self.qkv_b = fused["qkv_w"], fused["qkv_b"]
+        self.gate_up_w, self.gate_up_b = fused["gate_up_w"], fused["gate_up_b"]
 
     def unfuse_weights(self) -> None:
-        """Drop the references to the fused tensors (before the parameters are moved to host memory, so
-        their device memory goes with the parameters'); `fuse_weights` makes them again."""
+        """Drop the references to the fused tensors and the arena (before the parameters are moved to
+        host memory, so their device memory goes with the parameters'); `fuse_weights` makes them again."""
         self.qkv_w = self.qkv_b = self.gate_up_w = self.gate_up_b = None
+        self.arena = None
 
     def _fused_kernels_usable(self) -> bool:
         if self.cache.device.type != "cuda" or os.environ.get(FUSED_DECODE_ENV, "1") == "0":

@@ -45,6 +45,7 @@ from generator_fleet.engine.request import Completion, Request, RunnerStats, ver
 from generator_fleet.engine.sampler import Choice, sample
 from models.config import LoraSpec
 from models.tokenizers import load_tokenizer
+from weight_bus.schema import WeightLayout
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class Runner:
         # after the forward fused the projections, so a weight update is an in-place copy_ into the fused
         # tensors and never re-allocates what the forward pass (and the captured CUDA graphs) use.
         self._named_tensors = self.model.state_dict()
+        self._staging: torch.Tensor | None = None
+        """The staging arena of staged weight updates (bus.stage_weights), allocated at the first one."""
         self._copy = MultiCopy()
         """Weight updates' copies in one kernel, its plan kept for the same tensors (engine/multi_copy.py)."""
         if lora is not None:
@@ -365,26 +368,86 @@ class Runner:
         to load into either."""
         self._check_weights_present()
         if not checked:
-            unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
-            if unknown:
-                raise ValueError(
-                    f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
-                )
-            for name, t in named_tensors:
-                if tuple(t.shape) != tuple(self._named_tensors[name].shape):
-                    raise ValueError(
-                        f"shape mismatch for {name}: got {list(t.shape)}, expected "
-                        f"{list(self._named_tensors[name].shape)}"
-                    )
+            self.check_named(named_tensors)
 
         def apply() -> None:
             self._check_weights_present()  # a release may have come between the checks and this step
-            with torch.no_grad():
-                self._copy.copy(named_tensors, self._destinations)
-            if weight_version is not None:
-                self._weight_version = str(weight_version)
+            self.copy_weights(named_tensors, weight_version)
 
         self.at_step_boundary(apply)
+
+    def check_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """ValueError unless every name is one of the engine's weights, with its shape."""
+        unknown = [n for n, _ in named_tensors if n not in self._named_tensors]
+        if unknown:
+            raise ValueError(f"unknown parameter names: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+        for name, t in named_tensors:
+            if tuple(t.shape) != tuple(self._named_tensors[name].shape):
+                raise ValueError(
+                    f"shape mismatch for {name}: got {list(t.shape)}, expected "
+                    f"{list(self._named_tensors[name].shape)}"
+                )
+
+    def copy_weights(
+        self, named_tensors: list[tuple[str, torch.Tensor]], weight_version: str | None = None
+    ) -> None:
+        """The copy of a weight load, queued now on the current stream: the caller holds the step boundary
+        (`at_step_boundary`) and checked the names (`check_named`)."""
+        with torch.no_grad():
+            self._copy.copy(named_tensors, self._destinations)
+        if weight_version is not None:
+            self._weight_version = str(weight_version)
+
+    # ---- the weight arena (engine/arena.py) ---------------------------------------------------------
+
+    def weight_layout(self) -> WeightLayout | None:
+        """Where every weight lives in the engine's arena; None without one (or while weights are released)."""
+        arena = self.fwd.arena
+        return arena.layout if arena is not None and not self._released else None
+
+    def arena_range(self, offset: int, nbytes: int, staged: bool = False) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) of the serving arena, or of the staging arena (`staged`), as
+        the uint8 tensor a broadcast is received into."""
+        self._check_weights_present()
+        arena = self.fwd.arena
+        if arena is None:
+            raise ValueError("this engine's weights are not in one arena: send named buckets")
+        if staged:
+            if self._staging is None:
+                raise RuntimeError("no staging arena (staged_arena() first)")
+            arena.range(offset, nbytes)  # bounds
+            return self._staging[offset : offset + nbytes]
+        return arena.range(offset, nbytes)
+
+    def staged_arena(self) -> bool:
+        """Allocate the staging arena (a second copy of the weights' bytes, kept for later updates) if
+        there is none; False when the device has no room for it (the update then goes in place)."""
+        arena = self.fwd.arena
+        if arena is None:
+            return False
+        if self._staging is not None and self._staging.numel() == arena.buffer.numel():
+            return True
+        self._staging = None
+        try:
+            self._staging = torch.empty_like(arena.buffer)
+        except torch.OutOfMemoryError:
+            log.warning(
+                "no room for a staging arena (%.2f GiB): weight updates are received in place",
+                arena.buffer.numel() / 2**30,
+            )
+            return False
+        log.info("staging arena allocated: %.2f GiB beside the serving weights", arena.buffer.numel() / 2**30)
+        return True
+
+    def swap_staged(self, weight_version: str | None) -> None:
+        """Copy the staging arena over the serving one and set the version (the caller holds the step
+        boundary); the copy is done when this returns."""
+        self._check_weights_present()
+        self.fwd.arena.buffer.copy_(self._staging)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if weight_version is not None:
+            self._weight_version = str(weight_version)
 
     def _destinations(self, names: list[str]) -> list[torch.Tensor]:
         """The parameters of these HF names (the destinations of a weight load)."""
@@ -513,6 +576,7 @@ class Runner:
                     freed[KV_CACHE] = self.cache.free_pool()
                 if WEIGHTS in new:
                     self._named_tensors = {}  # its views would keep the device copies alive
+                    self._staging = None
                     self._copy.clear()
                     self.fwd.unfuse_weights()  # and so would the fused projections
                     freed[WEIGHTS] = self._weights.offload()

@@ -38,6 +38,9 @@ class EngineState:
         # a sender that is gone must not hold up the server's shutdown (asyncio.run joins the default
         # executor's threads) until the group times out.
         self.weight_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        self.weights_incomplete = False
+        """A streamed update failed after writing the serving weights: generation stays paused until a
+        full update succeeds (weight_routes.receive_stream)."""
         self.lora_pending: dict[str, dict] = {}
         """Tensors of a LoRA adapter whose group update is under way, by adapter name (weight thread)."""
         self.metrics = EngineMetrics(runner, model_name, lambda: self.waiting)

@@ -18,6 +18,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from generator_fleet.engine.api_types import (
     ContinueGeneration,
+    GetWeightsByName,
     PauseGeneration,
     UpdateWeightsFromDisk,
     UpdateWeightVersion,
@@ -94,6 +95,91 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
         events.append(trace_event())
         trace_bucket(state, events, body.weight_version is not None)
     return named
+
+
+def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: float) -> dict:
+    """A whole streamed update (`body.stream`, one call), in the weight thread: every bucket received back
+    to back (weight_bus.receiver.receive_stream), arena buckets straight into the weights, named ones
+    copied in (or kept for the adapter). Generation waits at a step boundary for the whole receive when
+    it writes the serving weights; staged (`body.stage`, and room for the staging arena), it goes on
+    while the arena buckets land beside the weights and waits only for the copy over them at the end.
+    If the receive fails after the serving weights were written, the engine stays paused (its weights
+    are partly new) until a later full update succeeds. Returns the answer's extra fields: `paused_ms`
+    (how long generation waited) and `staged`."""
+    runner = state.runner
+    arena_buckets = [b for b in body.stream if b.offset is not None]
+    if arena_buckets:
+        layout = runner.weight_layout()
+        if layout is None or layout.digest != body.layout:
+            raise ValueError(
+                f"weight layout {body.layout} planned by the trainer is not this engine's "
+                f"({layout.digest if layout else 'none: no weight arena'}); send named buckets"
+            )
+    adapter = body.lora_name is not None
+    if not adapter:
+        for b in body.stream:
+            if b.offset is None:
+                runner.check_named(
+                    [(n, torch.empty(s, device="meta")) for n, s in zip(b.names, b.shapes, strict=True)]
+                )
+    staged = bool(arena_buckets) and body.stage and runner.staged_arena()
+    live = not adapter and not staged  # the receive itself writes the serving weights
+    covers = sum(b.nbytes for b in arena_buckets) >= (layout.nbytes if arena_buckets else 1)
+    phases = state.metrics.bucket_phase
+
+    def target(b):
+        return runner.arena_range(b.offset, b.nbytes, staged=staged) if b.offset is not None else None
+
+    def load(b, named: list) -> None:
+        if adapter:
+            one = msgspec.structs.replace(body, weight_version=None)
+            load_adapter_bucket(state, one, named)
+        else:
+            runner.copy_weights(named)
+
+    held = [0.0]
+
+    def receive() -> None:
+        t = time.perf_counter()
+        try:
+            state.receiver.receive_stream(body, target, load)
+        except BaseException:
+            if live:  # part of the serving weights is new, part old: no token may come from them
+                runner.pause("in_place")
+                state.weights_incomplete = True
+                log.warning(
+                    "streamed weight update failed after writing the weights: generation stays paused"
+                )
+            raise
+        phases["receive"].observe(time.perf_counter() - t)
+        if live:
+            if body.weight_version is not None:
+                runner.set_weight_version(body.weight_version)
+            held[0] = time.perf_counter() - t
+
+    def swap() -> None:
+        t = time.perf_counter()
+        runner.swap_staged(body.weight_version)
+        held[0] = time.perf_counter() - t
+        phases["load"].observe(held[0])
+
+    if live:
+        runner.at_step_boundary(receive)
+    else:
+        receive()
+        if staged:
+            runner.at_step_boundary(swap)
+    if adapter:
+        tensors = state.lora_pending.get(body.lora_name)
+        if tensors:
+            load_adapter_bucket(state, msgspec.structs.replace(body, stream=None), [])
+        elif body.weight_version is not None:
+            runner.set_weight_version(body.weight_version)
+    if state.weights_incomplete and not adapter and covers:
+        state.weights_incomplete = False
+        runner.resume()
+        log.info("weights complete again after a full update: generation goes on")
+    return {"paused_ms": round(held[0] * 1e3, 3), "staged": staged, "resumed": not state.weights_incomplete}
 
 
 def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, named: list) -> None:
@@ -276,11 +362,56 @@ async def locked_update(state: EngineState, body, load, route: str):
             return control(False, f"Failed to update weights: {e}")
 
 
+@router.post("/get_weights_by_name")
+async def get_weights_by_name(request: Request) -> Response:
+    """SGLang's /get_weights_by_name: what the engine computes with, for checking an update landed."""
+    state = engine_state(request)
+    body = await decode(request, GetWeightsByName)
+    weights = state.runner.model.state_dict()
+    if body.name not in weights:
+        return http_error(400, f"no weight {body.name!r}")
+
+    def rows() -> list:
+        return weights[body.name][: body.truncate_size].float().cpu().tolist()
+
+    async with state.weight_lock:  # not halfway through an update
+        return json_response(await state.in_weight_thread(rows))
+
+
+@router.get("/weight_layout")
+async def weight_layout(request: Request) -> Response:
+    """Where every weight lives in the engine's arena (weight_bus.schema.WeightLayout), for a trainer to
+    plan buckets that are received in place; 404 without an arena (or while the weights are released)."""
+    layout = engine_state(request).runner.weight_layout()
+    if layout is None:
+        return http_error(404, "this engine's weights are not in one arena (or are released)")
+    return Response(msgspec.json.encode(layout), media_type="application/json")
+
+
 @router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(request: Request) -> Response:
     state = engine_state(request)
     runner = state.runner
     body = await decode(request, UpdateWeightsFromDistributed)
+    if body.stream is not None:
+        out = await locked_update(state, body, receive_stream, "update_weights_from_distributed")
+        if state.weights_incomplete:
+            state.unpaused.clear()  # new requests wait for weights that are whole again
+        if isinstance(out, Response):
+            return out
+        if out.pop("resumed") and state.paused_at is None:
+            state.unpaused.set()
+        state.metrics.weight_updates.inc()
+        log.info(
+            "weights updated from %s: %d buckets streamed (%s%s), generation waited %.1f ms; version %s",
+            body.group_name,
+            len(body.stream),
+            "staged" if out["staged"] else "in place",
+            f", adapter {body.lora_name}" if body.lora_name else "",
+            out["paused_ms"],
+            runner.weight_version,
+        )
+        return control(True, "Succeeded to update parameter online.", **out)
     named = await locked_update(state, body, receive_and_load, "update_weights_from_distributed")
     if isinstance(named, Response):
         return named

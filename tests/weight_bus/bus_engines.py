@@ -45,6 +45,18 @@ def assert_holds(server, model: torch.nn.Module, dtype: torch.dtype | None = Non
         assert got[name].dtype == want.dtype, name
 
 
+def remote_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """What an engine in another process computes with (POST /get_weights_by_name, every row), as fp32."""
+    out = {}
+    for name in names:
+        r = httpx.post(
+            url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}, headers=AUTH
+        )
+        r.raise_for_status()
+        out[name] = torch.tensor(r.json(), dtype=torch.float32)
+    return out
+
+
 def version(url: str) -> str:
     return httpx.get(url + "/get_model_info", headers=AUTH, timeout=10).json()["weight_version"]
 
@@ -52,10 +64,13 @@ def version(url: str) -> str:
 class EngineProcess:
     """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return."""
 
-    def __init__(self, model_dir: Path, log_path: Path, extra: list[str] | None = None) -> None:
-        """`extra`: more engine flags (e.g. `--lora <json>`)."""
+    def __init__(
+        self, model_dir: Path, log_path: Path, extra: list[str] | None = None, gpu: int | None = None
+    ) -> None:
+        """`extra`: more engine flags (e.g. `--lora <json>`); `gpu`: run on that CUDA device alone."""
         env = {
             **os.environ,
+            **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}),
             "PYTHONPATH": str(ROOT),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
