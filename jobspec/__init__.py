@@ -19,6 +19,7 @@ from generator_fleet.config import (
 from generator_fleet.tools.spec import ToolSpec
 from jobspec.loader import apply_overrides, from_dict, load, loads, parse_yaml
 from jobspec.spec import EXAMPLES_DIR, JobSpec, JobSpecError, resolve_paths, to_json
+from jobspec.supervision import SupervisionSpec
 from jobspec.tracking import TrackingSpec, WandbSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
@@ -48,6 +49,7 @@ __all__ = [
     "SGLangSpec",
     "SamplingSpec",
     "Spec",
+    "SupervisionSpec",
     "ToolSpec",
     "TrackingSpec",
     "TrainerSpec",

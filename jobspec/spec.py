@@ -26,6 +26,7 @@ from generator_fleet.config import (
     RolloutSpec,
 )
 from generator_fleet.tools.spec import ToolSpec
+from jobspec.supervision import SupervisionSpec
 from jobspec.tracking import TrackingSpec
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec, RedisSpec
@@ -78,6 +79,8 @@ class JobSpec(Spec):
 
     tracking: TrackingSpec = msgspec.field(default_factory=TrackingSpec)
     """Experiment tracking: TensorBoard (on) and W&B (off) in the job's output_dir."""
+    supervision: SupervisionSpec = msgspec.field(default_factory=SupervisionSpec)
+    """How often a failed process is replaced before the job fails (repeated out-of-memory, disk full)."""
 
     @property
     def response_budget(self) -> int:

@@ -29,6 +29,7 @@ from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
 from trainer.config import TrainerConfig
 from trainer.distributed import DistInfo, Pool, host_store
+from trainer.faults import Faults
 from trainer.flops import peak_flops
 from trainer.learner import Learner
 from weight_bus import BusError, WeightBus, update_due
@@ -159,6 +160,8 @@ class Trainer:
         self.run_info: dict = {}
         """Rank 0: the job's run (run_id, attempt: ReplayBuffer.begin_run), stamped on records and checkpoints."""
         self.checkpoint_dir = Path(cfg.trainer.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+        self.faults = Faults.from_env()
+        """The fault tests' injected failures (trainer/faults.py); none in production."""
 
     @property
     def is_main(self) -> bool:
@@ -359,6 +362,8 @@ class Trainer:
                 else None
             )
             try:
+                if self.is_main:
+                    self.faults.step(version + 1)
                 stats = self.learner.train_step(
                     self.learner.distribute(samples), on_policy=header["on_policy"]
                 )
@@ -472,6 +477,7 @@ class Trainer:
             checkpoint.step_dir(self.checkpoint_dir, version),
             state,
             keep=self.config.trainer.keep_checkpoints,
+            before_complete=lambda: self.faults.checkpoint(version),
         )
 
     def _log_sample(self, version: int, sample) -> None:

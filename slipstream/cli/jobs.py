@@ -187,6 +187,28 @@ def _fmt(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
+def failure_line(f: dict) -> str:
+    """The status' `failure` (slipstream/job/supervise.py Failure) in one line: who, what, how often in a
+    row, when, and what supervision did about it."""
+    what = f.get("error_class", "other").replace("_", " ")
+    times = f.get("times", 1)
+    ago = time.time() - f.get("at", time.time())
+    line = f"{f.get('who')}: {what}" + (f" ({times} in a row)" if times > 1 else "")
+    line += f" at version {f.get('version')}, {ago:.0f} s ago: {f.get('cause') or '-'}"
+    if f.get("action") == "restarted":
+        line += f"; restarted ({f.get('kind', '').replace('_', ' ')} restart {f.get('restarts')}"
+        if f.get("budget") is not None:
+            line += f"; {max(0, f['budget'] - times + 1)} more allowed for a repeat"
+        line += ")"
+        if f.get("resumed_at") is not None:
+            line += f", resumed at version {f['resumed_at']}"
+    else:
+        line += f"; {f.get('action')}"
+    if f.get("fix"):
+        line += f". Fix: {f['fix']}"
+    return line
+
+
 def render_status(st: dict):
     """A rich table of one job's status."""
     from rich.table import Table
@@ -229,6 +251,8 @@ def render_status(st: dict):
         rows.insert(0, ("STALE", f"last known state, {st['stale_s']:.0f} s old: {st.get('stale_reason')}"))
     if any((restarts := st.get("restarts") or {}).values()):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
+    if failure := st.get("failure"):
+        rows.append(("last failure", failure_line(failure)))
     if st.get("schedule"):  # placement colocated: how engines and trainer share the devices
         handoff = (
             f", engines release {_fmt(st.get('release_s'))} s / resume {_fmt(st.get('resume_s'))} s per step"

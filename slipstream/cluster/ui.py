@@ -237,11 +237,15 @@ async function tickJob() {
   state.run = pr.run;
   state.records = state.records.concat(pr.records);
   state.next = pr.next;
-  const p = st.pools || {}, b = st.buffer || {};
+  const p = st.pools || {}, b = st.buffer || {}, f = st.failure;
+  const restarts = Object.values(st.restarts || {}).reduce((a, n) => a + n, 0);
   const items = [
     ["state", st.state], ["version", `${st.version ?? 0}` + (st.total_steps ? ` / ${st.total_steps}` : "")],
     ["generators", p.generators], ["rollout workers", p.rollout_workers], ["trainers", p.trainers],
-    ["buffer depth", b.depth], ["dropped stale", b.dropped_stale], ["error", st.error],
+    ["buffer depth", b.depth], ["dropped stale", b.dropped_stale], ["restarts", restarts || undefined],
+    // the newest failure supervision handled (slipstream/job/supervise.py Failure)
+    ["last failure", f ? `${f.who}: ${f.error_class} (${f.times} in a row, ${f.action}): ${f.cause}` : undefined],
+    ["error", st.error],
   ];
   $("status").replaceChildren(...items.filter(([, v]) => v !== undefined && v !== null && v !== "").map(([k, v]) => {
     const s = document.createElement("span"); s.textContent = `${k}: ${v}`; return s;

@@ -11,7 +11,10 @@ job's two pools with it, and reports the job's state and progress (and its last 
 - checkpoint: the trainer writes one after its current step. stop: the trainer ends after its current
   step (final checkpoint and HF export as the spec says), then everything stops.
 
-Each pool supervises its own actors (replacing dead or hung ones); both share the job's restart budget.
+Each pool supervises its own actors (replacing dead or hung ones); both share the job's restart budget
+(the spec's `supervision`, slipstream/job/supervise.py). The newest failure and the restarts so far are in
+the job's status while it runs (`failure`, `restarts`); a failure past the budget (out of memory again on
+the same batch, a full disk) ends the job `failed`, with the cause and the setting to change as its error.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import ProgressReader, format_eval
-from slipstream.job.supervise import POLL_S, Restarts
+from slipstream.job.supervise import POLL_S, GiveUp, Restarts
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
 
@@ -69,7 +72,9 @@ class JobDriver:
         self.r = connect(redis_url)
         self.buffer = ReplayBuffer(self.r, self.job)
         self.progress = ProgressReader(self.r, self.job)
-        self.restarts = Restarts()
+        self.restarts = Restarts(spec, version=self._version_now, on_failure=lambda f: self.report())
+        """The job's restart budget, shared by both pools; a failure repeats one of its class when no
+        version was trained past the previous one's."""
         between = lambda: self.read_progress(block_ms=0)  # noqa: E731
         self.placement = colocation(spec)
         self.generators = GeneratorPool(spec, redis_url, self.restarts, between, placement=self.placement)
@@ -101,7 +106,17 @@ class JobDriver:
     # --- the loop -------------------------------------------------------------------------------------
     def run(self) -> dict:
         """Start the pools, then reconcile them with the desired state until the trainer is done; the
-        trainer pool's result."""
+        trainer pool's result. A failure past the restart budget raises GiveUp, reported first."""
+        try:
+            return self._run()
+        except GiveUp as e:
+            # the job is over, but its processes are not gone yet (close() stops them): `stopping` keeps
+            # the name taken until the final `failed`
+            log.error("job %s failed: %s", self.job, e)
+            self.report("stopping", phase="failed; stopping every process", error=str(e))
+            raise
+
+    def _run(self) -> dict:
         desired = self.store.desired(self.job)
         self.begin_run()
         self.start(desired)
@@ -240,6 +255,14 @@ class JobDriver:
         if self.tracker is not None:
             self.tracker.log_progress(rec)
 
+    def _version_now(self) -> int:
+        """The job's weight version in Redis (the trainer sets it before it writes the step's record, so a
+        failure right after a step counts at that step's version); the last record's without Redis."""
+        try:
+            return self.buffer.version()
+        except redis.RedisError:
+            return self.version
+
     # --- status ---------------------------------------------------------------------------------------
     def _clock(self) -> float:
         try:
@@ -258,6 +281,7 @@ class JobDriver:
                 "trainers": self.trainers.size,  # ranks set up and training (not those still starting)
             },
             "restarts": self.restarts,
+            **({"failure": msgspec.to_builtins(self.restarts.latest)} if self.restarts.latest else {}),
             # the run's clock and the run's own rate (its records: samples trained ÷ their elapsed_s)
             "elapsed_s": self._clock(),
             "samples_per_s": self.last.get("samples_per_s", 0.0),
@@ -350,16 +374,20 @@ class JobDriver:
 
 def error_text(e: BaseException) -> str:
     """An error in one line for the job's status: its type and first line, and, where it carries a
-    traceback (an actor's error through Ray), the line that ends it: the real cause."""
+    traceback (an actor's error through Ray), the line that ends it: the real cause. A failure past the
+    restart budget is its own message (the cause and the setting to change)."""
+    if isinstance(e, GiveUp):
+        return str(e)
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # Ray colours the actor's name
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()] or [""]
     cause = f" ... {lines[-1][:500]}" if len(lines) > 1 else ""
     return f"{type(e).__name__}: {lines[0][:300]}{cause}"
 
 
-def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> dict:
+def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool, failed: bool = False) -> dict:
     """The job's final status fields on its checkpoint: `checkpoint` (path, "" if none),
-    `checkpoint_version`, and `note`, one line on what a resumption starts from."""
+    `checkpoint_version`, and `note`, one line on what a resumption starts from (`failed`: the job
+    failed, no stop wrote one)."""
     from slipstream.cluster.job_store import latest_checkpoint
 
     if result is not None and result.get("checkpoint"):
@@ -375,6 +403,8 @@ def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> d
                 if result["version"]
                 else "no step trained"
             )
+        elif failed:
+            why = "the job failed"
         else:
             why = "no checkpoint written at the stop (forced)"
         note = why + (
@@ -389,6 +419,31 @@ def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool) -> d
         "checkpoint_version": ck["version"] if ck else None,
         "note": note,
     }
+
+
+def final_status(driver: JobDriver, result: dict | None = None, error: BaseException | None = None) -> dict:
+    """The job's final status fields, logged: succeeded or stopped (the trainer's `result`), stopped or
+    interrupted (a signal: `error` is _Stop or KeyboardInterrupt), or failed (`error`, in one line), each
+    with what a resumption starts from."""
+    job, store = driver.job, driver.store
+    if result is not None:
+        stopped = store.desired(job)["stop"]
+        final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
+        final.update(_checkpoint_note(driver, result, stopped))
+        log.info("job %s %s at version %d: %s", job, final["state"], result["version"], final["note"])
+    elif isinstance(error, (_Stop, KeyboardInterrupt)):
+        want = store.desired(job)
+        final = {"state": "stopped" if want["stop"] else "interrupted"}
+        final.update(_checkpoint_note(driver, None, want["stop"]))
+        if not want["stop"]:
+            final["error"] = f"the driver was terminated ({error or 'interrupt'}) without a stop request"
+        log.info("job %s %s (%s): %s", job, final["state"], error or "interrupt", final["note"])
+    else:
+        final = {"state": "failed", "error": error_text(error) if error is not None else "unknown"}
+        if isinstance(error, GiveUp):  # a resumption after the fix starts from the latest checkpoint
+            final.update(_checkpoint_note(driver, None, False, failed=True))
+        log.info("job %s failed: %s", job, final["error"])
+    return final
 
 
 def load_job_spec(store: JobStore, job: str) -> JobSpec:
@@ -412,6 +467,20 @@ def load_job_spec(store: JobStore, job: str) -> JobSpec:
 
 def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
+
+
+def _serve_metrics(redis_url: str, job: str) -> None:
+    """The driver's own metrics (restarts by kind and error class, tracking writes) on 127.0.0.1, registered
+    for Prometheus as replica `driver`, as every actor registers its own (slipstream/job/actors.py)."""
+    from prometheus_client import start_http_server
+
+    from replay_buffer.keys import JobKeys
+
+    try:
+        server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one
+        connect(redis_url).hset(JobKeys(job).metrics_targets, "driver", f"127.0.0.1:{server.server_port}")
+    except (OSError, redis.RedisError) as e:  # metrics never fail the job
+        log.warning("the driver's metrics are not served: %s", e)
 
 
 RAY_CONNECT_GRACE_S = 10.0
@@ -510,24 +579,20 @@ def main(argv: list[str] | None = None) -> int:
     _connect_ray(store, args.job)
     signal.signal(signal.SIGTERM, _raise_stop)
     driver = JobDriver(spec, redis_url, store)
+    _serve_metrics(redis_url, args.job)
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
     code, final = 0, {}
     try:
         result = driver.run()
-        stopped = store.desired(args.job)["stop"]
-        final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
-        final.update(_checkpoint_note(driver, result, stopped))
-        log.info("job %s %s at version %d: %s", args.job, final["state"], result["version"], final["note"])
+        final = final_status(driver, result)
     except (_Stop, KeyboardInterrupt) as e:
-        want = store.desired(args.job)
-        final = {"state": "stopped" if want["stop"] else "interrupted"}
-        final.update(_checkpoint_note(driver, None, want["stop"]))
-        if not want["stop"]:
-            final["error"] = f"the driver was terminated ({e or 'interrupt'}) without a stop request"
-        log.info("job %s %s (%s): %s", args.job, final["state"], e or "interrupt", final["note"])
+        final = final_status(driver, error=e)
+    except GiveUp as e:  # its message is the cause and the fix: no traceback to read
+        final = final_status(driver, error=e)
+        code = 1
     except Exception as e:
         log.exception("job %s failed", args.job)
-        final = {"state": "failed", "error": error_text(e)}
+        final = final_status(driver, error=e)
         code = 1
     finally:
         driver.close()  # the final state is reported once every actor is gone

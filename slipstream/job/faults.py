@@ -66,6 +66,11 @@ class LocalJob:
         try:
             self.result = self.driver.run()
         except BaseException as e:  # reported by wait()
+            try:  # as the cluster's driver ends a job (driver.main): its final state once every actor is gone
+                self.driver.close()
+                self.driver.report(phase=None, **driver_mod.final_status(self.driver, error=e))
+            except Exception as report_error:
+                log.warning("the failed job's final status: %s", report_error)
             self.error = e
 
     def stop(self, timeout_s: float = WAIT_S) -> dict:

@@ -5,7 +5,9 @@ workers, and their supervision.
   the current weights at the next update. A removed engine leaves the registry first, so workers stop
   routing to it; requests still running there are retried on the others. Removed rollout workers finish
   their groups.
-- Supervision (at most MAX_RESTARTS replacements per kind): a rollout worker that dies is replaced; the
+- Supervision (the job's restart budget, slipstream/job/supervise.py: at most supervision.max_restarts
+  replacements per kind, fewer for an out-of-memory or disk-full failure that repeats with no version
+  trained meanwhile): a rollout worker that dies is replaced; the
   prompts it had in flight are reissued to the others once its buffer lease expires (replay_buffer
   admission). An engine whose process dies, or whose registry lease stays lapsed for LAPSED_S (hung, e.g.
   stuck in a weight update that the bus gave up on), is killed and replaced by a new one that joins
@@ -32,7 +34,7 @@ from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from slipstream.job.placement import Colocation, engine_spec
-from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, kill, outcome, wait_all
+from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, died, error_of, kill, outcome, wait_all
 from weight_bus.registry import EngineRegistry, engines_key, joining_key
 
 log = logging.getLogger("slipstream.job.generators")
@@ -46,7 +48,8 @@ is presumed hung and replaced. A dropped engine is briefly in neither set, until
 EARLY_DEATH_S = 20.0
 CRASH_LOOP = 3
 """CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
-reward that cannot load) fail the job at once with the last one's error, instead of after MAX_RESTARTS."""
+reward that cannot load) fail the job at once with the last one's error, instead of after
+supervision.max_restarts."""
 MAX_EVAL_RESTARTS = 5
 """Evaluator replacements before evaluation is given up for the job (logged; training goes on)."""
 
@@ -343,7 +346,7 @@ class GeneratorPool:
                     f"rollout workers die right after they start ({self._early_deaths} in a row, each "
                     f"within {EARLY_DEATH_S:.0f} s); the last one: {why}"
                 )
-            self.restarts.count("rollout_workers", f"rollout worker {why}")
+            self.restarts.count("rollout_workers", why, error_of(ref), "rollout worker")
             log.warning(
                 "rollout worker %s; starting a replacement (its unfinished prompts are reissued once its "
                 "lease expires, buffer.worker_lease_s)",
@@ -361,14 +364,14 @@ class GeneratorPool:
         if not self.engines or self.closing:
             return False
         done, _ = ray.wait(self.engine_watch, num_returns=len(self.engine_watch), timeout=0)
-        failed: dict[int, str] = {}
+        failed: dict[int, tuple[str, BaseException | None]] = {}  # index -> (why, its error)
         for i, ref in enumerate(self.engine_watch):
             if ref not in done:
                 continue
             if i in self._starting:  # a replacement's start() answered
                 self._started(i, ref, failed)
             else:
-                failed[i] = f"died ({outcome(ref)})"
+                failed[i] = (f"died ({outcome(ref)})", error_of(ref))
         now = time.monotonic()
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
@@ -378,16 +381,18 @@ class GeneratorPool:
                 if url in present or i in self._starting:
                     self._lapsed_since.pop(url, None)
                 elif now - self._lapsed_since.setdefault(url, now) >= LAPSED_S and i not in failed:
-                    failed[i] = f"is hung (no registry lease for {now - self._lapsed_since[url]:.0f} s)"
-        for i, why in sorted(failed.items()):
-            self._replace_engine(i, why)
+                    hung = f"is hung (no registry lease for {now - self._lapsed_since[url]:.0f} s)"
+                    failed[i] = (hung, None)
+        for i, (why, error) in sorted(failed.items()):
+            self._replace_engine(i, why, error)
         return bool(failed)
 
-    def _replace_engine(self, i: int, why: str) -> None:
-        """Kill engine i and start its replacement; the loop goes on meanwhile (a start takes seconds, more
-        on a loaded host) and `_started` takes the new engine in when its start() answers."""
+    def _replace_engine(self, i: int, why: str, error: BaseException | None = None) -> None:
+        """Kill engine i (`why`: how it failed, `error`: its exception if any) and start its replacement;
+        the loop goes on meanwhile (a start takes seconds, more on a loaded host) and `_started` takes the
+        new engine in when its start() answers."""
         old, url = self.engines[i], self.engine_urls[i]
-        self.restarts.count("engines", f"engine {url} {why}")
+        self.restarts.count("engines", why, error, f"engine {url}")
         log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
         kill(old)
         for key in (engines_key(self.job), joining_key(self.job)):
@@ -410,14 +415,14 @@ class GeneratorPool:
         """Engine i is a replacement still starting."""
         return i in self._starting
 
-    def _started(self, i: int, ref, failed: dict[int, str]) -> None:
+    def _started(self, i: int, ref, failed: dict[int, tuple[str, BaseException | None]]) -> None:
         import ray
 
         old_url = self._starting.pop(i)
         try:
             new_url = ray.get(ref)
         except Exception as e:
-            failed[i] = f"(a replacement) did not start: {type(e).__name__}: {str(e)[:200]}"
+            failed[i] = (f"(a replacement) did not start: {died(e)}", e)
             return
         self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
         self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]

@@ -7,7 +7,9 @@ checkpoint, and restarted from the latest one when a rank dies.
   engines to continue: a rank 0 that died mid-update leaves them paused), and a pool of the same size
   resumes from the latest checkpoint of this run (or the initial model if none was written); the groups
   it had read but not committed are redelivered to the new rank 0, and the commit ledger never trains a
-  group twice.
+  group twice. The job's restart budget (slipstream/job/supervise.py) decides whether it is restarted: a
+  rank that runs out of memory again on the same batch, or finds its disk full, fails the job instead,
+  with the cause and the keys to change.
 
 `trainer_only` runs one rank alone on a job's existing (recorded or pre-filled) stream.
 """
@@ -23,7 +25,7 @@ import msgspec
 
 from jobspec import JobSpec
 from slipstream.job.placement import Colocation
-from slipstream.job.supervise import Restarts, kill, outcome, wait_all
+from slipstream.job.supervise import OTHER, Failure, Restarts, classify, died, error_of, kill, wait_all
 
 log = logging.getLogger("slipstream.job.trainers")
 
@@ -33,13 +35,24 @@ def checkpoint_dir(spec: JobSpec) -> Path:
     return Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
 
-def _checkpoint_run(path: str) -> str | None:
-    """The run_id a checkpoint was written by (None: unknown, e.g. written before runs had ids)."""
+def _checkpoint_state(path: str) -> dict:
+    """A checkpoint's trainer_state ({} when unreadable): its `version`, and the `run_id` that wrote it
+    (absent: written before runs had ids)."""
     from trainer import checkpoint
 
     try:
-        return json.loads((Path(path) / checkpoint.STATE_FILE).read_text()).get("run_id")
+        return json.loads((Path(path) / checkpoint.STATE_FILE).read_text())
     except (OSError, ValueError):
+        return {}
+
+
+def _checkpoint_version(path: str, spec: JobSpec) -> int | None:
+    """The version of the checkpoint `path` (or `latest`) names; None when there is none."""
+    from trainer import checkpoint
+
+    try:
+        return _checkpoint_state(str(checkpoint.resolve(path, checkpoint_dir(spec)))).get("version")
+    except FileNotFoundError:
         return None
 
 
@@ -144,22 +157,33 @@ class TrainerPool:
         import ray
 
         done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
-        failed = [why for ref in done if (why := outcome(ref, failed_only=True))]
+        failed = [(self.runs.index(ref), e) for ref in done if (e := error_of(ref)) is not None]
         if failed and self.closing:
-            raise RuntimeError(f"trainer rank {failed[0]} while the job was closing")
+            rank, error = failed[0]
+            raise RuntimeError(f"trainer rank {rank} {died(error)} while the job was closing")
         if failed:
-            self.restart(failed[0])
+            # the rank whose error has a class is the cause; the others' (a peer gone from a collective)
+            # follow from it
+            rank, error = min(failed, key=lambda f: (classify(f[1])[0] == OTHER, f[0]))
+            self.restart(f"trainer rank {rank}", error)
             return None, True
         if len(done) == len(self.runs):
             return ray.get(self.runs[0]), False
         return None, False
 
-    def restart(self, why: str) -> None:
-        """Kill every rank and start a pool of the same size from this run's latest checkpoint."""
+    def restart(self, who: str, error: BaseException) -> Failure:
+        """Kill every rank and start a pool of the same size from this run's latest checkpoint, `who`
+        having failed with `error`, unless the job's restart budget is spent (GiveUp: every rank is
+        killed). Returns the failure, with the version the new pool resumed at."""
         from trainer import checkpoint
 
         m = len(self.ranks)
-        self.restarts.count("trainer_pool", f"trainer rank {why}")
+        try:
+            failure = self.restarts.count("trainer_pool", died(error), error, who)
+        except Exception:
+            for t in self.ranks:
+                kill(t)  # the other ranks may wait in a collective for the one that failed
+            raise
         for t in self.ranks:
             kill(t)
         if self.before_restart is not None:
@@ -168,18 +192,23 @@ class TrainerPool:
             resume = str(checkpoint.resolve(checkpoint.LATEST, checkpoint_dir(self.spec)))
         except FileNotFoundError:
             resume = None
-        if resume and (theirs := _checkpoint_run(resume)) not in (None, self.run_id):
+        if resume and (theirs := _checkpoint_state(resume).get("run_id")) not in (None, self.run_id):
             log.warning(
                 "latest checkpoint %s belongs to run %s, not this one: not resumed from", resume, theirs
             )
             resume = self.spec.trainer.resume_from
+        failure.resumed_at = _checkpoint_version(resume, self.spec) if resume else None
         log.warning(
-            "trainer rank %s; restarting the pool of %d ranks from %s",
-            why,
+            "%s failed (%s); restarting the pool of %d ranks from %s",
+            who,
+            failure.cause or failure.error_class,
             m,
-            resume or "the initial model (no checkpoint was written yet: trainer.checkpoint_every)",
+            f"{resume} (version {failure.resumed_at}: the steps after it are trained again)"
+            if resume
+            else "the initial model (no checkpoint was written yet: trainer.checkpoint_every)",
         )
         self.start(m, resume_from=resume)
+        return failure
 
     def close(self) -> None:
         """Kill every rank."""

@@ -1,4 +1,5 @@
-"""`slipstream status` rendering: replaced processes are shown only when there were any."""
+"""`slipstream status` rendering: replaced processes are shown only when there were any, and the last
+failure with its cause, how often it repeated and what supervision did."""
 
 from rich.console import Console
 
@@ -22,6 +23,34 @@ def test_status_shows_replacements_when_there_were_some():
     assert "engines 0" not in text
     calm = _text({"name": "j", "state": "running", "restarts": {"rollout_workers": 0, "engines": 0}})
     assert "replaced" not in calm
+
+
+def test_status_shows_the_last_failure_its_repeats_and_the_restarts_left():
+    import time
+
+    failure = {
+        "kind": "trainer_pool",
+        "who": "trainer rank 0",
+        "error_class": "out_of_memory",
+        "cause": "CUDA out of memory. Tried to allocate 2.00 GiB.",
+        "times": 2,
+        "version": 17,
+        "at": time.time() - 5,
+        "restarts": 2,
+        "action": "restarted",
+        "fix": "lower trainer.micro_batch_tokens (now 8192)",
+        "budget": 2,
+        "resumed_at": 15,
+    }
+    st = {"name": "j", "state": "running", "restarts": {"trainer_pool": 2}, "failure": failure}
+    text = " ".join(_text(st).split())
+    assert "trainer rank 0: out of memory (2 in a row) at version 17" in text
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB." in text
+    assert "1 more allowed for a repeat" in text and "resumed at version 15" in text
+    assert "Fix: lower trainer.micro_batch_tokens (now 8192)" in text
+    ended = {**failure, "times": 3, "action": "failed the job"}
+    text = " ".join(_text({**st, "state": "failed", "failure": ended}).split())
+    assert "(3 in a row)" in text and "failed the job" in text
 
 
 def test_status_shows_the_policy_recipe_metrics_and_the_run():

@@ -28,12 +28,22 @@ def test_empty_spec_gets_defaults_that_run(tmp_path):
         ("buffer: {max_staleness: -1}", "$.buffer.max_staleness"),
         ("rollout: {sampling: {top_p: 2}}", "$.rollout.sampling.top_p"),
         ("bogus_section: {}", "$.bogus_section"),
+        ("supervision: {out_of_memory_restarts: -1}", "$.supervision.out_of_memory_restarts"),
+        ("supervision: {max_restarts: 2, disk_full_restarts: 3}", "$.supervision.disk_full_restarts"),
+        ("supervision: {restarts: 3}", "$.supervision.restarts"),
     ],
 )
 def test_bad_keys_fail_with_their_path(tmp_path, text, path):
     with pytest.raises(jobspec.JobSpecError) as e:
         jobspec.load(_write(tmp_path, text))
     assert f"`{path}`" in str(e.value)
+
+
+def test_supervision_defaults_end_a_repeated_out_of_memory_after_two_restarts_and_a_full_disk_at_once():
+    sup = jobspec.loads("").supervision
+    assert (sup.max_restarts, sup.out_of_memory_restarts, sup.disk_full_restarts) == (20, 2, 0)
+    sup = jobspec.loads("", ["supervision.out_of_memory_restarts=5", "supervision.disk_full_restarts=1"])
+    assert (sup.supervision.out_of_memory_restarts, sup.supervision.disk_full_restarts) == (5, 1)
 
 
 def test_overrides_are_parsed_as_yaml(tmp_path):
