@@ -178,3 +178,17 @@ def test_another_class_in_between_starts_the_count_again():
         restarts.count("rollout_workers", error=oom)
     with pytest.raises(GiveUp, match="found its disk full"):
         restarts.count("trainer_pool", error=full)
+
+
+def test_the_driver_serves_the_restarts_metric_where_prometheus_finds_it(redis_server, redis_client, job_id):
+    import httpx
+
+    from replay_buffer.keys import JobKeys
+    from slipstream.job.driver import _serve_metrics
+
+    _serve_metrics(redis_server.url, job_id)
+    address = redis_client.hget(JobKeys(job_id).metrics_targets, "driver")
+    assert address is not None  # file_sd lists it as replica `driver` (slipstream/cluster/targets.py)
+    address = address.decode() if isinstance(address, bytes) else address
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    assert "# TYPE slipstream_job_restarts_total counter" in text
