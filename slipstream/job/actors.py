@@ -41,7 +41,6 @@ def _setup_process(
 ) -> None:
     """Logging, threads and metrics of this actor's process, for the job `job` names."""
     import torch
-    from prometheus_client import start_http_server
 
     from slipstream.job import gpu_metrics
 
@@ -59,11 +58,19 @@ def _setup_process(
     sh.setFormatter(fmt)
     root.handlers[:] = [fh, sh]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
-    server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
-    port = server.server_port
     gpu_metrics.register()  # this process's GPUs, if it has any
-    connect(redis_url).hset(JobKeys(job.name).metrics_targets, name, f"127.0.0.1:{port}")
+    port = serve_metrics(redis_url, job.name, name)
     logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
+
+
+def serve_metrics(redis_url: str, job: str, replica: str) -> int:
+    """This process's Prometheus registry on 127.0.0.1, registered in Redis as `replica` of `job` for
+    scraping (slipstream/cluster/targets.py); its port."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
+    connect(redis_url).hset(JobKeys(job).metrics_targets, replica, f"127.0.0.1:{server.server_port}")
+    return server.server_port
 
 
 def _export(registry) -> None:

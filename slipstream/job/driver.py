@@ -73,8 +73,7 @@ class JobDriver:
         self.buffer = ReplayBuffer(self.r, self.job)
         self.progress = ProgressReader(self.r, self.job)
         self.restarts = Restarts(spec, version=self._version_now, on_failure=lambda f: self.report())
-        """The job's restart budget, shared by both pools; a failure repeats one of its class when no
-        version was trained past the previous one's."""
+        """The job's restart budget (the spec's `supervision`), shared by both pools."""
         between = lambda: self.read_progress(block_ms=0)  # noqa: E731
         self.placement = colocation(spec)
         self.generators = GeneratorPool(spec, redis_url, self.restarts, between, placement=self.placement)
@@ -110,8 +109,7 @@ class JobDriver:
         try:
             return self._run()
         except GiveUp as e:
-            # the job is over, but its processes are not gone yet (close() stops them): `stopping` keeps
-            # the name taken until the final `failed`
+            # over, but its processes are not gone yet: `stopping` keeps the name taken until `failed`
             log.error("job %s failed: %s", self.job, e)
             self.report("stopping", phase="failed; stopping every process", error=str(e))
             raise
@@ -256,8 +254,7 @@ class JobDriver:
             self.tracker.log_progress(rec)
 
     def _version_now(self) -> int:
-        """The job's weight version in Redis (the trainer sets it before it writes the step's record, so a
-        failure right after a step counts at that step's version); the last record's without Redis."""
+        """The version in Redis (set before the step's record is written); the last record's without it."""
         try:
             return self.buffer.version()
         except redis.RedisError:
@@ -469,20 +466,6 @@ def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
 
 
-def _serve_metrics(redis_url: str, job: str) -> None:
-    """The driver's own metrics (restarts by kind and error class, tracking writes) on 127.0.0.1, registered
-    for Prometheus as replica `driver`, as every actor registers its own (slipstream/job/actors.py)."""
-    from prometheus_client import start_http_server
-
-    from replay_buffer.keys import JobKeys
-
-    try:
-        server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one
-        connect(redis_url).hset(JobKeys(job).metrics_targets, "driver", f"127.0.0.1:{server.server_port}")
-    except (OSError, redis.RedisError) as e:  # metrics never fail the job
-        log.warning("the driver's metrics are not served: %s", e)
-
-
 RAY_CONNECT_GRACE_S = 10.0
 """How long ray.init may still block after the job's stop was requested or its Redis went away."""
 
@@ -579,7 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     _connect_ray(store, args.job)
     signal.signal(signal.SIGTERM, _raise_stop)
     driver = JobDriver(spec, redis_url, store)
-    _serve_metrics(redis_url, args.job)
+    try:  # restarts by kind and error class, tracking writes: scraped as replica `driver`
+        from slipstream.job.actors import serve_metrics
+
+        serve_metrics(redis_url, args.job, "driver")
+    except (OSError, redis.RedisError) as e:  # metrics never fail the job
+        log.warning("the driver's metrics are not served: %s", e)
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
     code, final = 0, {}
     try:

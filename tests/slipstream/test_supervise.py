@@ -184,9 +184,9 @@ def test_the_driver_serves_the_restarts_metric_where_prometheus_finds_it(redis_s
     import httpx
 
     from replay_buffer.keys import JobKeys
-    from slipstream.job.driver import _serve_metrics
+    from slipstream.job.actors import serve_metrics
 
-    _serve_metrics(redis_server.url, job_id)
+    serve_metrics(redis_server.url, job_id, "driver")  # what the job driver's main does
     address = redis_client.hget(JobKeys(job_id).metrics_targets, "driver")
     assert address is not None  # file_sd lists it as replica `driver` (slipstream/cluster/targets.py)
     address = address.decode() if isinstance(address, bytes) else address
