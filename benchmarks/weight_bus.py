@@ -250,7 +250,7 @@ class RawPeers:
         self.group = None  # joined at first use: the peers boot while the first engines do
         self.buf: torch.Tensor | None = None
 
-    def _header(self, nbytes: int) -> None:
+    def _header(self, nbytes: int, chunk: int = 0) -> None:
         from weight_bus.group import broadcast, new_group
 
         if self.group is None:
@@ -258,24 +258,23 @@ class RawPeers:
                 "127.0.0.1", self.port, 0, self.world_size, self.backend, "raw", timeout_s=600
             )
             log(f"raw peers joined ({self.backend}, world {self.world_size})")
-        broadcast(self.group, torch.tensor([nbytes], dtype=torch.int64, device=self.device))
+        broadcast(self.group, torch.tensor([nbytes, chunk], dtype=torch.int64, device=self.device))
 
     def _barrier(self) -> None:
         t = torch.zeros(1, device=self.device)
         self.group.allreduce([t]).wait()
         sync(self.device)
 
-    def measure(self, nbytes: int) -> float:
-        """Seconds for one broadcast of `nbytes` from rank 0 to every peer, all ranks ready."""
-        from weight_bus.group import broadcast
-
+    def measure(self, nbytes: int, chunk: int = 0) -> float:
+        """Seconds for one broadcast of `nbytes` from rank 0 to every peer, all ranks ready; `chunk` > 0:
+        as back-to-back broadcasts of that many bytes each (what a bucketed transfer can reach)."""
         if self.buf is None or self.buf.numel() != nbytes:
             self.buf = None
             self.buf = torch.ones(nbytes, dtype=torch.uint8, device=self.device)
-        self._header(nbytes)
+        self._header(nbytes, chunk)
         self._barrier()
         t0 = perf_counter()
-        broadcast(self.group, self.buf)
+        broadcast_chunks(self.group, self.buf, chunk)
         sync(self.device)
         return perf_counter() - t0
 
@@ -296,6 +295,16 @@ class RawPeers:
             f.close()
 
 
+def broadcast_chunks(group, buf: torch.Tensor, chunk: int) -> None:
+    """One broadcast of `buf`, or (chunk > 0) one per `chunk` bytes of it, issued back to back."""
+    from weight_bus.group import broadcast_async
+
+    step = chunk or buf.numel()
+    works = [broadcast_async(group, buf[i : i + step]) for i in range(0, buf.numel(), step)]
+    for w in works:
+        w.wait()
+
+
 def raw_peer_main(port: int, rank: int, world_size: int, device_type: str) -> None:
     from weight_bus.group import broadcast, new_group
 
@@ -304,9 +313,9 @@ def raw_peer_main(port: int, rank: int, world_size: int, device_type: str) -> No
     group = new_group("127.0.0.1", port, rank, world_size, backend, "raw", timeout_s=600)
     buf = None
     while True:
-        hdr = torch.zeros(1, dtype=torch.int64, device=device)
+        hdr = torch.zeros(2, dtype=torch.int64, device=device)
         broadcast(group, hdr)
-        nbytes = int(hdr.item())
+        nbytes, chunk = hdr.tolist()
         if nbytes == 0:
             return
         if buf is None or buf.numel() != nbytes:
@@ -314,7 +323,7 @@ def raw_peer_main(port: int, rank: int, world_size: int, device_type: str) -> No
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         t = torch.zeros(1, device=device)
         group.allreduce([t]).wait()
-        broadcast(group, buf)
+        broadcast_chunks(group, buf, chunk)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
@@ -543,16 +552,20 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
         for v in variants[1:]:  # untimed: a staged engine allocates its staging arena at its first one
             publish_variant(bus, v, params, version=1)
         raw_s: list[float] = []
+        raw_chunked_s: list[float] = []
         timed: dict[str, dict[str, list[float]]] = {
             v: {"s": [], "transfer": [], "pause": [], "gather": []} for v in variants
         }
         version = 1
         for r in range(args.repeats):
-            sides = ["raw", *variants]
+            sides = ["raw", "raw_chunked", *variants]
             sides = sides[r % len(sides) :] + sides[: r % len(sides)]  # each side first in turn
             for side in sides:
                 if side == "raw":
                     raw_s.append(raw.measure(nbytes))
+                    continue
+                if side == "raw_chunked":
+                    raw_chunked_s.append(raw.measure(nbytes, args.bucket_mb * 2**20))
                     continue
                 version += 1
                 t0 = perf_counter()
@@ -569,6 +582,9 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
                     raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
                 if side == "bus":
                     m["stream"] = stats.stream
+                    m["engine_marks_last"] = (
+                        stats.engine_marks
+                    )  # taken up, held, posted, all posted, done, answered
                     m["timeline_last"] = stats.timeline  # per bucket: [index, launched, sent, answered] ms
             log(
                 f"{shape} round {r + 1}/{args.repeats}: raw {raw_s[-1] * 1e3:.2f} ms, "

@@ -32,7 +32,7 @@ from concurrent.futures import FIRST_EXCEPTION, wait
 import torch
 
 from weight_bus import ipc
-from weight_bus.errors import BusError, Refused
+from weight_bus.errors import BusError, Refused, UpdateFailed, _error
 from weight_bus.group import dtype_from_name, dtype_name
 from weight_bus.packing import Bucket, pack
 from weight_bus.schema import (
@@ -41,7 +41,7 @@ from weight_bus.schema import (
     LoadLoraAdapterFromTensors,
     UpdateWeightsFromTensor,
 )
-from weight_bus.transfer import Transfer, UpdateFailed, _error
+from weight_bus.transfer import Transfer
 
 log = logging.getLogger(__name__)
 

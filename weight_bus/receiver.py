@@ -148,15 +148,17 @@ class WeightReceiver:
         req: UpdateWeightsFromDistributed,
         target: Callable[[StreamBucket], torch.Tensor | None],
         load: Callable[[StreamBucket, Named], None],
-    ) -> None:
+    ) -> list[float]:
         """Receive every bucket of `req.stream`, in order, one broadcast each, and return once the last
         one is in (each wait bounded by the group's timeout). A bucket for which `target` gives a tensor
         (a byte range of the engine's weight arena) is received straight into it: these broadcasts are
         all posted at once and complete back to back. Any other is a flattened bucket of named tensors,
         received into a reused buffer (CUDA: the _Ring, overlapping the next receive with this copy) and
-        handed to `load(bucket, named)`. A failure breaks the group, as in `receive`."""
+        handed to `load(bucket, named)`. A failure breaks the group, as in `receive`. Returns perf_counter
+        marks: the first broadcast posted, the last posted, every one done."""
         group = self._group(req.group_name)
         timeout_s = self.timeouts.get(req.group_name, DEFAULT_TIMEOUT_S)
+        marks: list[float] = []
         try:
             last = None
             for b in req.stream:
@@ -164,6 +166,8 @@ class WeightReceiver:
                 if dest is not None:
                     with self.gpu_lock:
                         last = broadcast_async(group, dest)
+                    if not marks:
+                        marks.append(time.perf_counter())
                     continue
                 if last is not None:  # a named bucket's buffer must not wait behind unfinished receives
                     _wait(last, timeout_s)
@@ -173,6 +177,9 @@ class WeightReceiver:
                     load_format=FLATTENED_BUCKET,
                 )  # fmt: skip
                 self._receive(group, one, lambda named, b=b: load(b, named))
+                if not marks:
+                    marks.append(time.perf_counter())
+            marks.append(time.perf_counter())
             if last is not None:
                 _wait(last, timeout_s)
             if self.device.type == "cuda":
@@ -186,6 +193,7 @@ class WeightReceiver:
             self.rings.pop(req.group_name, None)
             raise
         self.rings.pop(req.group_name, None)
+        return [*marks, time.perf_counter()]
 
     def _group(self, name: str) -> dist.ProcessGroup:
         group = self.groups.get(name)

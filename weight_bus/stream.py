@@ -21,14 +21,24 @@ An engine answers once the last bucket is in; the answer says how long its gener
 from __future__ import annotations
 
 import bisect
+import logging
+import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future, wait
 
 import torch
 
-from weight_bus.errors import BusError
-from weight_bus.group import dtype_from_name, dtype_name
+from weight_bus.errors import BusError, Refused, UpdateFailed, _error
+from weight_bus.group import broadcast_async, dtype_from_name, dtype_name
 from weight_bus.packing import Bucket
-from weight_bus.schema import StreamBucket, WeightLayout
+from weight_bus.receiver import FLATTENED_BUCKET
+from weight_bus.schema import StreamBucket, UpdateWeightsFromDistributed, WeightLayout
+
+log = logging.getLogger(__name__)
+
+POLL_S = 1e-4
+"""How often an unfinished broadcast is checked (and the engines' calls for an early error)."""
 
 Sent = tuple[str, tuple[int, ...], torch.dtype]
 """What the trainer sent for one tensor: its name, shape and dtype (before any cast)."""
@@ -47,6 +57,12 @@ class Plan:
         """arena: name -> (bucket index, byte offset in the bucket, dtype on the engine, shape)."""
         self.counts: list[int] = []
         """arena: tensors each bucket waits for."""
+        self.slots_of: list[torch.Tensor | None] = []
+        """arena: the trainer's reused bucket buffers (bucket i packs into slot i % len), made at first use."""
+        self.busy: list[int | None] = []
+        """arena: the bucket each slot holds until its broadcast is done (None: free)."""
+        self.views: dict[str, torch.Tensor] = {}
+        """arena: each tensor's place in its bucket's slot, taken once."""
 
 
 def arena_plan(layout: WeightLayout, sent: list[Sent], bucket_bytes: int) -> Plan | str:
@@ -107,11 +123,24 @@ def named_plan(sent: list[Sent], bucket_bytes: int, dtype: torch.dtype | None) -
     return Plan("named", buckets)
 
 
-def pack_arena(plan: Plan, it: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> Iterator[Bucket]:
+SLOTS_BEYOND_INFLIGHT = 2
+"""Bucket buffers the trainer keeps beyond max_inflight: the bucket being packed, and one whose tensors
+come early (the trainer's order puts a layer's biases after its fused weights' rows)."""
+
+
+def pack_arena(
+    plan: Plan, it: Iterator[tuple[str, torch.Tensor]], device: torch.device, inflight: int
+) -> Iterator[Bucket]:
     """The arena buckets of one update, in order, each yielded once every tensor of it came from `it`
     (tensors arrive in the trainer's order; a bucket may wait for a later one). Each tensor is held until
-    its bucket is complete, then the bucket's tensors are cast into place with one multi-tensor copy."""
+    its bucket is complete, then the bucket's tensors are cast into place with one multi-tensor copy.
+    Buckets pack into `inflight` + SLOTS_BEYOND_INFLIGHT buffers reused across updates (each tensor's
+    view into its slot taken once); a slot still on the wire is never written (a fresh buffer instead).
+    The caller releases a bucket's slot (`release`) once its broadcast is done."""
     n = len(plan.buckets)
+    if not plan.slots_of:
+        plan.slots_of = [None] * min(n, inflight + SLOTS_BEYOND_INFLIGHT)
+    plan.busy = [None] * len(plan.slots_of)  # the last update's broadcasts are done (or their group gone)
     left = list(plan.counts)
     pairs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n)]
     flats: dict[int, torch.Tensor] = {}
@@ -122,12 +151,18 @@ def pack_arena(plan: Plan, it: Iterator[tuple[str, torch.Tensor]], device: torch
             raise BusError(f"the trainer sent {name!r}, which the update's plan does not have")
         i, offset, dtype, shape = slot
         if i not in flats:
-            flats[i] = torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=device)
-        view = flats[i][offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
-        pairs[i].append((view, t.detach().reshape(shape)))
+            flats[i] = _buffer(plan, i, device)
+        view = plan.views.get(name) if flats[i] is plan.slots_of[i % len(plan.slots_of)] else None
+        if view is None:
+            view = flats[i][offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
+            if flats[i] is plan.slots_of[i % len(plan.slots_of)]:
+                plan.views[name] = view
+        t = t.detach()
+        pairs[i].append((view, t if t.shape == view.shape else t.reshape(shape)))
         left[i] -= 1
         while nxt < n and left[nxt] <= 0:
-            yield _filled(plan, nxt, flats.pop(nxt, None), pairs[nxt], device)
+            flat = flats.pop(nxt) if nxt in flats else _buffer(plan, nxt, device)
+            yield _filled(plan, nxt, flat, pairs[nxt], device)
             pairs[nxt] = []
             nxt += 1
     if nxt < n:
@@ -135,9 +170,27 @@ def pack_arena(plan: Plan, it: Iterator[tuple[str, torch.Tensor]], device: torch
         raise BusError(f"the trainer's tensors ended before the plan's: {missing} were not sent")
 
 
+def release(plan: Plan, b: Bucket) -> None:
+    """Bucket b's broadcast is done: its slot may be packed again."""
+    k = b.index % len(plan.slots_of) if plan.slots_of else 0
+    if plan.busy and plan.busy[k] == b.index:
+        plan.busy[k] = None
+
+
+def _buffer(plan: Plan, i: int, device: torch.device) -> torch.Tensor:
+    """Bucket i's buffer: its slot when free (made at the largest bucket's size the first time), else a
+    fresh one (a slot is never written while its bucket may still be on the wire)."""
+    k = i % len(plan.slots_of)
+    if plan.busy[k] is not None:
+        return torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=device)
+    if plan.slots_of[k] is None:
+        size = max(b.nbytes for b in plan.buckets)
+        plan.slots_of[k] = torch.empty(size, dtype=torch.uint8, device=device)
+    plan.busy[k] = i
+    return plan.slots_of[k]
+
+
 def _filled(plan: Plan, i: int, flat, pairs, device: torch.device) -> Bucket:
-    if flat is None:  # a bucket with no tensor of its own (cannot happen: each starts at one)
-        flat = torch.empty(plan.buckets[i].nbytes, dtype=torch.uint8, device=device)
     with torch.no_grad():
         same = [(d, s) for d, s in pairs if d.dtype == s.dtype and s.device == device]
         if same:
@@ -146,7 +199,138 @@ def _filled(plan: Plan, i: int, flat, pairs, device: torch.device) -> Bucket:
             if d.dtype != s.dtype or s.device != device:
                 d.copy_(s)
     b = plan.buckets[i]
-    return Bucket(i, [], [], [], flat, i == len(plan.buckets) - 1, [b.offset])
+    return Bucket(i, [], [], [], flat[: b.nbytes], i == len(plan.buckets) - 1, [b.offset])
+
+
+def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version: int):
+    """One streamed update: one call to every engine with the whole plan, then the broadcasts, each
+    bucket packed while the ones before it are on the wire (at most max_inflight unfinished), then
+    every engine's answer. Returns what `_transfer` does; on a failure the engines that did not
+    finish are dropped (dead) or parked until the next update (alive: their weights are incomplete)."""
+    m = tr.members
+    body = UpdateWeightsFromDistributed(
+        names=[],
+        dtypes=[],
+        shapes=[],
+        group_name=m.name,
+        load_format=FLATTENED_BUCKET,
+        weight_version=str(version),
+        flush_cache=True,
+        stream=plan.buckets,
+        layout=plan.digest,
+        stage=tr.stage,
+        lora_name=tr.lora.name if tr.lora is not None else None,
+        lora_config=tr.lora.peft_config() if tr.lora is not None else None,
+    )
+    t0 = time.perf_counter()
+    calls = {e.url: e.announce(body) for e in m.engines}
+    timeline: list[list[float]] = []
+    inflight: deque[Bucket] = deque()
+    total = count = 0
+    pack_s = 0.0
+    b: Bucket | None = first
+
+    def retire() -> None:
+        nonlocal total, count
+        done = _sent(tr, inflight.popleft(), calls)
+        total += done.nbytes
+        count += 1
+        timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
+        tr.release(done)
+        release(plan, done)
+
+    try:
+        while b is not None:
+            if plan.kind == "named" and b.names != plan.buckets[b.index].names:
+                raise BusError(f"bucket {b.index}: the trainer's tensors are not the update's plan")
+            b.calls = calls
+            b.times[0] = time.perf_counter()
+            b.work = broadcast_async(m.group, b.flat)
+            inflight.append(b)
+            while inflight and (len(inflight) > tr.max_inflight or inflight[0].work.is_completed()):
+                retire()
+            if b.last:
+                break
+            t = time.perf_counter()
+            b = next(stream)
+            pack_s += time.perf_counter() - t
+        while inflight:
+            retire()
+        answers = _answers(tr, calls)
+    except UpdateFailed as failure:
+        return total, count, pack_s, _recover(tr, failure, calls), timeline
+    t_end = round((time.perf_counter() - t0) * 1e3, 3)
+    for row in timeline:
+        row[3] = t_end
+    tr._staged = all(a.get("staged") for a in answers.values())
+    tr._engine_pause_ms = max((float(a.get("paused_ms", 0.0)) for a in answers.values()), default=0.0)
+    marks = next(iter(answers.values())).get("marks") or []  # the first engine's, on this host's clock
+    tr._engine_marks_ms = [round((t - t0) * 1e3, 3) for t in marks]
+    return total, count, pack_s, [], timeline
+
+
+def _sent(tr, b: Bucket, calls: dict[str, Future]) -> Bucket:
+    """Wait (bounded) until rank 0's broadcast of b is done, failing early on an engine's error."""
+    deadline = time.monotonic() + tr.timeout_s + tr.grace
+    while not b.work.is_completed():
+        errors = {u: err for u, f in calls.items() if (err := _error(f)) is not None}
+        if errors:
+            raise UpdateFailed(b, errors, None)
+        if time.monotonic() > deadline:
+            raise UpdateFailed(b, {}, TimeoutError("broadcast did not complete"))
+        time.sleep(POLL_S)
+    try:
+        b.work.wait()
+    except Exception as e:
+        raise UpdateFailed(b, {}, e) from e
+    b.times[1] = b.times[2] = time.perf_counter()
+    return b
+
+
+def _answers(tr, calls: dict[str, Future]) -> dict[str, dict]:
+    """Every engine's answer to the streamed call (bounded): it has the whole update then."""
+    wait(calls.values(), timeout=tr.timeout_s + tr.grace)
+    errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
+    errors = {u: e for u, e in errors.items() if e is not None}
+    if errors:
+        raise UpdateFailed(Bucket(-1, [], [], [], None, True, [], nbytes=0), errors, None)
+    return {u: f.result() for u, f in calls.items()}
+
+
+def _recover(tr, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
+    """After a failed streamed update: leave the group (rank 0's unfinished broadcasts fail, and so do
+    the engines' receives), tell the dead from the alive by their answers and a probe, drop the dead,
+    and park the alive ones that did not finish (their weights are incomplete: they stay paused and
+    rejoin with the whole model at the next update). An engine that refused while everyone was alive
+    and nothing failed on the wire is a bug: BusError."""
+    m = tr.members
+    log.warning("streamed weight update failed: %s", failure)
+    m.leave_group()
+    errors: dict[str, BaseException] = dict(failure.errors)
+    for e in m.engines:
+        if e.url in errors and not isinstance(errors[e.url], Refused):
+            e.channel.close()
+    wait(calls.values(), timeout=tr.timeout_s + 2 * tr.grace)
+    for url, f in calls.items():
+        if url not in errors:
+            err = _error(f) if f.done() else TimeoutError("no answer in time")
+            if err is not None:
+                errors[url] = err
+    lost = {u for u, e in errors.items() if not isinstance(e, Refused)}
+    infos = m.probe([u for u in m.urls if u not in lost])
+    lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
+    refused = {u: e for u, e in errors.items() if u not in lost}
+    if refused and not lost and failure.collective is None:
+        raise BusError("; ".join(str(e) for e in refused.values()))
+    dropped = m.drop(sorted(lost))
+    for url in dropped:
+        log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+    unfinished = [e for e in m.engines if e.url in errors]
+    list(tr.pool.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
+    parked = m.drop([e.url for e in unfinished], park=True)
+    if parked:
+        log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
+    return dropped + parked
 
 
 def _nbytes(shape, dtype: torch.dtype) -> int:

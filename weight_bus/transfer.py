@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import msgspec
 import torch
@@ -17,13 +17,13 @@ import torch
 from weight_bus import lora as adapters
 from weight_bus import metrics
 from weight_bus.engine_client import EngineClient
-from weight_bus.errors import BusError, Refused
+from weight_bus.errors import BusError, Refused, UpdateFailed, _error
 from weight_bus.group import broadcast_async
 from weight_bus.membership import IPC, MAX_REBUILDS, Member, Membership
 from weight_bus.packing import Bucket, pack
 from weight_bus.receiver import FLATTENED_BUCKET
 from weight_bus.schema import UpdateWeightsFromDistributed, WeightLayout
-from weight_bus.stream import Plan, Sent, arena_plan, named_plan, pack_arena
+from weight_bus.stream import Plan, Sent, arena_plan, named_plan, pack_arena, run_stream
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,10 @@ class PublishStats(msgspec.Struct, kw_only=True):
     stream: str = ""
     """A streamed update (weight_bus/stream.py: one call per engine): "arena" (byte ranges of the engines'
     weight arena, received in place) or "named" (flattened named buckets); "" for per-bucket calls."""
+    engine_marks: list[float] = []
+    """A streamed update: on the first engine, ms from the start of the transfer (one host's clock; other
+    hosts' engines report none): its call taken up, step boundary held, first and last receive posted,
+    every receive done, answered."""
     staged: bool = False
     """Streamed into the engines' staging arenas while they generated; pause_ms is the swap at the end."""
     path: str = "group"
@@ -94,26 +98,6 @@ class PublishStats(msgspec.Struct, kw_only=True):
     @property
     def transfer_s(self) -> float:
         return self.transfer_ms / 1e3
-
-
-class UpdateFailed(Exception):
-    """A bucket was not confirmed: engine calls that failed, and the collective's error if any."""
-
-    def __init__(self, bucket: Bucket, errors: dict[str, BaseException], collective: BaseException | None):
-        self.bucket, self.errors, self.collective = bucket, errors, collective
-        parts = [f"{url}: {e}" for url, e in errors.items()]
-        if collective is not None:
-            parts.append(f"collective: {collective}")
-        super().__init__(f"bucket {bucket.index}: " + "; ".join(parts))
-
-
-def _error(f: Future) -> BaseException | None:
-    """The exception of a finished call (a cancelled one counts as failed); None while running or on success."""
-    if not f.done():
-        return None
-    if f.cancelled():
-        return RuntimeError("cancelled")
-    return f.exception()
 
 
 class _Recorder:
@@ -191,6 +175,7 @@ class Transfer:
         self._plan: tuple[tuple, Plan] | None = None
         self._engine_pause_ms = 0.0
         self._staged = False
+        self._engine_marks_ms: list[float] = []
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
@@ -216,7 +201,7 @@ class Transfer:
         seen = _Recorder(it)
         t_gather = time.perf_counter()
         if plan is not None and plan.kind == "arena":
-            stream = pack_arena(plan, iter(seen), self.device)
+            stream = pack_arena(plan, iter(seen), self.device, self.max_inflight)
         else:
             stream = self.pack(iter(seen), dtype, whole=files, persistent=persistent and self.lora is None)
         first = next(stream, None)
@@ -243,9 +228,9 @@ class Transfer:
                 dropped += m.drop(list(failed))
                 m.rebuild()
             t_transfer = time.perf_counter()
-            self._engine_pause_ms = 0.0
+            self._engine_pause_ms, self._engine_marks_ms = 0.0, []
             if plan is not None:
-                move = functools.partial(self._transfer_stream, plan)
+                move = functools.partial(run_stream, self, plan)
             else:
                 move = self._transfer_files if files else self._transfer
             total, n_buckets, pack_s, more_dropped, timeline = move(first, stream, version)
@@ -284,6 +269,7 @@ class Transfer:
             path="files" if files else ("ipc" if m.backend == IPC else "group"),
             stream=plan.kind if plan is not None else "",
             staged=plan is not None and self.stage and self._staged,
+            engine_marks=self._engine_marks_ms,
             handoff=self.handoff,
             paused=not fold,
             probed=probe,
@@ -391,129 +377,6 @@ class Transfer:
             ", staged beside the serving weights" if self.stage and plan.kind == "arena" else "",
         )
         return plan
-
-    def _transfer_stream(self, plan: Plan, first: Bucket, stream: Iterator[Bucket], version: int):
-        """One streamed update: one call to every engine with the whole plan, then the broadcasts, each
-        bucket packed while the ones before it are on the wire (at most max_inflight unfinished), then
-        every engine's answer. Returns what `_transfer` does; on a failure the engines that did not
-        finish are dropped (dead) or parked until the next update (alive: their weights are incomplete)."""
-        m = self.members
-        body = UpdateWeightsFromDistributed(
-            names=[],
-            dtypes=[],
-            shapes=[],
-            group_name=m.name,
-            load_format=FLATTENED_BUCKET,
-            weight_version=str(version),
-            flush_cache=True,
-            stream=plan.buckets,
-            layout=plan.digest,
-            stage=self.stage,
-            lora_name=self.lora.name if self.lora is not None else None,
-            lora_config=self.lora.peft_config() if self.lora is not None else None,
-        )
-        t0 = time.perf_counter()
-        calls = {e.url: e.announce(body) for e in m.engines}
-        timeline: list[list[float]] = []
-        inflight: deque[Bucket] = deque()
-        total = count = 0
-        pack_s = 0.0
-        b: Bucket | None = first
-        try:
-            while b is not None:
-                if plan.kind == "named" and b.names != plan.buckets[b.index].names:
-                    raise BusError(f"bucket {b.index}: the trainer's tensors are not the update's plan")
-                b.calls = calls
-                b.times[0] = time.perf_counter()
-                b.work = broadcast_async(m.group, b.flat)
-                inflight.append(b)
-                while inflight and (len(inflight) > self.max_inflight or inflight[0].work.is_completed()):
-                    done = self._sent(inflight.popleft(), calls)
-                    total += done.nbytes
-                    count += 1
-                    timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
-                    self.release(done)
-                if b.last:
-                    break
-                t = time.perf_counter()
-                b = next(stream)
-                pack_s += time.perf_counter() - t
-            while inflight:
-                done = self._sent(inflight.popleft(), calls)
-                total += done.nbytes
-                count += 1
-                timeline.append([done.index] + [round((t - t0) * 1e3, 3) for t in done.times])
-                self.release(done)
-            answers = self._answers(calls)
-        except UpdateFailed as failure:
-            return total, count, pack_s, self._recover_stream(failure, calls), timeline
-        t_end = round((time.perf_counter() - t0) * 1e3, 3)
-        for row in timeline:
-            row[3] = t_end
-        self._staged = all(a.get("staged") for a in answers.values())
-        self._engine_pause_ms = max((float(a.get("paused_ms", 0.0)) for a in answers.values()), default=0.0)
-        return total, count, pack_s, [], timeline
-
-    def _sent(self, b: Bucket, calls: dict[str, Future]) -> Bucket:
-        """Wait (bounded) until rank 0's broadcast of b is done, failing early on an engine's error."""
-        deadline = time.monotonic() + self.timeout_s + self.grace
-        while not b.work.is_completed():
-            errors = {u: err for u, f in calls.items() if (err := _error(f)) is not None}
-            if errors:
-                raise UpdateFailed(b, errors, None)
-            if time.monotonic() > deadline:
-                raise UpdateFailed(b, {}, TimeoutError("broadcast did not complete"))
-            time.sleep(POLL_S)
-        try:
-            b.work.wait()
-        except Exception as e:
-            raise UpdateFailed(b, {}, e) from e
-        b.times[1] = b.times[2] = time.perf_counter()
-        return b
-
-    def _answers(self, calls: dict[str, Future]) -> dict[str, dict]:
-        """Every engine's answer to the streamed call (bounded): it has the whole update then."""
-        wait(calls.values(), timeout=self.timeout_s + self.grace)
-        errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
-        errors = {u: e for u, e in errors.items() if e is not None}
-        if errors:
-            raise UpdateFailed(Bucket(-1, [], [], [], None, True, [], nbytes=0), errors, None)
-        return {u: f.result() for u, f in calls.items()}
-
-    def _recover_stream(self, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
-        """After a failed streamed update: leave the group (rank 0's unfinished broadcasts fail, and so do
-        the engines' receives), tell the dead from the alive by their answers and a probe, drop the dead,
-        and park the alive ones that did not finish (their weights are incomplete: they stay paused and
-        rejoin with the whole model at the next update). An engine that refused while everyone was alive
-        and nothing failed on the wire is a bug: BusError."""
-        m = self.members
-        log.warning("streamed weight update failed: %s", failure)
-        m.leave_group()
-        errors: dict[str, BaseException] = dict(failure.errors)
-        for e in m.engines:
-            if e.url in errors and not isinstance(errors[e.url], Refused):
-                e.channel.close()
-        wait(calls.values(), timeout=self.timeout_s + 2 * self.grace)
-        for url, f in calls.items():
-            if url not in errors:
-                err = _error(f) if f.done() else TimeoutError("no answer in time")
-                if err is not None:
-                    errors[url] = err
-        lost = {u for u, e in errors.items() if not isinstance(e, Refused)}
-        infos = m.probe([u for u in m.urls if u not in lost])
-        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
-        refused = {u: e for u, e in errors.items() if u not in lost}
-        if refused and not lost and failure.collective is None:
-            raise BusError("; ".join(str(e) for e in refused.values()))
-        dropped = m.drop(sorted(lost))
-        for url in dropped:
-            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
-        unfinished = [e for e in m.engines if e.url in errors]
-        list(self.pool.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
-        parked = m.drop([e.url for e in unfinished], park=True)
-        if parked:
-            log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
-        return dropped + parked
 
     def pack(
         self,

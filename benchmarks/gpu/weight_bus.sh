@@ -13,15 +13,15 @@ step() {
   timeout "$limit" "$@" >>"$LOG" 2>&1
   echo "== $name rc=$? ($(date +%T))" | tee -a "$LOG"
 }
-bench() { python benchmarks/weight_bus.py --device-kind "$KIND" --out-dir "$OUT" "$@"; }
+BENCH="python benchmarks/weight_bus.py --device-kind $KIND --out-dir $OUT"
 nvidia-smi topo -m >>"$LOG" 2>&1
 for s in $STEPS; do
   case $s in
     tests) step tests "${T_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider \
              tests/weight_bus/test_bus_nccl.py tests/weight_bus/test_bus_cuda.py ;;
-    one) step one "${T_ONE:-240}" bench ;;
-    two) step two "${T_TWO:-200}" bench --engines 2 --engine-gpus 1,2 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 2engines ;;
-    three) step three "${T_THREE:-200}" bench --engines 3 --engine-gpus 1,2,3 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 3engines ;;
+    one) step one "${T_ONE:-240}" $BENCH ;;
+    two) step two "${T_TWO:-200}" $BENCH --engines 2 --engine-gpus 1,2 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 2engines ;;
+    three) step three "${T_THREE:-200}" $BENCH --engines 3 --engine-gpus 1,2,3 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 3engines ;;
   esac
 done
 grep -h "^weight_bus \|bus/raw\|^qwen\|passed\|failed\|rc=" "$LOG" | tail -40

@@ -105,7 +105,8 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
     while the arena buckets land beside the weights and waits only for the copy over them at the end.
     If the receive fails after the serving weights were written, the engine stays paused (its weights
     are partly new) until a later full update succeeds. Returns the answer's extra fields: `paused_ms`
-    (how long generation waited) and `staged`."""
+    (how long generation waited), `staged`, and `marks` (perf_counter seconds: the weight lock taken, the
+    receive begun, its first and last broadcast posted, all received, the answer made)."""
     runner = state.runner
     arena_buckets = [b for b in body.stream if b.offset is not None]
     if arena_buckets:
@@ -138,11 +139,13 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
             runner.copy_weights(named)
 
     held = [0.0]
+    marks = [t1]
 
     def receive() -> None:
         t = time.perf_counter()
+        marks.append(t)
         try:
-            state.receiver.receive_stream(body, target, load)
+            marks.extend(state.receiver.receive_stream(body, target, load))
         except BaseException:
             if live:  # part of the serving weights is new, part old: no token may come from them
                 runner.pause("in_place")
@@ -179,7 +182,13 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
         state.weights_incomplete = False
         runner.resume()
         log.info("weights complete again after a full update: generation goes on")
-    return {"paused_ms": round(held[0] * 1e3, 3), "staged": staged, "resumed": not state.weights_incomplete}
+    marks.append(time.perf_counter())
+    return {
+        "paused_ms": round(held[0] * 1e3, 3),
+        "staged": staged,
+        "resumed": not state.weights_incomplete,
+        "marks": marks,  # perf_counter: CLOCK_MONOTONIC, the same clock as a trainer on this host
+    }
 
 
 def load_adapter_bucket(state: EngineState, body: UpdateWeightsFromDistributed, named: list) -> None:

@@ -71,7 +71,7 @@ class EngineProcess:
         env = {
             **os.environ,
             **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }

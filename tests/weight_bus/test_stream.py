@@ -175,7 +175,7 @@ def test_planned_buckets_are_the_arena_bytes_for_mixed_dtypes_and_fused_blocks()
         assert not isinstance(plan, str), plan
         assert sum(b.nbytes for b in plan.buckets) == layout.nbytes
         got = torch.empty(layout.nbytes, dtype=torch.uint8)
-        for b in pack_arena(plan, iter(trainer.items()), torch.device("cpu")):
+        for b in pack_arena(plan, iter(trainer.items()), torch.device("cpu"), 2):
             spec = plan.buckets[b.index]
             got[spec.offset : spec.offset + spec.nbytes] = b.flat
         target = Mixed()
