@@ -596,6 +596,11 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
         bus_s, transfer_ms, pause_ms, gather_ms = (
             timed["bus"][k] for k in ("s", "transfer", "pause", "gather")
         )
+        m["raw_chunked_ms"] = statistics.median(raw_chunked_s) * 1e3
+        m["raw_chunked_vs_raw"] = statistics.median(raw_s) / statistics.median(raw_chunked_s)
+        log(
+            f"{shape}: raw in {args.bucket_mb} MiB chunks {m['raw_chunked_ms']:.2f} ms ({m['raw_chunked_vs_raw']:.3f} of one broadcast)"
+        )
         for v in variants[1:]:
             med = statistics.median
             m[v] = {

@@ -21,6 +21,7 @@ for s in $STEPS; do
              tests/weight_bus/test_bus_nccl.py tests/weight_bus/test_bus_cuda.py ;;
     one) step one "${T_ONE:-240}" $BENCH ;;
     two) step two "${T_TWO:-200}" $BENCH --engines 2 --engine-gpus 1,2 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 2engines ;;
+    big) step big "${T_BIG:-120}" $BENCH --models qwen2.5-7b-shape --bucket-mb 2048 --repeats 3 --label 7b-2gib-buckets ;;
     three) step three "${T_THREE:-200}" $BENCH --engines 3 --engine-gpus 1,2,3 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 3engines ;;
   esac
 done
