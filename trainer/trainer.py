@@ -139,6 +139,7 @@ class Trainer:
                 else None,
                 lora=cfg.model.lora,
                 lora_dir=str(Path(cfg.output_dir) / "lora"),
+                stage=cfg.bus.stage_weights,
             )
         self.handoff: MemoryHandoff | None = None
         """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""
