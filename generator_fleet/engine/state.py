@@ -38,6 +38,8 @@ class EngineState:
         # a sender that is gone must not hold up the server's shutdown (asyncio.run joins the default
         # executor's threads) until the group times out.
         self.weight_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine-weights")
+        self.scratch = None
+        """SLIPSTREAM_STREAM_SCRATCH: where streamed buckets land instead of the weights (diagnostics)."""
         self.weights_incomplete = False
         """A streamed update failed after writing the serving weights: generation stays paused until a
         full update succeeds (weight_routes.receive_stream)."""

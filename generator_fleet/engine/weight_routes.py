@@ -48,6 +48,11 @@ the receive, after it, after the load copy; ms from the first), to see where the
 /update_weights_from_tensor: before mapping the payload, before the load, after the load's copy."""
 
 
+_STREAM_SCRATCH = os.environ.get("SLIPSTREAM_STREAM_SCRATCH") == "1"
+"""Diagnostics: streamed arena buckets land in a scratch buffer, not the weights (the weights stay as they
+were), to tell the receive's own speed from that of receiving into the serving weights."""
+
+
 def trace_event():
     """A recorded CUDA event when tracing (SLIPSTREAM_WEIGHT_TRACE on a CUDA engine), else None."""
     if not (_WEIGHT_TRACE and torch.cuda.is_available()):
@@ -129,7 +134,13 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
     phases = state.metrics.bucket_phase
 
     def target(b):
-        return runner.arena_range(b.offset, b.nbytes, staged=staged) if b.offset is not None else None
+        if b.offset is None:
+            return None
+        if _STREAM_SCRATCH:  # diagnostics: the same receive, into memory the weights do not use
+            if state.scratch is None or state.scratch.numel() < layout.nbytes:
+                state.scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=runner.device)
+            return state.scratch[b.offset : b.offset + b.nbytes]
+        return runner.arena_range(b.offset, b.nbytes, staged=staged)
 
     def load(b, named: list) -> None:
         if adapter:
