@@ -518,6 +518,35 @@ def publish_variant(bus, variant: str, params, version: int):
         bus.transfer.stream, bus.transfer.stage = True, False
 
 
+def profile_publish(bus, params, version: int, trace: Path) -> list[list]:
+    """One more default publish under torch.profiler (CPU and CUDA activity on the trainer's process):
+    its Chrome trace to `trace`, and each GPU kernel's [name, start ms, duration ms] (from the first) back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        bus.publish(iter(params), version=version)
+        torch.cuda.synchronize()
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    if not kernels:
+        return []
+    t0 = min(e.time_range.start for e in kernels)
+    rows = sorted(
+        [
+            e.name[:60],
+            round((e.time_range.start - t0) / 1e3, 3),
+            round((e.time_range.end - e.time_range.start) / 1e3, 3),
+        ]
+        for e in kernels
+    )
+    rows.sort(key=lambda r: r[1])
+    for r in rows:
+        if "nccl" in r[0].lower() or r[2] > 0.05:
+            log(f"profile: {r[1]:9.3f} ms  {r[2]:8.3f} ms  {r[0]}")
+    return rows
+
+
 def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save) -> dict[str, Any]:
 
     device = raw.device
@@ -596,6 +625,11 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
         bus_s, transfer_ms, pause_ms, gather_ms = (
             timed["bus"][k] for k in ("s", "transfer", "pause", "gather")
         )
+        if args.profile:
+            m["profile"] = profile_publish(
+                bus, params, version + 1, Path(args.out_dir) / f"profile-{shape}.json"
+            )
+            version += 1
         m["raw_chunked_ms"] = statistics.median(raw_chunked_s) * 1e3
         m["raw_chunked_vs_raw"] = statistics.median(raw_s) / statistics.median(raw_chunked_s)
         log(
@@ -815,6 +849,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-inflight", type=int, default=MAX_INFLIGHT, help="unconfirmed buckets at a time (bus default)"
     )
     p.add_argument("--quick", action="store_true", help=f"CPU smoke defaults: {QUICK}")
+    p.add_argument("--profile", action="store_true", help="one more publish per model under torch.profiler")
     p.add_argument(
         "--no-variants",
         action="store_true",
