@@ -229,10 +229,19 @@ class RawPeers:
         self.backend = "nccl" if args.device == "cuda" else "gloo"
         self.world_size = len(args.engine_gpus) + 1
         self.port = free_port()
+        # Peers wait for each measurement's header on the host (a store), not in a posted NCCL receive: a
+        # receive kernel left spinning on an engine's GPU would share that GPU with the engine's own
+        # receive while the bus is timed (halving it, measured 2026-11-28 on nvidia-h200-x4).
+        from weight_bus.group import tcp_store
+
+        self.header_port = free_port()
+        self.store = tcp_store("127.0.0.1", self.header_port, self.world_size, True, 600)
+        self.seq = 0
         self.procs: list[subprocess.Popen] = []
         self.logs = []
         for rank, gpu in enumerate(args.engine_gpus, start=1):
             cmd = [sys.executable, str(Path(__file__).resolve()), "--raw-peer", str(self.port)]
+            cmd += ["--raw-header-port", str(self.header_port)]
             cmd += [
                 "--raw-rank",
                 str(rank),
@@ -251,14 +260,15 @@ class RawPeers:
         self.buf: torch.Tensor | None = None
 
     def _header(self, nbytes: int, chunk: int = 0) -> None:
-        from weight_bus.group import broadcast, new_group
+        from weight_bus.group import new_group
 
-        if self.group is None:
+        self.store.set(f"raw/{self.seq}", f"{nbytes},{chunk}")
+        self.seq += 1
+        if self.group is None and nbytes:
             self.group = new_group(
                 "127.0.0.1", self.port, 0, self.world_size, self.backend, "raw", timeout_s=600
             )
             log(f"raw peers joined ({self.backend}, world {self.world_size})")
-        broadcast(self.group, torch.tensor([nbytes, chunk], dtype=torch.int64, device=self.device))
 
     def _barrier(self) -> None:
         t = torch.zeros(1, device=self.device)
@@ -305,19 +315,22 @@ def broadcast_chunks(group, buf: torch.Tensor, chunk: int) -> None:
         w.wait()
 
 
-def raw_peer_main(port: int, rank: int, world_size: int, device_type: str) -> None:
-    from weight_bus.group import broadcast, new_group
+def raw_peer_main(port: int, header_port: int, rank: int, world_size: int, device_type: str) -> None:
+    from weight_bus.group import new_group, tcp_store
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
-    group = new_group("127.0.0.1", port, rank, world_size, backend, "raw", timeout_s=600)
+    store = tcp_store("127.0.0.1", header_port, world_size, False, 600)
+    group = None
     buf = None
+    seq = 0
     while True:
-        hdr = torch.zeros(2, dtype=torch.int64, device=device)
-        broadcast(group, hdr)
-        nbytes, chunk = hdr.tolist()
+        nbytes, chunk = (int(x) for x in store.get(f"raw/{seq}").decode().split(","))
+        seq += 1
         if nbytes == 0:
             return
+        if group is None:
+            group = new_group("127.0.0.1", port, rank, world_size, backend, "raw", timeout_s=600)
         if buf is None or buf.numel() != nbytes:
             buf = None
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -883,6 +896,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--raw-peer", type=int, help=argparse.SUPPRESS)  # internal: run as a raw peer
+    p.add_argument("--raw-header-port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--raw-rank", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--raw-world-size", type=int, default=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -937,7 +951,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
     args = parse_args(argv)
     if args.raw_peer is not None:
-        raw_peer_main(args.raw_peer, args.raw_rank, args.raw_world_size, args.device)
+        raw_peer_main(args.raw_peer, args.raw_header_port, args.raw_rank, args.raw_world_size, args.device)
         return None
     from transformers.utils import logging as hf_logging
 
