@@ -41,3 +41,16 @@ ADAPTER_UPDATES = Counter(
     "(a PEFT directory the engines load)",
     ["backend", "path"],
 )
+UPDATE_BANDWIDTH = Gauge(
+    "slipstream_bus_update_bytes_per_second",
+    "Bytes per second of the last update: its bytes over its whole transfer (first call to the last "
+    "engine's answer)",
+    BACKEND,
+)
+WIRE_BANDWIDTH = Gauge(
+    "slipstream_bus_wire_bytes_per_second",
+    "Bytes per second of the last update while its buckets followed each other on the wire (the second "
+    "bucket's broadcast done to the last's, over the bytes between): about the link's own rate when the "
+    "bus keeps it busy; the gap to slipstream_bus_update_bytes_per_second is the update's cost off the wire",
+    BACKEND,
+)

@@ -114,6 +114,19 @@ class _Recorder:
         self.complete = True
 
 
+def wire_rate(stats: PublishStats) -> float | None:
+    """Bytes per second between the first bucket's broadcast seen done and the last's: the buckets after
+    the first (their bytes taken as equal shares of the update's), back to back on the wire. None with
+    fewer than two buckets."""
+    rows = stats.timeline
+    if len(rows) < 2 or not stats.buckets:
+        return None
+    span_s = (rows[-1][2] - rows[0][2]) / 1e3
+    if span_s <= 0:
+        return None
+    return stats.bytes * (len(rows) - 1) / len(rows) / span_s
+
+
 def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: float, pause_s: float) -> None:
     """The bus metrics of one finished update (`sent`: bytes sent in all, over every rank)."""
     metrics.LAST_BYTES.labels(stats.kind).set(stats.bytes)
@@ -122,6 +135,10 @@ def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: flo
     metrics.BYTES.labels(backend).inc(sent)
     metrics.TRANSFER_SECONDS.labels(backend).observe(transfer_s)
     metrics.PAUSE_SECONDS.labels(backend).observe(pause_s)
+    if transfer_s > 0 and stats.bytes:
+        metrics.UPDATE_BANDWIDTH.labels(backend).set(stats.bytes / transfer_s)
+    if (wire := wire_rate(stats)) is not None:
+        metrics.WIRE_BANDWIDTH.labels(backend).set(wire)
     metrics.VERSION.set(stats.version)
     metrics.UPDATES.labels(backend).inc()
     metrics.ENGINES.set(len(stats.engines))

@@ -127,10 +127,16 @@ def test_group_update_sends_only_the_adapter_to_every_engine(engines, refs, buck
             _metric("slipstream_bus_adapter_updates_total", {"backend": "gloo", "path": "group"})
             == updates0 + 1
         )
-        # the next version replaces the adapter in place
+        # the next version replaces the adapter in place, streamed as named buckets in one call per engine
         stats = bus.publish(iter(refs["a2"]), version=4)
+        assert stats.stream == "named" and stats.adapter == "policy" and not stats.paused
         for u in urls:
             assert version(u) == "4" and greedy(u, "policy") == refs["ref2"]
+        stats = bus.publish(iter(refs["a1"]), version=5)  # and back: a streamed update replaces it too
+        assert stats.stream == "named"
+        for u in urls:
+            assert version(u) == "5" and greedy(u, "policy") == refs["ref1"]
+            assert greedy(u) == refs["base"]
     finally:
         bus.close()
 

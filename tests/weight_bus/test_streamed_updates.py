@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 from bus_engines import AUTH, KEY, EngineProcess, assert_holds, noisy_model, version
+from prometheus_client import REGISTRY
 
 from generator_fleet.engine import EngineServer
 from generator_fleet.engine.arena import lay_out
@@ -83,6 +84,10 @@ def test_updates_after_the_first_stream_into_the_arena_bit_for_bit(engines, mode
                 assert_holds(s, m)
                 assert version(s.url) == str(v)
                 assert not s.runner.paused
+            rate = REGISTRY.get_sample_value("slipstream_bus_update_bytes_per_second", {"backend": "gloo"})
+            assert rate == pytest.approx(stats.bytes / stats.transfer_s)
+            wire = REGISTRY.get_sample_value("slipstream_bus_wire_bytes_per_second", {"backend": "gloo"})
+            assert (wire is not None and wire > 0) or stats.buckets == 1
     finally:
         bus.close()
 
