@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import httpx
@@ -96,3 +97,23 @@ class EngineProcess:
                 self.proc.wait(30)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.log.close()
+
+
+def publish_bounded(bus, named, version: int, limit_s: float = 120.0):
+    """bus.publish in a thread that must end within `limit_s` (so that a regression fails instead of
+    hanging the suite)."""
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            out["stats"] = bus.publish(named, version)
+        except BaseException as e:
+            out["error"] = e
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    th.join(limit_s)
+    assert not th.is_alive(), "publish hung"
+    if "error" in out:
+        raise out["error"]
+    return out["stats"]

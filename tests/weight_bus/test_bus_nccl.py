@@ -8,12 +8,11 @@ Skipped below two GPUs (the GPU machine runs it: `pytest -m gpu tests/weight_bus
 from __future__ import annotations
 
 import signal
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from bus_engines import EngineProcess, noisy_model, remote_weights, version
+from bus_engines import EngineProcess, noisy_model, publish_bounded, remote_weights, version
 
 from weight_bus import WeightBus
 from weight_bus.registry import EngineRegistration, EngineRegistry
@@ -56,24 +55,6 @@ def assert_holds(url: str, model) -> None:
         assert torch.equal(got[name], p.to(torch.bfloat16).float()), name
 
 
-def publish_bounded(bus: WeightBus, named, version: int):
-    out: dict = {}
-
-    def go() -> None:
-        try:
-            out["stats"] = bus.publish(named, version)
-        except BaseException as e:
-            out["error"] = e
-
-    th = threading.Thread(target=go, daemon=True)
-    th.start()
-    th.join(HANG_LIMIT_S)
-    assert not th.is_alive(), "publish hung"
-    if "error" in out:
-        raise out["error"]
-    return out["stats"]
-
-
 def test_two_engines_per_bucket_then_streamed_in_place_and_staged(models, tmp_path):
     torch.cuda.set_device(0)
     root, ms = models
@@ -84,7 +65,7 @@ def test_two_engines_per_bucket_then_streamed_in_place_and_staged(models, tmp_pa
         bus.connect()
         for v, m in enumerate(ms[:4], start=1):
             bus.transfer.stage = v == 4
-            stats = publish_bounded(bus, cuda_weights(m), v)
+            stats = publish_bounded(bus, cuda_weights(m), v, HANG_LIMIT_S)
             assert stats.stream == ("" if v == 1 else "arena") and stats.staged == (v == 4)
             assert sorted(stats.engines) == sorted(urls) and stats.dropped == []
             for u in urls:
@@ -113,10 +94,10 @@ def test_engine_joining_mid_job_and_engine_killed_mid_stream(models, tmp_path, r
     )
     try:
         bus.connect()
-        publish_bounded(bus, cuda_weights(ms[0]), 1)
-        publish_bounded(bus, cuda_weights(ms[1]), 2)
+        publish_bounded(bus, cuda_weights(ms[0]), 1, HANG_LIMIT_S)
+        publish_bounded(bus, cuda_weights(ms[1]), 2, HANG_LIMIT_S)
         registrations.append(EngineRegistration(redis_client, job_id, late.url, joining=True))
-        stats = publish_bounded(bus, cuda_weights(ms[2]), 3)
+        stats = publish_bounded(bus, cuda_weights(ms[2]), 3, HANG_LIMIT_S)
         assert stats.joined == [late.url] and stats.stream == "arena"
         for u in (first.url, late.url):
             assert_holds(u, ms[2])
@@ -130,9 +111,9 @@ def test_engine_joining_mid_job_and_engine_killed_mid_stream(models, tmp_path, r
                     late.kill(signal.SIGKILL)
                 yield name, p
 
-        stats = publish_bounded(bus, killing(), 4)
+        stats = publish_bounded(bus, killing(), 4, HANG_LIMIT_S)
         assert late.url in stats.dropped and stats.stream == "arena"
-        stats = publish_bounded(bus, cuda_weights(ms[4]), 5)
+        stats = publish_bounded(bus, cuda_weights(ms[4]), 5, HANG_LIMIT_S)
         assert stats.engines == [first.url]
         assert_holds(first.url, ms[4])
         assert version(first.url) == "5"

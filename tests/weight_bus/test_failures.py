@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, version
+from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, publish_bounded, version
 from metrics_text import sample
 
 from generator_fleet.engine import EngineServer
@@ -58,25 +58,6 @@ def survivor(models):
     server = EngineServer(str(models.path_a), api_key=KEY, torch_threads=1).start()
     yield server
     server.stop()
-
-
-def publish_bounded(bus: WeightBus, named, version: int):
-    """bus.publish in a thread that must end within HANG_LIMIT_S."""
-    out: dict = {}
-
-    def go() -> None:
-        try:
-            out["stats"] = bus.publish(named, version)
-        except BaseException as e:
-            out["error"] = e
-
-    th = threading.Thread(target=go, daemon=True)
-    th.start()
-    th.join(HANG_LIMIT_S)
-    assert not th.is_alive(), "publish hung"
-    if "error" in out:
-        raise out["error"]
-    return out["stats"]
 
 
 def live(redis_client, job: str) -> list[str]:

@@ -8,12 +8,11 @@ planning and packing are checked without engines too, on a model of mixed dtypes
 from __future__ import annotations
 
 import signal
-import threading
 
 import httpx
 import pytest
 import torch
-from bus_engines import AUTH, KEY, EngineProcess, assert_holds, noisy_model, version
+from bus_engines import AUTH, KEY, EngineProcess, assert_holds, noisy_model, publish_bounded, version
 from prometheus_client import REGISTRY
 
 from generator_fleet.engine import EngineServer
@@ -24,7 +23,6 @@ from weight_bus.schema import WeightLayout
 from weight_bus.stream import arena_plan, named_plan, pack_arena
 
 TIMEOUT_S = 2.0
-HANG_LIMIT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -41,24 +39,6 @@ def engines(models):
     yield servers
     for s in servers:
         s.stop()
-
-
-def publish_bounded(bus: WeightBus, named, version: int):
-    out: dict = {}
-
-    def go() -> None:
-        try:
-            out["stats"] = bus.publish(named, version)
-        except BaseException as e:
-            out["error"] = e
-
-    th = threading.Thread(target=go, daemon=True)
-    th.start()
-    th.join(HANG_LIMIT_S)
-    assert not th.is_alive(), "publish hung"
-    if "error" in out:
-        raise out["error"]
-    return out["stats"]
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 30, 96 * 1024])  # one bucket; many
