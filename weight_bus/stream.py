@@ -316,15 +316,7 @@ def _recover(tr, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
             err = _error(f) if f.done() else TimeoutError("no answer in time")
             if err is not None:
                 errors[url] = err
-    lost = {u for u, e in errors.items() if not isinstance(e, Refused)}
-    infos = m.probe([u for u in m.urls if u not in lost])
-    lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
-    refused = {u: e for u, e in errors.items() if u not in lost}
-    if refused and not lost and failure.collective is None:
-        raise BusError("; ".join(str(e) for e in refused.values()))
-    dropped = m.drop(sorted(lost))
-    for url in dropped:
-        log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+    dropped = tr.drop_lost(errors, failure)
     unfinished = [e for e in m.engines if e.url in errors]
     list(tr.pool.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
     parked = m.drop([e.url for e in unfinished], park=True)

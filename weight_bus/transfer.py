@@ -542,6 +542,22 @@ class Transfer:
             raise UpdateFailed(b, {}, e) from e
         return b
 
+    def drop_lost(self, errors: dict[str, BaseException], failure: UpdateFailed) -> list[str]:
+        """After a failed update, with every engine's error: drop the lost ones (a transport error or no
+        answer in time, or no answer to a probe now) and return them. Everyone alive, nothing failed on
+        the wire, yet an engine said no: a bug, not a failure (BusError)."""
+        m = self.members
+        lost = {u for u, e in errors.items() if not isinstance(e, Refused)}  # transport error, timeout
+        infos = m.probe([u for u in m.urls if u not in lost])
+        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
+        refused = {u: e for u, e in errors.items() if u not in lost}
+        if refused and not lost and failure.collective is None:
+            raise BusError("; ".join(str(e) for e in refused.values()))
+        dropped = m.drop(sorted(lost))
+        for url in dropped:
+            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        return dropped
+
     def recover(self, failure: UpdateFailed, pending: deque[Bucket], confirmed: int) -> list[str]:
         """Leave the broken group, find out who is dead, rebuild over the survivors (the caller re-sends
         the pending buckets). An engine that is alive but refused a bucket whose broadcast went through
@@ -571,16 +587,7 @@ class Transfer:
                     err = _error(f) if f.done() else TimeoutError("no answer in time")
                     if err is not None:
                         errors[url] = err
-        lost = {u for u, e in errors.items() if not isinstance(e, Refused)}  # transport error, timeout
-        infos = m.probe([u for u in m.urls if u not in lost])
-        lost |= {u for u, r in infos.items() if isinstance(r, BaseException)}
-        refused = {u: e for u, e in errors.items() if u not in lost}
-        if refused and not lost and failure.collective is None:
-            # everyone alive and the bytes arrived, yet an engine said no: a bug, not a failure
-            raise BusError("; ".join(str(e) for e in refused.values()))
-        dropped = m.drop(sorted(lost))
-        for url in dropped:
-            log.warning("engine %s dropped from the update group: %s", url, errors.get(url, infos.get(url)))
+        dropped = self.drop_lost(errors, failure)
         if not self.repair_in_stream and confirmed > 0 and m.engines:
             survivors = list(m.engines)
             list(self.pool.map(m.leave_on_engine, survivors))  # abort their stuck receives
