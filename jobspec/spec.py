@@ -8,6 +8,7 @@ replay_buffer/, weight_bus/ `config.py`); a process is handed only the sections 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -38,9 +39,25 @@ class JobSpecError(ValueError):
     """Invalid job spec; the message carries the path of the bad key (`$.algorithm.lr`)."""
 
 
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+"""A job name, matched whole (fullmatch: `$` would also accept a trailing newline)."""
+RESERVED_NAMES = {"control"}
+
+
+def check_name(name: str) -> str | None:
+    """Why `name` cannot name a job (it becomes Redis keys and a directory), or None. The one rule:
+    `validate`, `run` and `submit` check it in the spec, the control API and job driver on a name given."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        return "lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63"
+    if name in RESERVED_NAMES:
+        return f"{name!r} is reserved"
+    return None
+
+
 class JobSpec(Spec):
     name: str = "demo"
-    """Job id; namespaces every Redis key (`slipstream:{name}:...`)."""
+    """Job id; namespaces every Redis key (`slipstream:{name}:...`) and names the job's directory:
+    lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63 (`check_name`)."""
     output_dir: str = "runs/demo"
     """Where the final model, metrics and plots are written. A submitted job's is always its own
     directory, $SLIPSTREAM_HOME/jobs/<name>: a relative value is ignored, an absolute one must lie
@@ -151,6 +168,8 @@ class JobSpec(Spec):
         )
 
     def __post_init__(self) -> None:
+        if why := check_name(self.name):
+            raise bad("name", f"job name {self.name!r}: {why}")
         samples = self.algorithm.groups_per_step * self.rollout.group_size
         per_rank = samples // self.trainer.num_trainers
         if self.algorithm.ppo_minibatches > max(per_rank, 1):

@@ -33,7 +33,6 @@ from slipstream.cluster.job_store import (
     ACTIVE_STATES,
     NO_POOLS,
     JobStore,
-    check_name,
     checkpoint_dir,
     latest_checkpoint,
     resume_fields,
@@ -259,8 +258,6 @@ class JobControl:
             raise ControlError(422, "invalid job spec: nested too deeply") from None
         if why := _path_problem(spec, cwd):
             raise ControlError(422, f"invalid job spec: {why}")
-        if why := check_name(spec.name):
-            raise ControlError(422, f"invalid job spec: job name {spec.name!r}: {why} - at `$.name`")
         # Each tools[].impl: allowed, and a class with the Tool protocol's members in its source (read, not run).
         if why := check_tools(spec.tools, self.tool_modules):
             raise ControlError(422, f"invalid job spec: {why}")

@@ -7,7 +7,6 @@ never touch each other's data; the index of jobs is one hash beside them.
 from __future__ import annotations
 
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,24 +15,12 @@ import redis
 
 from replay_buffer.keys import JOBS_INDEX, JobKeys
 
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
-"""A job name, matched whole (fullmatch: `$` would also accept a trailing newline)."""
-RESERVED_NAMES = {"control"}
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
 """A job in one of these holds resources; a new job of the same name is refused until it ends."""
 ENDED_STATES = ("succeeded", "failed", "stopped", "interrupted")
 """`interrupted`: the job's driver is gone without having reported an end (a cluster restart, a killed
 driver); `slipstream status` says why and where its latest checkpoint is, and its name can be reused."""
 COMMANDS = ("checkpoint",)
-
-
-def check_name(name: str) -> str | None:
-    """Why `name` cannot name a job (it becomes Redis keys and a directory), or None."""
-    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        return "lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63"
-    if name in RESERVED_NAMES:
-        return f"{name!r} is reserved"
-    return None
 
 
 class JobStore:

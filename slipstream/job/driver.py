@@ -36,10 +36,11 @@ import redis
 import jobspec
 from common.logtext import PlainFormatter
 from jobspec import JobSpec
+from jobspec.spec import check_name
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.cluster.job_store import NO_POOLS, JobStore, check_name, resume_fields
+from slipstream.cluster.job_store import NO_POOLS, JobStore, resume_fields
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES

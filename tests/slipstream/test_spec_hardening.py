@@ -28,9 +28,9 @@ import pytest
 from cluster_helpers import control_without_ray
 
 import jobspec
+from jobspec.spec import check_name
 from slipstream import cli
 from slipstream.cluster.control import ControlError, JobControl
-from slipstream.cluster.job_store import check_name
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RAY = "Ray job submission failed"
@@ -137,6 +137,16 @@ def test_a_job_name_must_match_whole(control, name):
     msg = _refused(control, json.dumps({"name": name}))
     assert "`$.name`" in msg, msg
     assert not control.store.exists(name) and not (Path(control.home) / "jobs" / name).exists()
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "x" * 300, "nl\n", "Upper", "control"])
+def test_validate_refuses_the_names_submit_refuses(control, tmp_path, capsys, name):
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps({"name": name}))
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "`$.name`" in err and "Traceback" not in err, err
+    assert "`$.name`" in _refused(control, json.dumps({"name": name}))
 
 
 def test_digit_names_are_valid_through_set(control, tmp_path, capsys):
