@@ -44,14 +44,20 @@ class _SpecLoader(yaml.SafeLoader):
             self._depth -= 1
 
 
+def decode(data: bytes, source: str = "job spec") -> str:
+    """Spec bytes as text; not UTF-8 is a one-line JobSpecError naming `source` and the first bad byte's
+    offset (from 0), so the user can find it."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise JobSpecError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+
+
 def parse_yaml(text: str | bytes, source: str = "job spec") -> Any:
     """Parse spec (or override) YAML safely: UTF-8 only, at most MAX_SPEC_BYTES, no aliases, at most
     MAX_DEPTH levels; any problem is a JobSpecError that names `source` and, from YAML, the line."""
     if isinstance(text, bytes):
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise JobSpecError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        text = decode(text, source)
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise JobSpecError(f"{source}: over {MAX_SPEC_BYTES} bytes; a job spec is a few kB")
     loader = _SpecLoader(text)

@@ -300,9 +300,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         client = ControlClient.from_env(args.api_url, args.home)
         if args.cmd == "submit":
+            from jobspec import JobSpecError
+            from jobspec.loader import decode
+
             try:
-                text = Path(args.spec).read_text()
-            except OSError as e:
+                # the API takes text: bytes that are not UTF-8 are refused here, naming the file and offset
+                text = decode(Path(args.spec).read_bytes(), args.spec)
+            except (OSError, JobSpecError) as e:
                 print(f"slipstream: {e}", file=sys.stderr)
                 return 2
             cwd = os.getcwd()  # relative paths in a spec: the working directory's, as in run and validate

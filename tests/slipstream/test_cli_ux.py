@@ -54,6 +54,19 @@ def test_every_option_of_submit_scale_logs_status_rm_has_a_help_text():
         assert not bare, f"`slipstream {cmd}`: options without help: {bare}"
 
 
+def test_submit_of_a_file_that_is_not_utf8_is_one_line_naming_the_file_and_byte(
+    tmp_path, capsys, monkeypatch
+):
+    spec = tmp_path / "job.yaml"
+    spec.write_bytes(b"name: ok\nmodel: {path: caf\xe9}\n")  # Latin-1 e-acute at byte 26
+    monkeypatch.setenv("SLIPSTREAM_API_TOKEN", "t")
+    # refused before any request: the API is never asked, so nothing needs to listen there
+    assert cli.main(["submit", str(spec), "--api-url", "http://127.0.0.1:9"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert str(spec) in err and "not UTF-8" in err and "byte 26" in err, err
+
+
 def _info(host: str) -> cluster_state.ClusterInfo:
     return cluster_state.ClusterInfo(
         home="/h", host=host, redis_url="redis://slipstream:pw@127.0.0.1:1/0",
