@@ -56,6 +56,13 @@ def set_job_user(admin: redis.Redis, job: str, password: str) -> None:
     _acl_save(admin)
 
 
+def set_app_password(admin: redis.Redis, password: str) -> None:
+    """Give the control plane's user (rights unchanged) this password only, and save the ACL file: for a
+    Redis an older `cluster up` started, whose control plane user still had the admin's password."""
+    admin.execute_command("ACL", "SETUSER", APP_USER, "resetpass", f">{password}")
+    _acl_save(admin)
+
+
 def delete_job_user(admin: redis.Redis, job: str) -> None:
     admin.execute_command("ACL", "DELUSER", job_user(job))
     _acl_save(admin)
@@ -111,6 +118,7 @@ class ManagedRedis:
         data_dir: str | Path | None = None,
         port: int | None = None,
         password: str | None = None,
+        app_password: str | None = None,
         appendfsync: str = "everysec",
         host: str = "127.0.0.1",
         log_path: str | Path | None = None,
@@ -121,6 +129,11 @@ class ManagedRedis:
         self.host = host
         self.port = port or free_port(host)
         self.password = password or secrets.token_hex(16)
+        # The control plane's user has its own password: a leak of the URL it hands around (logs, a
+        # process's environment) must not be the admin's, which can rewrite ACLs and read every job's keys.
+        self.app_password = app_password or secrets.token_hex(16)
+        if self.app_password == self.password:
+            raise ValueError("the control plane's Redis password must differ from the admin's")
         self.appendfsync = appendfsync
         self.maxmemory = maxmemory
         self.log_path = Path(log_path) if log_path else self.data_dir / "redis.log"
@@ -129,11 +142,11 @@ class ManagedRedis:
     @property
     def url(self) -> str:
         """The ACL user `slipstream` (the control plane's; `slipstream run`'s job's), `slipstream:*` keys."""
-        return f"redis://{APP_USER}:{self.password}@{self.host}:{self.port}/0"
+        return f"redis://{APP_USER}:{self.app_password}@{self.host}:{self.port}/0"
 
     @property
     def admin_url(self) -> str:
-        """The default (admin) user, for operators; same generated password."""
+        """The default (admin) user, for operators; its own password (not the control plane's)."""
         return f"redis://:{self.password}@{self.host}:{self.port}/0"
 
     def client(self, **kw) -> redis.Redis:
@@ -154,19 +167,22 @@ class ManagedRedis:
         return self.data_dir / "users.acl"
 
     def acl_text(self) -> str:
-        """The ACL file: the default (admin) user and the control plane's user with this password; the
-        jobs' users a previous run saved are kept."""
+        """The ACL file: the default (admin) user and the control plane's user, each with its own password;
+        the jobs' users a previous run saved are kept."""
         kept = []
         if self.acl_path.exists():
             for line in self.acl_path.read_text().splitlines():
                 parts = line.split()
                 if len(parts) > 1 and parts[0] == "user" and parts[1].startswith("job-"):
                     kept.append(line)
-        digest = hashlib.sha256(self.password.encode()).hexdigest()  # the file never holds the password
+
+        def digest(password: str) -> str:  # the file never holds a password
+            return hashlib.sha256(password.encode()).hexdigest()
+
         users = [
             # The default user keeps full rights behind the password (an ACL file replaces requirepass).
-            f"user default on #{digest} ~* &* +@all",
-            f"user {APP_USER} on #{digest} ~{ALL_KEYS} {CONTROL_RULES}",
+            f"user default on #{digest(self.password)} ~* &* +@all",
+            f"user {APP_USER} on #{digest(self.app_password)} ~{ALL_KEYS} {CONTROL_RULES}",
             *kept,
         ]
         return "\n".join(users) + "\n"

@@ -102,7 +102,8 @@ def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
     print(f"Slipstream cluster at {home}")
     print(f"  redis       redis://slipstream@{redis_public}  ({state('redis')})")
     print(
-        f"              password: {secrets_file} [redis_password] (user `slipstream`; the default user is admin)"
+        f"              password: {secrets_file} [redis_control_password] (user `slipstream`; the default "
+        "user is admin, [redis_password])"
     )
     print(f"  ray         {info.ray_address}  ({state('ray')})")
     print(f"              dashboard + job API {info.dashboard_url}, token: {secrets_file} [ray_auth_token]")

@@ -67,6 +67,7 @@ def _start_redis(home: Path, state: ClusterState, sec: dict[str, str]) -> int:
         data_dir=home / "redis",
         port=state.ports["redis"],
         password=sec["redis_password"],
+        app_password=sec["redis_control_password"],
         host=state.host,
         log_path=home / "logs" / "redis.log",
         maxmemory=state.redis_maxmemory or DEFAULT_MAXMEMORY,
@@ -76,6 +77,18 @@ def _start_redis(home: Path, state: ClusterState, sec: dict[str, str]) -> int:
     except (RuntimeError, TimeoutError) as e:
         raise RuntimeError(f"redis did not start: {e}") from None
     return server.proc.pid
+
+
+def _set_control_password(state: ClusterState, sec: dict[str, str]) -> None:
+    """A running Redis keeps the ACL it started with; make its control plane user's password secrets.json's
+    (an older `up` gave that user the admin's password)."""
+    import redis
+
+    from replay_buffer.redis_server import set_app_password
+
+    url = f"redis://:{sec['redis_password']}@{connect_host(state.host)}:{state.ports['redis']}/0"
+    with redis.Redis.from_url(url, socket_connect_timeout=5) as admin:
+        set_app_password(admin, sec["redis_control_password"])
 
 
 def _start_ray(home: Path, state: ClusterState, sec: dict[str, str], num_cpus, num_gpus) -> int:
@@ -345,6 +358,8 @@ def up(
         for service in services:
             if service in running:
                 event(home, f"{service} already running (pid {state.pids[service]})")
+                if service == "redis":
+                    _set_control_password(state, sec)
                 continue
             _check_ports_free(state, service)
             event(home, f"{service} starting (log {home / 'logs' / f'{service}.log'})")

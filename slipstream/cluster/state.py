@@ -2,7 +2,8 @@
 
 HOME (`--home`, $SLIPSTREAM_HOME, default ~/.slipstream):
 
-    secrets.json      0600: redis_password, api_token, ray_auth_token; generated once, kept across down/up
+    secrets.json      0600: redis_password (admin), redis_control_password (user `slipstream`), api_token,
+                      ray_auth_token; generated once, kept across down/up
     cluster.json      host, ports, pids, addresses (no secrets); ports are reused by the next `up`
     redis/            redis.conf (0600, holds the password) and the AOF
     ray/              Ray's --temp-dir (sessions, Ray's own logs); see `ray_temp_dir` for long HOMEs
@@ -174,17 +175,33 @@ def _tighten(root: Path) -> int:
     return changed
 
 
+SECRET_KEYS = ("redis_password", "redis_control_password", "api_token", "ray_auth_token")
+"""secrets.json's keys. redis_password is Redis' default (admin) user's; redis_control_password the control
+plane's user `slipstream`'s, a different one so that the URL the control plane hands around is not admin."""
+
+
 def load_secrets(home: Path, create: bool) -> dict[str, str]:
     path = home / "secrets.json"
     if not path.exists():
         if not create:
             raise FileNotFoundError(f"no cluster at {home}: run `make cluster-up`")
-        fresh = {k: secrets.token_hex(32) for k in ("redis_password", "api_token", "ray_auth_token")}
+        fresh = {k: secrets.token_hex(32) for k in SECRET_KEYS}
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump(fresh, f, indent=2)
     path.chmod(0o600)
-    return json.loads(path.read_text())
+    sec = json.loads(path.read_text())
+    if create and (missing := [k for k in SECRET_KEYS if k not in sec]):
+        # A HOME from before a key existed (the control plane's own Redis password): `up` adds it, written
+        # beside the file 0600 and renamed over it, so the file is never partly written nor wider.
+        sec |= {k: secrets.token_hex(32) for k in missing}
+        tmp = home / "secrets.json.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(sec, f, indent=2)
+        tmp.replace(path)
+    return sec
 
 
 def job_redis_url_path(home: str | Path, job: str) -> Path:
@@ -240,12 +257,14 @@ def connect_host(host: str) -> str:
 def cluster_info(home: Path, state: ClusterState, sec: dict[str, str]) -> ClusterInfo:
     from replay_buffer.redis_server import APP_USER
 
-    h, pw = connect_host(state.host), sec["redis_password"]
+    h, admin_pw = connect_host(state.host), sec["redis_password"]
+    # A cluster whose Redis an older `up` started has no control password yet: its user still has the admin's.
+    control_pw = sec.get("redis_control_password", admin_pw)
     return ClusterInfo(
         home=str(home),
         host=state.host,
-        redis_url=f"redis://{APP_USER}:{pw}@{h}:{state.ports['redis']}/0",
-        redis_admin_url=f"redis://:{pw}@{h}:{state.ports['redis']}/0",
+        redis_url=f"redis://{APP_USER}:{control_pw}@{h}:{state.ports['redis']}/0",
+        redis_admin_url=f"redis://:{admin_pw}@{h}:{state.ports['redis']}/0",
         ray_address=f"{h}:{state.ports['ray']}",
         dashboard_url=f"http://{h}:{state.ports['dashboard']}",
         prometheus_url=state.prometheus_url,

@@ -77,7 +77,10 @@ def test_secrets_are_private_and_stay_out_of_cluster_json(info, home):
     secrets_file = home / "secrets.json"
     assert stat.S_IMODE(secrets_file.stat().st_mode) == 0o600
     sec = json.loads(secrets_file.read_text())
-    assert set(sec) == {"redis_password", "api_token", "ray_auth_token"}
+    assert set(sec) == {"redis_password", "redis_control_password", "api_token", "ray_auth_token"}
+    assert sec["redis_password"] != sec["redis_control_password"]
+    assert sec["redis_control_password"] in info.redis_url and sec["redis_password"] not in info.redis_url
+    assert sec["redis_password"] in info.redis_admin_url
     assert info.api_token == sec["api_token"] and info.ray_auth_token == sec["ray_auth_token"]
     public = (home / "cluster.json").read_text()
     assert not any(v in public for v in sec.values())

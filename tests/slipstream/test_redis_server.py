@@ -43,6 +43,42 @@ def test_app_user_is_limited_to_its_keys_and_safe_commands(redis_server):
     assert admin.acl_whoami() == "default"
 
 
+def _auth(server: ManagedRedis, username: str | None, password: str) -> redis.Redis:
+    return redis.Redis(
+        host=server.host, port=server.port, username=username, password=password, retry=NO_RETRY
+    )
+
+
+def test_control_plane_user_has_its_own_password_and_each_authenticates_only_as_itself(redis_server):
+    admin_pw, control_pw = redis_server.password, redis_server.app_password
+    assert admin_pw != control_pw
+    assert control_pw not in redis_server.admin_url and admin_pw not in redis_server.url
+    assert _auth(redis_server, None, admin_pw).acl_whoami() == "default"
+    control = _auth(redis_server, "slipstream", control_pw)
+    assert control.ping()
+    with pytest.raises(redis.exceptions.NoPermissionError):  # it is not the admin (who may ACL WHOAMI)
+        control.acl_whoami()
+    # Neither password opens the other user: the control plane's URL leaking does not make one admin.
+    for user, pw in ((None, control_pw), ("default", control_pw), ("slipstream", admin_pw)):
+        with pytest.raises(redis.AuthenticationError):
+            _auth(redis_server, user, pw).ping()
+    # The ACL file holds hashes only, one per password.
+    acl = redis_server.acl_path.read_text()
+    assert admin_pw not in acl and control_pw not in acl
+
+
+def test_a_running_redis_takes_a_new_control_plane_password(tmp_path):
+    """What `cluster up` does to a Redis an older `up` started with one password for both users."""
+    from replay_buffer.redis_server import set_app_password
+
+    with ManagedRedis(data_dir=tmp_path / "r", password="admin-pw", app_password="old-pw") as r:
+        set_app_password(redis.Redis.from_url(r.admin_url), "new-pw")
+        assert _auth(r, "slipstream", "new-pw").ping()
+        with pytest.raises(redis.AuthenticationError):
+            _auth(r, "slipstream", "old-pw").ping()
+        assert "new-pw" not in r.acl_path.read_text()
+
+
 def test_aof_settings_and_stop(tmp_path):
     with ManagedRedis(data_dir=tmp_path / "r", appendfsync="always") as r:
         admin = redis.Redis.from_url(r.admin_url)

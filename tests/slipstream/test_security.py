@@ -376,7 +376,8 @@ def test_no_secret_value_in_logs_output_or_command_lines(cluster_up, home, engin
     redis.Redis.from_url(info.redis_url).ping()
 
     values = {
-        "redis_password": info.redis_url.rsplit("@", 1)[0].rsplit(":", 1)[1],
+        "redis_password": info.redis_admin_url.rsplit("@", 1)[0].rsplit(":", 1)[1],
+        "redis_control_password": info.redis_url.rsplit("@", 1)[0].rsplit(":", 1)[1],
         "api_token": info.api_token,
         "ray_auth_token": info.ray_auth_token,
         "engine api key": ENGINE_KEY,
