@@ -9,8 +9,13 @@ at the root (embeddings, final norm and a tied LM head share the root's group).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import logging
+import os
+import socket
+import struct
 
 import msgspec
 import torch
@@ -40,6 +45,48 @@ def host_store(addr: str, world_size: int) -> dist.TCPStore:
     return tcp_store(addr, 0, world_size, True, DEFAULT_TIMEOUT_S)
 
 
+SIOCGIFADDR = 0x8915
+"""Linux ioctl: an interface's IPv4 address."""
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of this host's network interface whose IPv4 address is `addr` (a name is resolved first),
+    or None if none is (a peer's address, or an unresolvable name)."""
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # down, or no IPv4 address
+                continue
+            if socket.inet_ntoa(packed[20:24]) == ip:
+                return name
+    return None
+
+
+@contextlib.contextmanager
+def transport_on(addr: str):
+    """Groups created inside listen on the interface of `addr` (the address rank 0's store is on, which
+    ranks dial), not on the one the host name resolves to: with a cluster on 127.0.0.1, a rank's gloo
+    transport would otherwise listen on the host's external address, open to the network without any
+    credential. Gloo and NCCL's bootstrap read their interface from these variables when a group is
+    created, so they are set only for that; an operator's own setting wins. Where `addr` is not this host's
+    (another node's rank 0), the backends' defaults stay."""
+    iface = interface_of(addr)
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    added = [n for n in names if iface and not os.environ.get(n)]
+    for n in added:
+        os.environ[n] = iface
+    try:
+        yield
+    finally:
+        for n in added:
+            os.environ.pop(n, None)
+
+
 class Pool:
     """This rank's handles: the default group (collectives of the model) and a gloo group for objects."""
 
@@ -58,21 +105,24 @@ class Pool:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)  # FSDP places shards on the current device
-        if not dist.is_initialized():
-            kw = {"device_id": device} if device.type == "cuda" else {}
-            if store is None:
-                store = tcp_store(
-                    info.master_addr, info.master_port, info.world_size, info.rank == 0, DEFAULT_TIMEOUT_S
+        with transport_on(info.master_addr):
+            if not dist.is_initialized():
+                # device_id: NCCL's communicator is made now (eagerly), inside transport_on, not at the
+                # first collective.
+                kw = {"device_id": device} if device.type == "cuda" else {}
+                if store is None:
+                    store = tcp_store(
+                        info.master_addr, info.master_port, info.world_size, info.rank == 0, DEFAULT_TIMEOUT_S
+                    )
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=info.rank,
+                    world_size=info.world_size,
+                    timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
+                    **kw,
                 )
-            dist.init_process_group(
-                backend,
-                store=store,
-                rank=info.rank,
-                world_size=info.world_size,
-                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
-                **kw,
-            )
-        self.objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+            self.objects = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
         log.info("trainer rank %d/%d joined (%s)", info.rank, info.world_size, backend)
 
     @property

@@ -320,12 +320,13 @@ class TrainerActor:
         self._store = None
         """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""
 
-    def rendezvous(self) -> tuple[str, int]:
+    def rendezvous(self, host: str | None = None) -> tuple[str, int]:
         """Rank 0: host the trainer group's store on this node (a port the OS picks, listening before
-        any rank is told it) and say where it is."""
+        any rank is told it) and say where it is: on `host`, else this node's IP. The ranks' transports
+        listen on the same address (trainer.distributed.transport_on)."""
         from trainer.distributed import host_store
 
-        host = ray.util.get_node_ip_address()
+        host = host or ray.util.get_node_ip_address()
         self._store = host_store(host, self.trainer.world_size)
         return host, self._store.port
 

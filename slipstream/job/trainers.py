@@ -110,10 +110,19 @@ class TrainerPool:
             )
             for r in range(m)
         ]
-        master = self._get([self.ranks[0].rendezvous.remote()])[0] if m > 1 else None
+        master = self._get([self.ranks[0].rendezvous.remote(self._master_host())])[0] if m > 1 else None
         self._get([t.setup.remote(master) for t in self.ranks])
         self.runs = [t.run.remote() for t in self.ranks]
         log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+
+    @staticmethod
+    def _master_host() -> str | None:
+        """127.0.0.1 while the Ray cluster is one node (every rank is on it), so that the group's store and
+        transports listen on loopback only: Ray reports the host's external IP as the node's address even
+        for a cluster on 127.0.0.1. None (rank 0's node IP) across nodes."""
+        import ray
+
+        return "127.0.0.1" if len([n for n in ray.nodes() if n.get("Alive")]) == 1 else None
 
     def _resources(self, rank: int) -> dict:
         """Ray options of rank `rank`: a whole GPU each on cuda, or its colocated device slot's share."""
