@@ -24,8 +24,15 @@ MAX_SPEC_BYTES = 1 << 20
 """Largest spec text (UTF-8 bytes) parsed; a job spec is a few kB."""
 MAX_DEPTH = 32
 """Deepest nesting of mappings and lists in a spec (and in an override's value)."""
+MAX_GROUPS_PER_STEP = 65_536
+"""Most prompt groups one trainer step may ask for: a step's samples are held at once by the trainer and
+the buffer, and the largest published recipes use a few thousand; more is a typo."""
+MAX_NEW_TOKENS = 131_072
+"""Most tokens one response (or one eval answer) may ask for: the longest context of the models the
+project serves (128k); the engine still stops at the model's own context, this catches typos at submit."""
 
 Pos = Annotated[int, msgspec.Meta(ge=1, le=MAX_COUNT)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Pool = Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]

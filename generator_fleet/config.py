@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from common.config import MAX_COUNT, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
+from common.config import MAX_COUNT, NewTokens, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
 from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
 from generator_fleet.launch_options import SGLangOptions
 from generator_fleet.tasks import REWARDS, TASKS, check_name
@@ -89,7 +89,8 @@ class AgentSpec(Spec):
 class SamplingSpec(Spec):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     top_p: Prob = 1.0
-    max_new_tokens: Pos = 8
+    max_new_tokens: NewTokens = 8
+    """Most tokens one response may have (at most common.config.MAX_NEW_TOKENS)."""
     ignore_eos: bool = False
     """Generate exactly max_new_tokens, past EOS (SGLang's `ignore_eos`): fixed response lengths for
     benchmarks and throughput comparisons. Single-turn rollouts only (an agent's turns end at EOS)."""
@@ -230,7 +231,7 @@ class EvalSpec(Spec):
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0
     """Sampling temperature of the pass@k samples (verl `val_kwargs.temperature`)."""
     top_p: Prob = 1.0
-    max_new_tokens: Pos | None = None
+    max_new_tokens: NewTokens | None = None
     """Response budget of an eval answer (with `agent`: of each model turn; an episode's whole budget stays
     `agent.max_total_tokens`); null = `rollout.sampling.max_new_tokens`."""
     correct_reward: Annotated[float, msgspec.Meta(ge=-1e6, le=1e6)] = 1.0

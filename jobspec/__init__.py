@@ -5,7 +5,16 @@ Every field documents its unit. The sections live beside their components (`mode
 composes them into `JobSpec`, `jobspec.loader` parses, overrides and validates.
 """
 
-from common.config import MAX_COUNT, MAX_DEPTH, MAX_POOL, MAX_SPEC_BYTES, MAX_TIMEOUT_S, Spec
+from common.config import (
+    MAX_COUNT,
+    MAX_DEPTH,
+    MAX_GROUPS_PER_STEP,
+    MAX_NEW_TOKENS,
+    MAX_POOL,
+    MAX_SPEC_BYTES,
+    MAX_TIMEOUT_S,
+    Spec,
+)
 from generator_fleet.config import (
     AgentSpec,
     DatasetSpec,
@@ -30,6 +39,8 @@ __all__ = [
     "EXAMPLES_DIR",
     "MAX_COUNT",
     "MAX_DEPTH",
+    "MAX_GROUPS_PER_STEP",
+    "MAX_NEW_TOKENS",
     "MAX_POOL",
     "MAX_SPEC_BYTES",
     "MAX_TIMEOUT_S",

@@ -23,7 +23,8 @@ from jobspec.spec import JobSpec, JobSpecError
 
 class _SpecLoader(yaml.SafeLoader):
     """yaml.SafeLoader that refuses aliases (`*name`: a few hundred bytes of nested aliases expand to
-    gigabytes, "billion laughs") and nesting deeper than MAX_DEPTH, each with the line it is on."""
+    gigabytes, "billion laughs"), nesting deeper than MAX_DEPTH and a key given twice in one mapping,
+    each with the line it is on."""
 
     _depth = 0
 
@@ -42,6 +43,24 @@ class _SpecLoader(yaml.SafeLoader):
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        # PyYAML keeps the last of two equal keys; in a spec that hides a value the author wrote (often a
+        # section pasted twice), so the second one is refused, with both lines.
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, yaml.ScalarNode):
+                    continue
+                if key_node.value in first:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key {key_node.value!r} (first on line {first[key_node.value]})",
+                        key_node.start_mark,
+                    )
+                first[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def decode(data: bytes, source: str = "job spec") -> str:
@@ -175,18 +194,27 @@ def from_dict(raw: Any) -> JobSpec:
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
-    """Read a YAML job spec, apply overrides, validate; raise JobSpecError with the key path."""
+    """Read a YAML job spec, apply overrides, validate; raise JobSpecError with the key path. An empty
+    file (no keys, only comments) with no overrides is refused: it is a mistake, not a default job."""
     try:
         with open(path, "rb") as f:
             text = f.read(MAX_SPEC_BYTES + 1)
     except OSError as e:
         raise JobSpecError(f"{path}: {e}") from e
-    return loads(text, overrides, source=str(path))
+    return loads(text, overrides, source=str(path), refuse_empty=True)
 
 
-def loads(text: str | bytes, overrides: list[str] | None = None, source: str = "job spec") -> JobSpec:
-    """`load` from YAML (or JSON) text, e.g. a spec sent to the control API."""
+def loads(
+    text: str | bytes,
+    overrides: list[str] | None = None,
+    source: str = "job spec",
+    refuse_empty: bool = False,
+) -> JobSpec:
+    """`load` from YAML (or JSON) text, e.g. a spec sent to the control API. `refuse_empty`: text with
+    no keys and no overrides is a JobSpecError ("empty spec") instead of the default job."""
     raw = parse_yaml(text, source)
+    if raw is None and refuse_empty and not overrides:
+        raise JobSpecError(f"{source}: empty spec (no keys): a job spec sets at least its `name:`")
     if raw is not None and not isinstance(raw, dict):
         raise JobSpecError(f"{source}: top level must be a mapping, got {type(raw).__name__}")
     return from_dict(apply_overrides(raw or {}, overrides or []))

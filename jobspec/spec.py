@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-from common.config import Spec, bad
+from common.config import MAX_GROUPS_PER_STEP, Spec, bad
 from common.net import is_local
 from generator_fleet.config import (
     AgentSpec,
@@ -170,6 +170,11 @@ class JobSpec(Spec):
     def __post_init__(self) -> None:
         if why := check_name(self.name):
             raise bad("name", f"job name {self.name!r}: {why}")
+        if self.algorithm.groups_per_step > MAX_GROUPS_PER_STEP:
+            raise bad(
+                "algorithm.groups_per_step",
+                f"{self.algorithm.groups_per_step} groups per step is over the maximum {MAX_GROUPS_PER_STEP}",
+            )
         samples = self.algorithm.groups_per_step * self.rollout.group_size
         per_rank = samples // self.trainer.num_trainers
         if self.algorithm.ppo_minibatches > max(per_rank, 1):

@@ -249,7 +249,7 @@ class JobControl:
     # --- operations -----------------------------------------------------------------------------------
     def submit(self, spec_text: str, overrides: list[str] | None = None, cwd: str | None = None) -> dict:
         try:
-            spec = jobspec.loads(spec_text, overrides or [])
+            spec = jobspec.loads(spec_text, overrides or [], refuse_empty=True)
         except jobspec.JobSpecError as e:
             raise ControlError(422, str(e)) from None
         except yaml.YAMLError as e:  # loads reports the spec's own YAML errors: this is an override's value

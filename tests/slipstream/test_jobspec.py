@@ -14,9 +14,14 @@ def test_example_demo_spec_is_valid():
     assert spec.model.build == "tiny-arith" and spec.buffer.max_staleness == 1
 
 
-def test_empty_spec_gets_defaults_that_run(tmp_path):
-    spec = jobspec.load(_write(tmp_path, ""))
+def test_a_spec_of_only_a_name_gets_defaults_that_run(tmp_path):
+    spec = jobspec.load(_write(tmp_path, "name: demo\n"))
     assert spec.algorithm.groups_per_step >= 1 and spec.rollout.group_size >= 2
+
+
+def test_an_empty_spec_file_is_refused(tmp_path):
+    with pytest.raises(jobspec.JobSpecError, match="empty spec"):
+        jobspec.load(_write(tmp_path, ""))
 
 
 @pytest.mark.parametrize(

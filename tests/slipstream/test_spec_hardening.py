@@ -224,11 +224,58 @@ def test_a_submitted_job_writes_only_inside_its_own_directory(control, tmp_path)
         ("generators: {num_engines: 100000}", [], "$.generators.num_engines"),
         ("generators: {num_workers: 4097}", [], "$.generators.num_workers"),
         ("trainer: {num_trainers: 100000}", [], "$.trainer.num_trainers"),
+        ("", ["algorithm.groups_per_step=1e9"], "$.algorithm.groups_per_step"),
+        ("", ["algorithm.groups_per_step=65537"], "$.algorithm.groups_per_step"),
+        ("rollout: {sampling: {max_new_tokens: 1000000000}}", [], "$.rollout.sampling.max_new_tokens"),
+        ("", ["rollout.sampling.max_new_tokens=131073"], "$.rollout.sampling.max_new_tokens"),
+        ("eval: {max_new_tokens: 131073}", [], "$.eval.max_new_tokens"),
     ],
 )
 def test_values_that_would_fail_later_are_refused_at_submit(control, spec, overrides, key):
     msg = _refused(control, spec, overrides)
     assert f"`{key}`" in msg, msg
+
+
+def test_the_largest_step_and_response_allowed_are_accepted(control):
+    spec = _accepted(
+        control,
+        "name: big\nalgorithm: {groups_per_step: 65536}\nrollout: {sampling: {max_new_tokens: 131072}}",
+    )
+    assert spec["algorithm"]["groups_per_step"] == 65536
+    assert spec["rollout"]["sampling"]["max_new_tokens"] == 131072
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# just a comment\n"])
+def test_an_empty_spec_is_refused_not_run_as_the_default_job(control, tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "empty spec" in err and str(path) in err and "Traceback" not in err, err
+    assert "empty spec" in _refused(control, text)
+    assert not control.store.exists("demo")  # no default job was created
+    # defaults plus overrides is a spec the user wrote out on the command line
+    assert _accepted(control, text, ["name=from-set"])["name"] == "from-set"
+
+
+@pytest.mark.parametrize(
+    "text, key, line, first",
+    [
+        ("name: a\nalgorithm:\n  lr: 1.0e-4\n  lr: 2.0e-4\n", "lr", 4, 3),
+        ("name: a\nrollout: {group_size: 4}\nname: b\n", "name", 3, 1),
+        ('{"name": "a", "name": "b"}', "name", 1, 1),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_the_key_and_line(
+    control, tmp_path, capsys, text, key, line, first
+):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"duplicate key '{key}' (first on line {first})" in err and f"line {line}" in err, err
+    assert "Traceback" not in err, err
+    assert f"duplicate key '{key}'" in _refused(control, text)
 
 
 def test_submit_and_scale_share_one_pool_cap(control):
