@@ -60,8 +60,9 @@ class JobSpec(Spec):
     lower-case letters, digits, '-' and '_', starting with a letter or digit, at most 63 (`check_name`)."""
     output_dir: str = "runs/demo"
     """Where the final model, metrics and plots are written. A submitted job's is always its own
-    directory, $SLIPSTREAM_HOME/jobs/<name>: a relative value is ignored, an absolute one must lie
-    inside it (else the submit is refused); `slipstream run` writes where it says."""
+    directory, $SLIPSTREAM_HOME/jobs/<name>: a relative value is replaced by it (the submit answer says
+    so), an absolute one must lie inside it (else the submit is refused); `slipstream run` writes where
+    it says."""
     model: ModelSpec = msgspec.field(default_factory=ModelSpec)
     dataset: DatasetSpec = msgspec.field(default_factory=DatasetSpec)
     reward: RewardSpec = msgspec.field(default_factory=RewardSpec)

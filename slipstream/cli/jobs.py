@@ -312,6 +312,8 @@ def main(args: argparse.Namespace) -> int:
             cwd = os.getcwd()  # relative paths in a spec: the working directory's, as in run and validate
             out = client.submit(text, args.overrides, cwd)
             print(f"submitted job {out['name']} (Ray job {out['ray_job_id']}); output in {out['output_dir']}")
+            if out.get("note"):
+                print(f"note: {out['note']}")
             print(f"follow it: slipstream status {out['name']} --watch")
             return _watch(client, out["name"]) if args.watch else 0
         if args.cmd == "list":

@@ -62,12 +62,25 @@ class ControlError(Exception):
         self.status = status
 
 
+def output_dir_note(spec: jobspec.JobSpec, home: Path) -> str | None:
+    """What the submitter is told when the spec's output_dir is relative: a submitted job writes in its
+    own directory instead (resolve_spec_paths), and the user should not look for `runs/x` by the spec."""
+    if Path(spec.output_dir).is_absolute():
+        return None
+    job_dir = (home / "jobs" / spec.name).resolve()
+    return (
+        f"output_dir {spec.output_dir!r} is relative: a submitted job writes in its own directory "
+        f"{job_dir} (an absolute output_dir must lie inside it) - at `$.output_dir`"
+    )
+
+
 def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jobspec.JobSpec:
     """Relative paths in a submitted spec by jobspec.resolve_paths' rule, against the submitter's
     working directory (`cwd`, same filesystem as the cluster). Outputs are contained: output_dir is
-    the job's own directory HOME/jobs/NAME (a relative one is ignored; an absolute one, normalised with
-    symlinks resolved, must lie inside it), and so must checkpoint_dir; so no two jobs share one and no
-    job writes outside HOME. Raises JobSpecError naming the key."""
+    the job's own directory HOME/jobs/NAME (a relative one is replaced by it, and the submit answer says
+    so: output_dir_note; an absolute one, normalised with symlinks resolved, must lie inside it), and so
+    must checkpoint_dir; so no two jobs share one and no job writes outside HOME. Raises JobSpecError
+    naming the key."""
     job_dir = (home / "jobs" / spec.name).resolve()
     if not Path(spec.output_dir).is_absolute():
         spec = msgspec.structs.replace(spec, output_dir=str(job_dir))
@@ -273,6 +286,7 @@ class JobControl:
             raise ControlError(
                 409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
             )
+        note = output_dir_note(spec, self.home)
         try:
             spec = resolve_spec_paths(spec, self.home, cwd)
         except jobspec.JobSpecError as e:
@@ -320,7 +334,12 @@ class JobControl:
             raise ControlError(503, f"Ray job submission failed: {e}") from e
         self.store.update_status(spec.name, ray_job_id=ray_id, output_dir=spec.output_dir)
         log.info("job %s submitted as Ray job %s (output %s)", spec.name, ray_id, spec.output_dir)
-        return {"name": spec.name, "ray_job_id": ray_id, "output_dir": spec.output_dir}
+        return {
+            "name": spec.name,
+            "ray_job_id": ray_id,
+            "output_dir": spec.output_dir,
+            **({"note": note} if note else {}),
+        }
 
     def get(self, name: str) -> dict:
         """The job's status. While Redis does not answer, the last status this process read, with

@@ -58,7 +58,10 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     name = "scaled"
     spec = _spec_file(tmp_path, tiny_model_dir, name)
     assert cli.main(["submit", str(spec), "--home", info.home]) == 0
-    assert f"submitted job {name}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"submitted job {name}" in out
+    # the spec's relative `output_dir: out` is not used, and submit says so
+    assert "note: output_dir 'out' is relative" in out and str(Path(info.home) / "jobs" / name) in out, out
     st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
     assert st["state"] == "running" and st["pools"] == {"generators": 1, "rollout_workers": 1, "trainers": 1}
     assert Path(st["output_dir"]) == Path(info.home) / "jobs" / name  # relative output_dir: under HOME

@@ -30,7 +30,7 @@ from cluster_helpers import control_without_ray
 import jobspec
 from jobspec.spec import check_name
 from slipstream import cli
-from slipstream.cluster.control import ControlError, JobControl
+from slipstream.cluster.control import ControlError, JobControl, output_dir_note
 
 REPO = Path(__file__).resolve().parents[2]
 NO_RAY = "Ray job submission failed"
@@ -205,6 +205,10 @@ def test_a_submitted_job_writes_only_inside_its_own_directory(control, tmp_path)
     assert _accepted(control, "name: b\noutput_dir: ../../elsewhere")["output_dir"] == str(
         (jobs / "b").resolve()
     )
+    # ... and the submitter is told so, with the key and where the job writes instead
+    note = output_dir_note(jobspec.loads("name: b\noutput_dir: ../../elsewhere"), home)
+    assert "`$.output_dir`" in note and "'../../elsewhere'" in note and str((jobs / "b").resolve()) in note
+    assert output_dir_note(jobspec.loads(f"name: a\noutput_dir: {jobs / 'a'}"), home) is None
 
 
 # ---- numbers ---------------------------------------------------------------------------------------------
