@@ -66,9 +66,17 @@ def _has_body(headers: dict[bytes, bytes]) -> bool:
     return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") not in (b"0", b"")
 
 
+def bearer_credentials(authorization: bytes) -> bytes:
+    """The token of an `Authorization: Bearer <token>` header value, b"" for any other scheme. The scheme
+    is case-insensitive and may be followed by more than one space (RFC 7235 section 2.1), as FastAPI's
+    HTTPBearer reads it: `bearer x` is the same credential as `Bearer x`."""
+    scheme, _, token = authorization.partition(b" ")
+    return token.lstrip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 class BearerGuard:
-    """Requests that `public(method, path)` does not allow need `Authorization: Bearer <token>` (compared
-    in constant time). No token (None or ""): everything passes."""
+    """Requests that `public(method, path)` does not allow need `Authorization: Bearer <token>` (the
+    scheme in any case; the token compared in constant time). No token (None or ""): everything passes."""
 
     def __init__(
         self,
@@ -79,7 +87,7 @@ class BearerGuard:
         message: str = "missing or wrong bearer token",
     ) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode() if token else None
+        self.expected = token.encode() if token else None
         self.public = public
         self.error_body = error_body
         self.message = message
@@ -87,7 +95,7 @@ class BearerGuard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.expected is not None and scope["type"] == "http":
             headers = dict(scope["headers"])
-            given = headers.get(b"authorization", b"")
+            given = bearer_credentials(headers.get(b"authorization", b""))
             if not self.public(scope["method"], scope["path"]) and not hmac.compare_digest(
                 given, self.expected
             ):
