@@ -132,6 +132,24 @@ def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
     print("Stop:          make cluster-down  (data is kept)")
 
 
+def jobs_line(jobs: dict[str, dict], force: bool) -> str:
+    """Which running jobs `cluster down` ended, and how: each at its version, with its checkpoint (or
+    none: --force kills them; they show `interrupted` when the cluster comes back)."""
+    if not jobs:
+        return "jobs: none was running"
+    if force:
+        killed = ", ".join(f"{n} (version {st.get('version', 0)})" for n, st in jobs.items())
+        return f"jobs killed without a checkpoint (interrupted when the cluster is up again): {killed}"
+    parts = []
+    for name, st in jobs.items():
+        ckpt = st.get("checkpoint")
+        parts.append(
+            f"{name} ({st.get('state')} at version {st.get('version', 0)}, "
+            + (f"checkpoint {ckpt})" if ckpt else "no checkpoint)")
+        )
+    return f"jobs stopped: {', '.join(parts)}"
+
+
 def main(args: argparse.Namespace) -> int:
     """`slipstream cluster up|down|status`."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
@@ -164,7 +182,8 @@ def main(args: argparse.Namespace) -> int:
         if args.cluster_cmd == "down":
             alive = status(home)
             info = load_info(home)
-            down(home, force=args.force, job_timeout_s=args.job_timeout)
+            jobs = down(home, force=args.force, job_timeout_s=args.job_timeout)
+            print(jobs_line(jobs, args.force))
             stopped = [f"{s} (pid {info.pids.get(s)})" for s in reversed(SERVICES) if alive.get(s)]
             print(f"stopped: {', '.join(stopped) or 'nothing was running'}")
             print(f"data kept in {home} (`slipstream cluster up` starts it again, same ports and secrets)")

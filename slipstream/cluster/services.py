@@ -454,24 +454,41 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
         control.r.close()
 
 
+def active_jobs(home: Path, state: ClusterState) -> dict[str, dict]:
+    """The jobs that hold resources (submitted ... stopping) and their status; {} when Redis or Ray is
+    not running (no job runs then)."""
+    if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
+        return {}
+    from slipstream.cluster.control import JobControl
+    from slipstream.cluster.job_store import ACTIVE_STATES
+
+    control = JobControl(cluster_info(home, state, load_secrets(home, create=False)))
+    try:
+        return {j["name"]: j for j in control.list() if j["state"] in ACTIVE_STATES}
+    finally:
+        control.r.close()
+
+
 def down(
     home: str | Path | None = None, force: bool = False, job_timeout_s: float = JOB_STOP_TIMEOUT_S
-) -> None:
+) -> dict[str, dict]:
     """Stop the running jobs (`stop_jobs`: each with a checkpoint; `force`: skip that, they are killed and
     marked `interrupted` when the cluster comes back), then the control API, Prometheus, Ray and Redis
-    (in that order). All data stays in HOME."""
+    (in that order). All data stays in HOME. Returns the jobs that were running, each with its status:
+    its final one (stopped, with its checkpoint), or with `force` its last one before it was killed, so
+    the operator is told which jobs the cluster's stop ended."""
     home = resolve_home(home)
     state = read_state(home)
     if state is None:
         raise FileNotFoundError(f"no cluster at {home}: run `make cluster-up`")
-    if not force:
-        stop_jobs(home, state, job_timeout_s)
+    jobs = active_jobs(home, state) if force else stop_jobs(home, state, job_timeout_s)
     for service in reversed(SERVICES):
         if service in state.services or service in state.pids:
             _stop_service(home, state, service)
     state.running = False
     write_state(home, state)
     event(home, "cluster down (data kept)")
+    return jobs
 
 
 def status(home: str | Path | None = None) -> dict[str, bool]:

@@ -67,6 +67,21 @@ def test_submit_of_a_file_that_is_not_utf8_is_one_line_naming_the_file_and_byte(
     assert str(spec) in err and "not UTF-8" in err and "byte 26" in err, err
 
 
+def test_cluster_down_names_the_jobs_it_stopped_and_how():
+    jobs = {
+        "a": {"state": "stopped", "version": 12, "checkpoint": "/h/jobs/a/checkpoints/step-00000012"},
+        "b": {"state": "stopped", "version": 3, "checkpoint": ""},
+    }
+    line = cluster_cli.jobs_line(jobs, force=False)
+    assert line == (
+        "jobs stopped: a (stopped at version 12, checkpoint /h/jobs/a/checkpoints/step-00000012), "
+        "b (stopped at version 3, no checkpoint)"
+    )
+    killed = cluster_cli.jobs_line({"a": {"state": "running", "version": 7}}, force=True)
+    assert "killed without a checkpoint" in killed and "a (version 7)" in killed
+    assert cluster_cli.jobs_line({}, force=False) == "jobs: none was running"
+
+
 def _info(host: str) -> cluster_state.ClusterInfo:
     return cluster_state.ClusterInfo(
         home="/h", host=host, redis_url="redis://slipstream:pw@127.0.0.1:1/0",

@@ -152,6 +152,7 @@ def test_cli_down_stops_everything_and_up_restores_it(info, home):
     down = _cli("down", "--home", str(home))
     assert down.returncode == 0, down.stderr
     assert "stopped: api" in down.stdout and "data kept" in down.stdout
+    assert "jobs: none was running" in down.stdout  # down names the jobs it stops; here there are none
     assert all(_gone(pid) for pid in info.pids.values())
     assert _ray_processes(info.ray_temp_dir) == []
     assert not any(cluster.status(home).values())

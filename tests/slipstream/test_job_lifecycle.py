@@ -71,8 +71,10 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
         cluster.down(home, job_timeout_s=0)
     assert all(cluster.status(home).values())
 
-    # down waits for the job's stop (requested above) and its checkpoint, then stops the services
-    cluster.down(home)
+    # down waits for the job's stop (requested above) and its checkpoint, then stops the services, and
+    # answers which jobs it stopped
+    stopped = cluster.down(home)
+    assert list(stopped) == [name] and stopped[name]["state"] == "stopped", stopped
     assert not any(cluster.status(home).values())
     cluster.up(home, start_prometheus=False)
     st = client.get(name)
@@ -93,7 +95,7 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
 
     # a forced cluster restart kills the driver without a checkpoint: the job is marked interrupted at
     # the control API's start, with the reason and its latest checkpoint, instead of `running` forever
-    cluster.down(home, force=True)
+    assert list(cluster.down(home, force=True)) == [name]  # the job it killed
     cluster.up(home, start_prometheus=False)
     listed = {j["name"]: j["state"] for j in client.list()}
     assert listed == {"plain": "stopped", name: "interrupted"}, listed
