@@ -36,6 +36,7 @@ from slipstream.cluster.job_store import (
     checkpoint_dir,
     latest_checkpoint,
     resume_fields,
+    resume_version,
 )
 from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
 from slipstream.job.progress import ProgressReader
@@ -305,7 +306,11 @@ class JobControl:
         except (redis.RedisError, OSError) as e:
             raise ControlError(503, f"cannot create the job's Redis user: {e}") from e
         self.store.create(
-            spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
+            spec.name,
+            jobspec.to_json(spec),
+            spec.generators.num_engines,
+            spec.trainer.num_trainers,
+            version=resume_version(msgspec.to_builtins(spec)),
         )
         # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
         entry = shlex.join(

@@ -30,14 +30,16 @@ class JobStore:
         self.r = r
 
     # --- submission ------------------------------------------------------------------------------------
-    def create(self, job: str, spec_json: str, generators: int, trainers: int) -> None:
-        """Record a submitted job (replacing what an ended job of the same name left)."""
+    def create(self, job: str, spec_json: str, generators: int, trainers: int, version: int = 0) -> None:
+        """Record a submitted job (replacing what an ended job of the same name left); `version`: the one
+        it resumes from (resume_version), shown until its trainer reports."""
         pipe = self.r.pipeline()
         pipe.hset(JOBS_INDEX, job, f"{time.time():.3f}")
         pipe.set(JobKeys(job).spec, spec_json)
         pipe.delete(JobKeys(job).desired, JobKeys(job).status, JobKeys(job).commands)
         pipe.hset(JobKeys(job).desired, mapping={"generators": generators, "trainers": trainers})
-        pipe.set(JobKeys(job).status, json.dumps({"state": "submitted", "submitted_at": time.time()}))
+        status = {"state": "submitted", "submitted_at": time.time(), "version": version}
+        pipe.set(JobKeys(job).status, json.dumps(status))
         pipe.execute()
 
     def names(self) -> list[str]:
@@ -127,6 +129,23 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any] | None:
         return {"version": int(state["version"]), "path": str(path)}
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def resume_version(spec: dict[str, Any]) -> int:
+    """The version a job's trainer resumes from (`trainer.resume_from`: `latest`, a checkpoint, or a
+    directory with a `latest` pointer, as trainer/checkpoint.py resolves it), so that its status shows
+    that version while it starts, not 0; 0 for a fresh job or one whose checkpoint cannot be read (the
+    trainer then fails with the reason)."""
+    src = (spec.get("trainer") or {}).get("resume_from")
+    if not src:
+        return 0
+    path = checkpoint_dir(spec) if src == "latest" else Path(src)
+    if ck := latest_checkpoint(path):
+        return ck["version"]
+    try:
+        return int(json.loads((path / "trainer_state.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 NO_POOLS = {"generators": 0, "rollout_workers": 0, "trainers": 0}

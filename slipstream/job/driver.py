@@ -40,7 +40,7 @@ from jobspec.spec import check_name
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.cluster.job_store import NO_POOLS, JobStore, resume_fields
+from slipstream.cluster.job_store import NO_POOLS, JobStore, resume_fields, resume_version
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
@@ -88,7 +88,8 @@ class JobDriver:
             placement=self.placement,
         )
         self._refused_scale: tuple | None = None
-        self.version = 0
+        # a resumed attempt starts at its checkpoint's version: status shows it, not 0, while it starts
+        self.version = resume_version(msgspec.to_builtins(spec))
         self.last: dict = {}
         self.last_eval: dict = {}
         """The newest eval record of this attempt (its version and scores go into the status)."""

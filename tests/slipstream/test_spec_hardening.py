@@ -282,6 +282,29 @@ def test_a_key_given_twice_is_refused_naming_the_key_and_line(
     assert f"duplicate key '{key}'" in _refused(control, text)
 
 
+def _checkpoint(ckpts: Path, version: int) -> Path:
+    """A complete checkpoint as trainer/checkpoint.py leaves it (its state file and the `latest` pointer)."""
+    path = ckpts / f"step-{version:08d}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"version": version, "step": version}))
+    (ckpts / "latest").write_text(path.name)
+    return path
+
+
+def test_a_resumed_job_shows_the_version_it_resumes_from_while_it_starts(control):
+    ckpts = Path(control.home) / "jobs" / "again" / "checkpoints"
+    _checkpoint(ckpts, 5)
+    seven = _checkpoint(ckpts, 7)
+    _accepted(control, "name: again\ntrainer: {resume_from: latest}")
+    assert control.store.status("again")["version"] == 7
+    _accepted(control, f"name: again\ntrainer: {{resume_from: {ckpts / 'step-00000005'}}}")
+    assert control.store.status("again")["version"] == 5
+    _accepted(control, f"name: again\ntrainer: {{resume_from: {seven}}}")
+    assert control.store.status("again")["version"] == 7
+    _accepted(control, "name: again")  # a fresh job starts at 0
+    assert control.store.status("again")["version"] == 0
+
+
 def test_submit_and_scale_share_one_pool_cap(control):
     assert jobspec.MAX_POOL == 4096
     from slipstream.cluster.api import MAX_POOL
