@@ -150,7 +150,7 @@ def test_a_spec_nested_too_deeply_is_422(api):
 @pytest.mark.parametrize(
     "body, key",
     [
-        ({"spec": "", "cwd": "a\0b"}, "cwd"),
+        ({"spec": "name: a", "cwd": "a\0b"}, "cwd"),
         ({"spec": 'output_dir: "/tmp/a\\0b"'}, "$.output_dir"),
         ({"spec": 'model: {path: "m\\0"}'}, "$.model.path"),
         ({"spec": 'trainer: {checkpoint_dir: "c\\0"}'}, "$.trainer.checkpoint_dir"),
