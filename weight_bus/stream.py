@@ -259,6 +259,9 @@ def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version:
         answers = _answers(tr, calls)
     except UpdateFailed as failure:
         return total, count, pack_s, _recover(tr, failure, calls), timeline
+    except BusError as e:  # the trainer's tensors left the plan mid-update: no engine may wait for the rest
+        _recover(tr, UpdateFailed(b, {}, e), calls)
+        raise
     t_end = round((time.perf_counter() - t0) * 1e3, 3)
     for row in timeline:
         row[3] = t_end

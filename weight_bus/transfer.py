@@ -184,9 +184,9 @@ class Transfer:
         self.handoff = ""
         """PublishStats.handoff of the update under way."""
         self.stream, self.stage = stream, stage
-        self.sent: list[Sent] | None = None
-        """What the trainer sent in the last whole update (names, shapes, dtypes): what streamed updates
-        are planned from."""
+        self.sent: dict[bool, list[Sent]] = {}
+        """What the trainer sent in the last whole update (names, shapes, dtypes), by whether it was an
+        adapter-only one: what streamed updates of that kind are planned from."""
         self.layouts: dict[str, WeightLayout] = {}
         """Engine weight layouts fetched, by digest."""
         self._plan: tuple[tuple, Plan] | None = None
@@ -231,6 +231,9 @@ class Transfer:
                 version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
                 gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
             )  # fmt: skip
+        if plan is not None and plan.kind == "named" and first.names != plan.buckets[0].names:
+            log.warning("the trainer's tensors changed since the last update: this one goes bucket by bucket")
+            plan = None
         fold = self.pause_mode == "in_place" if plan is not None else self.folds_pause(first)
         paused = [] if fold else list(m.engines)
         t_pause = time.perf_counter()
@@ -267,7 +270,7 @@ class Transfer:
         if plan is not None and fold:  # the engines said how long their generation waited
             pause_s = self._engine_pause_ms / 1e3
         if seen.complete and seen.sent:
-            self.sent = seen.sent
+            self.sent[self.lora is not None] = seen.sent
         self.healthy = bool(m.engines) and not dropped
         m.promote(joined)
         stats = PublishStats(
@@ -362,11 +365,12 @@ class Transfer:
         streaming turned off. Arena buckets where every engine reports the same weight layout and the
         trainer's tensors fill it; else named buckets. Planned once per change of either."""
         m = self.members
-        if not self.stream or self.sent is None or not m.engines or any(not e.builtin for e in m.engines):
+        sent = self.sent.get(self.lora is not None)
+        if not self.stream or sent is None or not m.engines or any(not e.builtin for e in m.engines):
             return None
         digests = sorted({str(e.layout) for e in m.engines if e.layout}) if self.lora is None else []
         single = len(digests) == 1 and all(e.layout for e in m.engines)
-        key = (tuple(self.sent), self.bucket_bytes, dtype, tuple(digests) if single else None)
+        key = (tuple(sent), self.bucket_bytes, dtype, tuple(digests) if single else None)
         if self._plan is not None and self._plan[0] == key:
             return self._plan[1]
         plan: Plan | str | None = None
@@ -379,12 +383,12 @@ class Transfer:
                 except Exception as e:  # this update goes as named buckets; the next one asks again
                     log.warning("weight layout of %s: %s", m.engines[0].url, e)
             if layout is not None and layout.digest == digest:
-                plan = arena_plan(layout, self.sent, self.bucket_bytes)
+                plan = arena_plan(layout, sent, self.bucket_bytes)
                 if isinstance(plan, str):
                     log.info("streamed weight updates go as named buckets: %s", plan)
                     plan = None
         if plan is None:
-            plan = named_plan(self.sent, self.bucket_bytes, dtype)
+            plan = named_plan(sent, self.bucket_bytes, dtype)
         self._plan = (key, plan)
         log.info(
             "weight updates stream as one call per engine: %d %s buckets (%.1f MB)%s",

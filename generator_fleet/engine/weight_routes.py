@@ -183,10 +183,12 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
         receive()
         if staged:
             runner.at_step_boundary(swap)
-    if adapter:
+    if adapter:  # generation waits only while the adapter is swapped in (LoraBank's own step boundary)
         tensors = state.lora_pending.get(body.lora_name)
         if tensors:
+            t = time.perf_counter()
             load_adapter_bucket(state, msgspec.structs.replace(body, stream=None), [])
+            held[0] = time.perf_counter() - t
         elif body.weight_version is not None:
             runner.set_weight_version(body.weight_version)
     if state.weights_incomplete and not adapter and covers:
