@@ -176,6 +176,28 @@ def test_a_ray_temp_dir_of_another_user_or_a_symlink_is_refused(tmp_path):
         cluster_state.private_dir(tmp_path, not_ours)
 
 
+def test_an_older_homes_secrets_get_the_control_plane_password_owner_only(tmp_path):
+    """A HOME from before the control plane had its own Redis password: `up` adds one, keeps the others, and
+    the file stays 0600 even under a permissive umask."""
+    import json
+
+    old = {"redis_password": "admin", "api_token": "api", "ray_auth_token": "ray"}
+    path = tmp_path / "secrets.json"
+    path.write_text(json.dumps(old))
+    path.chmod(0o600)
+    assert cluster_state.load_secrets(tmp_path, create=False) == old  # reading alone changes nothing
+    umask = os.umask(0o000)
+    try:
+        sec = cluster_state.load_secrets(tmp_path, create=True)
+    finally:
+        os.umask(umask)
+    assert {k: sec[k] for k in old} == old
+    assert len(sec["redis_control_password"]) == 64 and sec["redis_control_password"] != sec["redis_password"]
+    assert json.loads(path.read_text()) == sec and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert cluster_state.load_secrets(tmp_path, create=True) == sec  # generated once
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["secrets.json"]
+
+
 def test_each_job_has_its_own_redis_user_limited_to_its_keys(info, jobs):
     a_name, b_name = jobs
     url_file = cluster_state.job_redis_url_path(info.home, a_name)
