@@ -65,6 +65,20 @@ class Plan:
         """arena: each tensor's place in its bucket's slot, taken once."""
 
 
+class Recorder:
+    """Passes the trainer's (name, tensor) pairs through and notes what was sent (name, shape, dtype);
+    `complete` once the iterator ran out."""
+
+    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.it, self.sent, self.complete = it, [], False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.it:
+            self.sent.append((name, tuple(t.shape), t.dtype))
+            yield name, t
+        self.complete = True
+
+
 def arena_plan(layout: WeightLayout, sent: list[Sent], bucket_bytes: int) -> Plan | str:
     """Buckets of at most `bucket_bytes` (a larger tensor alone) that split `layout`'s arena end to end at
     tensor boundaries, each tensor of `sent` placed at its bytes; or why the trainer's tensors do not fill

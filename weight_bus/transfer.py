@@ -23,7 +23,7 @@ from weight_bus.membership import IPC, MAX_REBUILDS, Member, Membership
 from weight_bus.packing import Bucket, pack
 from weight_bus.receiver import FLATTENED_BUCKET
 from weight_bus.schema import UpdateWeightsFromDistributed, WeightLayout
-from weight_bus.stream import Plan, Sent, arena_plan, named_plan, pack_arena, run_stream
+from weight_bus.stream import Plan, Recorder, Sent, arena_plan, named_plan, pack_arena, run_stream
 
 log = logging.getLogger(__name__)
 
@@ -98,20 +98,6 @@ class PublishStats(msgspec.Struct, kw_only=True):
     @property
     def transfer_s(self) -> float:
         return self.transfer_ms / 1e3
-
-
-class _Recorder:
-    """Passes the trainer's (name, tensor) pairs through and notes what was sent (name, shape, dtype);
-    `complete` once the iterator ran out."""
-
-    def __init__(self, it: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.it, self.sent, self.complete = it, [], False
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self.it:
-            self.sent.append((name, tuple(t.shape), t.dtype))
-            yield name, t
-        self.complete = True
 
 
 def wire_rate(stats: PublishStats) -> float | None:
@@ -215,7 +201,7 @@ class Transfer:
         dtype = m.wire_dtype()
         files = self.adapter_files()
         plan = None if files else self.stream_plan(dtype)
-        seen = _Recorder(it)
+        seen = Recorder(it)
         t_gather = time.perf_counter()
         if plan is not None and plan.kind == "arena":
             stream = pack_arena(plan, iter(seen), self.device, self.max_inflight)

@@ -32,8 +32,9 @@ def test_short_job_advances_versions_and_loses_no_group(tmp_path, tiny_model_dir
     assert all(p["staleness_max"] <= max_staleness for p in seen)
     published = [p["version"] for p in seen if p["publish_s"] > 0]
     assert published == ([1, 2, 3, 4] if max_staleness == 0 else [2, 4])
-    # the whole publish call holds the engine pause, which holds the transfer
-    assert all(p["publish_call_s"] >= p["pause_s"] >= p["publish_s"] for p in seen)
+    # the whole publish call holds the transfer and the engines' pause (around the first update's transfer;
+    # inside a streamed update's, where the pause is the engines' own hold of their step boundary)
+    assert all(p["publish_call_s"] >= max(p["pause_s"], p["publish_s"]) for p in seen)
     st = result.buffer
     assert st["version"] == 4 and st["steps"] == 4
     assert st["consumed"] == 4 * 3
