@@ -17,8 +17,9 @@ from tests.generator_fleet.tiny_engine_model import build_noisy_model
 
 peft = pytest.importorskip("peft")
 
-TOL = 1e-4
-"""fp32: the engine's packed forward and PEFT's differ only in summation order."""
+TOL = 3e-4
+"""fp32: the engine's packed forward and PEFT's differ only in summation order, which depends on the CPU's
+kernels: up to 1.3e-4 on logits of magnitude ~16 on one x86 box (an adapter's own effect is > 0.1)."""
 
 
 @pytest.fixture(scope="module")
