@@ -39,7 +39,7 @@ from generator_fleet.engine.memory import (
     device_used_bytes,
     empty_cache,
 )
-from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward
+from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, lay_out_weights
 from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.sampler import Choice, sample
@@ -118,6 +118,7 @@ class Runner:
         )
         """Compiles requests' regex / json_schema / ebnf and masks their logits (xgrammar)."""
         self._weights = WeightsBackup(self.model)
+        lay_out_weights(self.model)  # before the KV pool sizes itself from the free memory
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
         # Live views of the parameters keyed by HF name (tied weights appear under both names), taken
