@@ -130,7 +130,8 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
                 )
     staged = bool(arena_buckets) and body.stage and runner.staged_arena()
     live = not adapter and not staged  # the receive itself writes the serving weights
-    covers = sum(b.nbytes for b in arena_buckets) >= (layout.nbytes if arena_buckets else 1)
+    # a full update sends every weight: the whole arena, or every name in named buckets
+    covers = not arena_buckets or sum(b.nbytes for b in arena_buckets) >= layout.nbytes
     phases = state.metrics.bucket_phase
 
     def target(b):
