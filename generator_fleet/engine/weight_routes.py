@@ -134,9 +134,12 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
     covers = not arena_buckets or sum(b.nbytes for b in arena_buckets) >= layout.nbytes
     phases = state.metrics.bucket_phase
 
+    touched = [False]  # a receive into the serving weights was posted, or a copy into them queued
+
     def target(b):
         if b.offset is None:
             return None
+        touched[0] = touched[0] or live
         if _STREAM_SCRATCH:  # diagnostics: the same receive, into memory the weights do not use
             if state.scratch is None or state.scratch.numel() < layout.nbytes:
                 state.scratch = torch.empty(layout.nbytes, dtype=torch.uint8, device=runner.device)
@@ -148,6 +151,7 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
             one = msgspec.structs.replace(body, weight_version=None)
             load_adapter_bucket(state, one, named)
         else:
+            touched[0] = True
             runner.copy_weights(named)
 
     held = [0.0]
@@ -159,7 +163,7 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
         try:
             marks.extend(state.receiver.receive_stream(body, target, load))
         except BaseException:
-            if live:  # part of the serving weights is new, part old: no token may come from them
+            if touched[0]:  # part of the serving weights is new, part old: no token may come from them
                 runner.pause("in_place")
                 state.weights_incomplete = True
                 log.warning(

@@ -184,3 +184,19 @@ def test_a_plan_is_refused_when_the_trainer_does_not_fill_the_arena():
     assert [b.names for b in plan.buckets] == [b.names for b in packed] == [["a", "b", "h"], ["steps"]]
     assert [b.nbytes for b in plan.buckets] == [b.nbytes for b in packed]
     assert plan.buckets[1].dtypes == ["int64"] and plan.buckets[0].dtypes == ["bfloat16"] * 3
+
+
+def test_a_streamed_update_refused_before_any_byte_leaves_the_engine_generating(engines):
+    """No such group, or a layout that is not the engine's: refused before anything is received, so the
+    serving weights are whole and generation goes on (only a receive that wrote them pauses the engine)."""
+    url = engines[0].url
+    layout = httpx.get(url + "/weight_layout", headers=AUTH).json()
+    for group, digest in (("no-such-group", layout["digest"]), ("no-such-group", "not-this-layout")):
+        body = {
+            "names": [], "dtypes": [], "shapes": [], "group_name": group, "layout": digest,
+            "stream": [{"offset": 0, "nbytes": layout["nbytes"]}], "weight_version": "99",
+        }  # fmt: skip
+        r = httpx.post(url + "/update_weights_from_distributed", json=body, headers=AUTH, timeout=30)
+        assert r.status_code == 400 and not r.json()["success"]
+        assert not engines[0].runner.paused and version(url) != "99"
+        assert httpx.get(url + "/health_generate", headers=AUTH, timeout=30).status_code == 200
