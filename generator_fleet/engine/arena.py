@@ -127,3 +127,38 @@ def _existing(tensors, offsets: dict[int, int], size: int) -> torch.Tensor | Non
     if any(t.data_ptr() - base != offsets[id(t)] for t in tensors):
         return None
     return torch.empty(0, dtype=torch.uint8, device=t0.device).set_(storage, 0, (size,), (1,))
+
+
+def projections(decoder) -> tuple[list, list[list[torch.Tensor]] | None, list[tuple[str, int]]]:
+    """Each layer's (index, q/k/v modules, gate/up modules); the tensors the arena fuses into blocks (the
+    weights of each, and the biases where all have one), None when some projections of a group have a
+    bias and others not (the fused bias then needs zero rows no tensor holds: no arena); and each block's
+    (kind, layer)."""
+    layers = [
+        (
+            i,
+            [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+            [layer.mlp.gate_proj, layer.mlp.up_proj],
+        )
+        for i, layer in enumerate(decoder.layers)
+    ]
+    mixed = any(0 < sum(m.bias is not None for m in mods) < len(mods) for _, *pair in layers for mods in pair)
+    groups: list[list[torch.Tensor]] = []
+    kinds: list[tuple[str, int]] = []
+    for i, qkv, gate_up in layers:
+        for kind, mods in (("qkv", qkv), ("gate_up", gate_up)):
+            groups.append([m.weight for m in mods])
+            kinds.append((kind + "_w", i))
+            if mods[0].bias is not None:
+                groups.append([m.bias for m in mods])
+                kinds.append((kind + "_b", i))
+    return layers, None if mixed else groups, kinds
+
+
+def lay_out_weights(model: torch.nn.Module) -> Arena | None:
+    """The model's weights in one arena, the fused projections' blocks adjacent (engine/arena.py); a
+    no-op past the first call. The runner calls it right after loading the model, before the KV pool takes
+    the free memory (laying out holds two copies of the weights for a moment); PagedForward then finds the
+    arena in place. The model must be one engine/model.py supports (check_supported)."""
+    _, groups, _ = projections(model.model)
+    return lay_out(model, groups) if groups is not None else None

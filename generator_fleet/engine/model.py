@@ -133,8 +133,8 @@ class PagedForward:
         restores the arena as it was; only the views are taken again); a state_dict taken before a
         release is stale after it. Without an arena (tensors on several devices, or not contiguous) the
         projections are fused by concatenation, as views of their own tensors."""
-        layers, _, kinds = _projections(self.decoder)
-        self.arena = lay_out_weights(self.model)
+        layers, _, kinds = arena.projections(self.decoder)
+        self.arena = arena.lay_out_weights(self.model)
         n = len(layers)
         fused: dict[str, list] = {k: [None] * n for k in ("qkv_w", "qkv_b", "gate_up_w", "gate_up_b")}
         if self.arena is not None:
@@ -369,42 +369,6 @@ class PagedForward:
         norm = self.decoder.norm
         normed, _ = fused_ops.add_rms_norm(delta, res, norm.weight, norm.variance_epsilon)
         return self._head(normed).float()
-
-
-def _projections(decoder) -> tuple[list, list[list[torch.Tensor]] | None, list[tuple[str, int]]]:
-    """Each layer's (index, q/k/v modules, gate/up modules); the tensors the arena fuses into blocks (the
-    weights of each, and the biases where all have one), None when some projections of a group have a
-    bias and others not (the fused bias then needs zero rows no tensor holds: no arena); and each block's
-    (kind, layer)."""
-    layers = [
-        (
-            i,
-            [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
-            [layer.mlp.gate_proj, layer.mlp.up_proj],
-        )
-        for i, layer in enumerate(decoder.layers)
-    ]
-    mixed = any(0 < sum(m.bias is not None for m in mods) < len(mods) for _, *pair in layers for mods in pair)
-    groups: list[list[torch.Tensor]] = []
-    kinds: list[tuple[str, int]] = []
-    for i, qkv, gate_up in layers:
-        for kind, mods in (("qkv", qkv), ("gate_up", gate_up)):
-            groups.append([m.weight for m in mods])
-            kinds.append((kind + "_w", i))
-            if mods[0].bias is not None:
-                groups.append([m.bias for m in mods])
-                kinds.append((kind + "_b", i))
-    return layers, None if mixed else groups, kinds
-
-
-def lay_out_weights(model: torch.nn.Module) -> arena.Arena | None:
-    """The model's weights in one arena, the fused projections' blocks adjacent (engine/arena.py); a
-    no-op past the first call. The runner calls it right after loading the model, before the KV pool takes
-    the free memory (laying out holds two copies of the weights for a moment); PagedForward then finds the
-    arena in place."""
-    check_supported(model.config)
-    _, groups, _ = _projections(model.model)
-    return arena.lay_out(model, groups) if groups is not None else None
 
 
 def _fuse_linears(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from generator_fleet.engine.arena import lay_out_weights
 from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error
 from generator_fleet.engine.grammar import GrammarBackend
 from generator_fleet.engine.kv_cache import OutOfBlocks, PagedKVCache, blocks_for
@@ -39,7 +40,7 @@ from generator_fleet.engine.memory import (
     device_used_bytes,
     empty_cache,
 )
-from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, lay_out_weights
+from generator_fleet.engine.model import DecodeGraphs, DecodeInputs, PagedForward, check_supported
 from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.sampler import Choice, sample
@@ -118,6 +119,7 @@ class Runner:
         )
         """Compiles requests' regex / json_schema / ebnf and masks their logits (xgrammar)."""
         self._weights = WeightsBackup(self.model)
+        check_supported(self.config)
         lay_out_weights(self.model)  # before the KV pool sizes itself from the free memory
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
