@@ -142,12 +142,12 @@ def test_writer_thread_follows_redis_and_stops(r, tmp_path, caplog):
 
 def test_writer_survives_redis_down(tmp_path, caplog):
     # Redis is not up yet: the writer warns and retries, then picks the targets up once it is.
-    port, password = free_port(), "pw-targets-test"
+    port, password, app_password = free_port(), "pw-targets-test", "pw-targets-app"
     client = redis.Redis(
         host="127.0.0.1",
         port=port,
         username="slipstream",
-        password=password,
+        password=app_password,  # the control plane's user: its own password, not the admin's
         socket_timeout=5,
         retry=Retry(NoBackoff(), 0),  # redis-py's default retries a refused connection for ~3.5 s
     )
@@ -156,7 +156,9 @@ def test_writer_survives_redis_down(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="slipstream.cluster.targets"):
         writer.start()
         _wait_for(lambda: any("not updated" in rec.getMessage() for rec in caplog.records), "a warning")
-        with ManagedRedis(data_dir=tmp_path / "redis", port=port, password=password) as server:
+        with ManagedRedis(
+            data_dir=tmp_path / "redis", port=port, password=password, app_password=app_password
+        ) as server:
             server.client().hset("slipstream:zeta:metrics_targets", "rollout-1", "127.0.0.1:9501")
             _wait_for(lambda: (out / FILE_NAME).exists() and len(_read(out)) == 1, "the target")
             writer.stop()
