@@ -292,8 +292,8 @@ class Transfer:
             stats.transfer_ms,
             total / max(transfer_s, 1e-9) / 1e9,
             stats.pause_ms,
-            f" ({self.handoff or plan.kind + ' stream' if plan else self.handoff}, pause folded into the call)"
-            if fold
+            f" ({self.handoff or f'{plan.kind} stream'}, pause folded into the call)"
+            if fold and (self.handoff or plan)
             else "",
             stats.gather_ms,
             f", joined {stats.joined}" if stats.joined else "",
@@ -360,6 +360,7 @@ class Transfer:
         if self._plan is not None and self._plan[0] == key:
             return self._plan[1]
         plan: Plan | str | None = None
+        layout = None
         if single:
             digest = digests[0]
             layout = self.layouts.get(digest)
@@ -375,7 +376,8 @@ class Transfer:
                     plan = None
         if plan is None:
             plan = named_plan(sent, self.bucket_bytes, dtype)
-        self._plan = (key, plan)
+        if not single or layout is not None:  # a layout that could not be fetched is asked for again
+            self._plan = (key, plan)
         log.info(
             "weight updates stream as one call per engine: %d %s buckets (%.1f MB)%s",
             len(plan.buckets),
