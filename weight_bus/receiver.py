@@ -184,13 +184,11 @@ class WeightReceiver:
                 _wait(last, timeout_s)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # named buckets' copies are done
-        except _LoadFailed as e:
-            self.broken.add(req.group_name)  # later buckets were never received: out of step with rank 0
-            self.rings.pop(req.group_name, None)
-            raise e.__cause__ from None
-        except Exception:
+        except Exception as e:  # a load that failed too: later buckets were never received
             self.broken.add(req.group_name)
             self.rings.pop(req.group_name, None)
+            if isinstance(e, _LoadFailed):
+                raise e.__cause__ from None
             raise
         self.rings.pop(req.group_name, None)
         return [*marks, time.perf_counter()]

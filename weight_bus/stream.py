@@ -166,10 +166,11 @@ def pack_arena(
         i, offset, dtype, shape = slot
         if i not in flats:
             flats[i] = _buffer(plan, i, device)
-        view = plan.views.get(name) if flats[i] is plan.slots_of[i % len(plan.slots_of)] else None
+        in_slot = flats[i] is plan.slots_of[i % len(plan.slots_of)]  # else a fresh buffer: no cached view
+        view = plan.views.get(name) if in_slot else None
         if view is None:
             view = flats[i][offset : offset + _nbytes(shape, dtype)].view(dtype).view(shape)
-            if flats[i] is plan.slots_of[i % len(plan.slots_of)]:
+            if in_slot:
                 plan.views[name] = view
         t = t.detach()
         pairs[i].append((view, t if t.shape == view.shape else t.reshape(shape)))
