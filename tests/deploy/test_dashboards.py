@@ -215,7 +215,8 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
                 "generators": {"num_engines": 1, "num_workers": 1},
                 "algorithm": {"groups_per_step": 2, "total_steps": MAX_STEPS},
                 "buffer": {"max_staleness": 1},
-                "bus": {"update_every": 1},
+                # several buckets per update, so the wire-rate panel has a rate to show
+                "bus": {"update_every": 1, "bucket_bytes": 64 << 10},
                 # the evaluation panels: version 0 is evaluated before the first step
                 "eval": {"every": 50, "heldout": 8, "max_samples": 8},
             }
