@@ -3,7 +3,8 @@
 Every actor serves its metrics on 127.0.0.1 and registers `replica -> host:port` in the hash
 `slipstream:{job}:metrics_targets` (slipstream/job/actors.py). `write_file_sd` turns all jobs' hashes into one
 file_sd file, `<out_dir>/slipstream.json`, which deploy/prometheus.yml watches; `TargetWriter` keeps it
-current as pools scale. The file is replaced atomically and only when its content changes, so Prometheus
+current as pools scale. A job that has ended (its status `succeeded`, `failed`, `stopped` or `interrupted`)
+is left out even while its hash remains: its processes are gone, and Prometheus would show them `down`. The file is replaced atomically and only when its content changes, so Prometheus
 never reads half a file and is not woken for nothing.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 import redis
 from prometheus_client import Gauge
 
-from replay_buffer.keys import METRICS_TARGETS_PATTERN, job_of_metrics_targets
+from replay_buffer.keys import METRICS_TARGETS_PATTERN, JobKeys, job_of_metrics_targets
+from slipstream.cluster.job_store import ENDED_STATES
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +50,36 @@ def _sort_key(group: dict) -> tuple:
     return labels["job"], labels["component"], int(m.group(1)) if m else -1, labels["replica"]
 
 
+def _has_ended(status: bytes | str | None) -> bool:
+    """Whether a job's status record says it ended. No record, or one that is not JSON, counts as running:
+    a target is dropped only on the job's own word (`slipstream run` jobs have a record too)."""
+    if status is None:
+        return False
+    try:
+        record = json.loads(status)
+    except ValueError:
+        return False
+    return isinstance(record, dict) and record.get("state") in ENDED_STATES
+
+
 def collect_targets(r: redis.Redis) -> list[dict]:
-    """The file_sd target groups of every job in Redis, one per replica, in a stable order.
+    """The file_sd target groups of every job in Redis that has not ended, one per replica, in a stable order.
 
     SCAN, not KEYS: the app's ACL user may not run KEYS (it is @dangerous), and SCAN does not block Redis."""
     keys = sorted(r.scan_iter(match=METRICS_TARGETS_PATTERN, count=SCAN_COUNT, _type="hash"))
     if not keys:
         return []
+    keys = [key.decode() if isinstance(key, bytes) else key for key in keys]
+    jobs = [job_of_metrics_targets(key) for key in keys]
     pipe = r.pipeline(transaction=False)
-    for key in keys:
+    for key, job in zip(keys, jobs, strict=True):
         pipe.hgetall(key)
+        pipe.get(JobKeys(job).status)
+    replies = pipe.execute()
     groups = []
-    for key, entries in zip(keys, pipe.execute(), strict=True):
-        key = key.decode() if isinstance(key, bytes) else key
-        job = job_of_metrics_targets(key)
+    for job, entries, status in zip(jobs, replies[0::2], replies[1::2], strict=True):
+        if _has_ended(status):
+            continue
         for replica, address in entries.items():
             replica = replica.decode() if isinstance(replica, bytes) else replica
             address = address.decode() if isinstance(address, bytes) else address

@@ -125,6 +125,30 @@ def test_removed_target_disappears(r, tmp_path):
     assert _read(tmp_path) == []
 
 
+@pytest.mark.parametrize("state", ["succeeded", "failed", "stopped", "interrupted"])
+def test_ended_job_targets_are_removed(r, tmp_path, state):
+    # The hash outlives the job's processes (its keys are cleared only by the next run of that name):
+    # an ended job's targets must leave the file, or Prometheus shows them `down` forever.
+    r.hset(
+        "slipstream:done:metrics_targets",
+        mapping={"engine-0": "127.0.0.1:9501", "trainer-0": "127.0.0.1:9502"},
+    )
+    r.hset("slipstream:live:metrics_targets", "engine-0", "127.0.0.1:9503")
+    r.set("slipstream:done:status", json.dumps({"state": "running"}))
+    r.set("slipstream:live:status", json.dumps({"state": "running"}))
+    writer = TargetWriter(r, tmp_path)
+    writer.tick()
+    assert sorted(g["labels"]["job"] for g in _read(tmp_path)) == ["done", "done", "live"]
+
+    r.set("slipstream:done:status", json.dumps({"state": state, "error": "x"}))
+    writer.tick()
+    assert [(g["labels"]["job"], g["targets"]) for g in _read(tmp_path)] == [("live", ["127.0.0.1:9503"])]
+    assert write_file_sd(r, tmp_path) == 1
+
+    r.set("slipstream:done:status", json.dumps({"state": "running"}))  # a new run of the same name
+    assert write_file_sd(r, tmp_path) == 3
+
+
 def test_writer_thread_follows_redis_and_stops(r, tmp_path, caplog):
     r.hset("slipstream:eps:metrics_targets", "trainer-0", "127.0.0.1:9401")
     writer = TargetWriter(r, tmp_path, interval_s=0.05)
