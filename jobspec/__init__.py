@@ -27,7 +27,7 @@ from generator_fleet.config import (
 )
 from generator_fleet.tools.spec import ToolSpec
 from jobspec.loader import apply_overrides, from_dict, load, loads, parse_yaml
-from jobspec.spec import EXAMPLES_DIR, JobSpec, JobSpecError, resolve_paths, to_json
+from jobspec.spec import EXAMPLES_DIR, JobSpec, JobSpecError, check_context, resolve_paths, to_json
 from jobspec.supervision import SupervisionSpec
 from jobspec.tracking import TrackingSpec, WandbSpec
 from models.config import ModelSpec
@@ -66,6 +66,7 @@ __all__ = [
     "TrainerSpec",
     "WandbSpec",
     "apply_overrides",
+    "check_context",
     "from_dict",
     "load",
     "loads",

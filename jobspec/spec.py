@@ -29,7 +29,7 @@ from generator_fleet.config import (
 from generator_fleet.tools.spec import ToolSpec
 from jobspec.supervision import SupervisionSpec
 from jobspec.tracking import TrackingSpec
-from models.config import ModelSpec
+from models.config import ModelSpec, max_position_embeddings
 from replay_buffer.config import BufferSpec, RedisSpec
 from trainer.config import AlgorithmSpec, TrainerConfig, TrainerSpec
 from weight_bus.config import PLACEMENTS, BusSpec, ColocationSpec, colocated_schedule
@@ -353,6 +353,41 @@ def check_ipc_engines(gen: GeneratorsSpec) -> None:
             f"ipc hands weights over through CUDA IPC / shared memory on one host; {remote} are not on "
             "this host (use gloo or nccl for remote engines)",
         )
+
+
+MIN_PROMPT_TOKENS = 1
+"""The prompt budget the context check reserves: the spec bounds no prompt's length and prompts are not
+tokenized at submit, so only a prompt's least possible size (its chat template alone is more) is known."""
+
+
+def check_context(spec: JobSpec) -> None:
+    """Every token budget, plus a prompt, must fit the context the engines serve: the model's
+    max_position_embeddings (from model.path's config.json once it exists), or `generators.sglang.
+    context_length` when set. An engine holds at most context - 1 tokens per sequence (SGLang refuses a
+    request of prompt + max_new_tokens >= context, the built-in engine the same), so a budget over that
+    fails every request of the job. Raises JobSpecError at the budget's key; silent while the model is
+    not built yet (checked again when the job prepares it)."""
+    context = max_position_embeddings(spec.model.path)
+    if context is None:
+        return
+    source = f"max_position_embeddings in {Path(spec.model.path) / 'config.json'}"
+    sglang = spec.generators.sglang
+    if spec.generators.engine == "sglang" and sglang.context_length is not None:
+        context, source = sglang.context_length, "generators.sglang.context_length"
+    # An agent's episode grows one sequence: its every turn (rollout.sampling.max_new_tokens) and all of
+    # them together (agent.max_total_tokens) follow the prompt in the same context.
+    budgets = [("rollout.sampling.max_new_tokens", spec.rollout.sampling.max_new_tokens)]
+    if spec.agent is not None:
+        budgets.append(("agent.max_total_tokens", spec.agent.max_total_tokens))
+    if spec.eval is not None and spec.eval.max_new_tokens is not None:
+        budgets.append(("eval.max_new_tokens", spec.eval.max_new_tokens))
+    for key, tokens in budgets:
+        if tokens + MIN_PROMPT_TOKENS > context - 1:
+            raise JobSpecError(
+                f"invalid job spec: {key} {tokens} + a prompt of at least {MIN_PROMPT_TOKENS} token is "
+                f"{tokens + MIN_PROMPT_TOKENS} tokens, over the {context - 1} a sequence may have in the "
+                f"model's context of {context} ({source}); at most {context - 1 - MIN_PROMPT_TOKENS} - at `$.{key}`"
+            )
 
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
@@ -80,3 +82,16 @@ class ModelSpec(Spec):
     """SFT warm-up optimizer steps when building (only with `build`)."""
     lora: LoraSpec | None = None
     """Train a LoRA adapter on the frozen model at `path` (null: full fine-tuning)."""
+
+
+def max_position_embeddings(model_path: str) -> int | None:
+    """The context (tokens) of the HF model at `model_path`, from its config.json; None while unknown (no
+    model there yet: it is built when the job starts) or when the config does not say."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if isinstance(config, dict) and value is None and isinstance(config.get("text_config"), dict):
+        value = config["text_config"].get("max_position_embeddings")  # multimodal configs nest it
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

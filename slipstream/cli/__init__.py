@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # relative paths: against the working directory, as `submit` sends it (jobspec.resolve_paths)
         spec = jobspec.resolve_paths(jobspec.load(args.spec, args.overrides), os.getcwd())
+        jobspec.check_context(spec)  # once the model exists; `run` checks again after building it
     except jobspec.JobSpecError as e:
         print(f"slipstream: {e}", file=sys.stderr)
         return 2
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("slipstream: interrupted; job stopped", file=sys.stderr)
         return 130
+    except jobspec.JobSpecError as e:  # what only the built model tells (its context)
+        print(f"slipstream: {e}", file=sys.stderr)
+        return 2
     print(f"done: version {result.version} in {result.elapsed_s:.0f}s; model at {result.final_model}")
     print(f"buffer: {result.buffer}")
     return 0

@@ -290,6 +290,7 @@ class JobControl:
         note = output_dir_note(spec, self.home)
         try:
             spec = resolve_spec_paths(spec, self.home, cwd)
+            jobspec.check_context(spec)  # once its model exists; the driver checks again after building it
         except jobspec.JobSpecError as e:
             raise ControlError(422, str(e)) from None
         except (OSError, ValueError) as e:  # e.g. a lone surrogate the filesystem cannot encode

@@ -36,7 +36,7 @@ import redis
 import jobspec
 from common.logtext import PlainFormatter
 from jobspec import JobSpec
-from jobspec.spec import check_name
+from jobspec.spec import check_context, check_name
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
@@ -163,6 +163,7 @@ class JobDriver:
         log.info("job %s: %s", self.job, phase)
         self.report("starting", phase=phase)
         prepare_model(self.spec.model, self.spec.dataset)
+        check_context(self.spec)  # the model's context is known now, also when this job built it
         self.buffer.ensure_group()
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import msgspec
 
-from jobspec import JobSpec, to_json
+from jobspec import JobSpec, check_context, to_json
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
@@ -67,6 +67,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     reset_run_state(out, managed_redis=spec.redis.url is None)
     (out / "job.json").write_text(to_json(spec))
     prepare_model(spec.model, spec.dataset)
+    check_context(spec)  # the model's context is known now, also when this run built it
 
     managed = None
     if spec.redis.url is None:
