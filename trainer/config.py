@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from common.config import NonNeg, Pool, Pos, Spec, bad
+from common.config import NonNeg, Pool, Pos, RayResources, Spec, bad, check_resources
 from models.config import ModelSpec
 from replay_buffer.config import BufferSpec
 from weight_bus.config import BusSpec
@@ -142,6 +142,10 @@ class TrainerSpec(Spec):
     tokens."""
     device: Literal["cpu", "cuda"] = "cpu"
     torch_threads: Pos = 1
+    resources: RayResources = msgspec.field(default_factory=dict)
+    """Ray custom resources each trainer rank requests, so that the ranks run only on nodes that have
+    them (`{"node:10.0.0.1": 0.01}`: the node with that address; `generators.resources` says more).
+    Empty: anywhere Ray finds room. The job fails at start, naming this key, if no node has them."""
     fsdp: bool = True
     """Shard the policy (and reference, critic) with FSDP2, per decoder layer and at the root; false =
     one plain process-local model (then num_trainers must be 1)."""
@@ -156,14 +160,19 @@ class TrainerSpec(Spec):
     on with `generators.fp32_lm_head` (builtin) or `generators.sglang.enable_fp32_lm_head` (sglang), off
     with external engines (set it to match how they run) and with mixed_precision fp32. No effect on fp32
     compute (a CPU trainer)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in backward (less memory, about 1/3 more compute)."""
-    offload_optimizer: bool = False
+    activation_checkpointing: bool | None = None
+    """Recompute each decoder layer's activations in backward (less memory, about 1/3 more compute).
+    null = planned (trainer/memory.py): on CUDA, on only when the longest sample's activations would not
+    fit without it; off on CPU."""
+    offload_optimizer: bool | None = None
     """FSDP2 CPU offload: parameters, gradients and optimizer state live in host memory and the
-    optimizer step runs on the CPU (needs fsdp)."""
-    micro_batch_tokens: Pos = 8192
+    optimizer step runs on the CPU (needs fsdp). null = planned: on CUDA, on only when the weights,
+    gradients and optimizer state alone would take more than 3/4 of the GPU; off on CPU."""
+    micro_batch_tokens: Pos | None = None
     """Token budget of one packed micro-batch (samples are packed without padding; one longer sample
-    gets a micro-batch of its own); gradients accumulate over a step's micro-batches."""
+    gets a micro-batch of its own); gradients accumulate over a step's micro-batches. null = planned: on
+    CUDA as many tokens as fit in the memory the static state leaves (measured activations per token, at
+    most 32768); 8192 on CPU. A value that cannot fit on the GPU is lowered, with a warning."""
     compile: bool = False
     """torch.compile each decoder layer and the fused LM head's per-chunk kernels."""
     logprob_chunk_tokens: NonNeg = 2048
@@ -193,6 +202,7 @@ class TrainerSpec(Spec):
     `merge_and_unload()` then `save_pretrained`). Needs export_hf."""
 
     def __post_init__(self) -> None:
+        check_resources("resources", self.resources)
         if self.num_trainers > 1 and not self.fsdp:
             raise bad("num_trainers", "more than one trainer rank needs fsdp: true")
         if self.offload_optimizer and not self.fsdp:

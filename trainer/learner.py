@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from models.config import ModelSpec
-from trainer import attention, flops, metrics
+from trainer import attention, flops, memory, metrics
 from trainer.advantages import whiten
 from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
@@ -54,21 +54,9 @@ from trainer.packing import MicroBatch, TrainSample, pack, plan_step, split_mini
 
 log = logging.getLogger(__name__)
 
-SUM_STATS = (
-    "loss",
-    "pg_loss",
-    "kl_ref",
-    "value_loss",
-    "tokens",
-    "entropy_sum",
-    "clip_sum",
-    "dual_clip_sum",
-    "is_weight_sum",
-    "truncated_sum",
-    "masked_sum",
-    "behav_k3_sum",
-    "behav_absdiff_sum",
-    "ratio_sum",
+SUM_STATS = tuple(
+    "loss pg_loss kl_ref value_loss tokens entropy_sum clip_sum dual_clip_sum is_weight_sum truncated_sum"
+    " masked_sum behav_k3_sum behav_absdiff_sum ratio_sum".split()
 )
 MAX_STATS = ("is_weight_max", "ratio_max", "ratio_neg_min")
 
@@ -108,6 +96,7 @@ class Learner:
         algorithm.loss_scale_factor is null (needed to re-aggregate mini-batches of that mode)."""
         self.model_spec, self.algorithm, self.trainer = model, algorithm, trainer
         self.loss_agg = loss_aggregation(algorithm, response_budget) if response_budget else None
+        self.response_budget = response_budget or 0
         self.pool = pool
         self.device = pool.device
         tr = trainer
@@ -116,6 +105,10 @@ class Learner:
         self.fp32_head = bool(tr.fp32_lm_head) and self.bf16
         """trainer.fp32_lm_head on bf16 compute: the LM head's matmul in fp32 (trainer/logprobs.py)."""
         self.model: nn.Module | None = None
+        self.offload = bool(tr.offload_optimizer)
+        """FSDP2 CPU offload of the policy (trainer.offload_optimizer; planned at setup when null)."""
+        self.memory_plan = memory.unplanned(tr.micro_batch_tokens, tr.activation_checkpointing, self.offload)
+        """The micro-batch budget and memory settings in force (trainer/memory.py; planned at setup)."""
         self.adapter_bytes = 0
         """Bytes of the LoRA adapter's parameters (0 without model.lora)."""
         self.base_fingerprint: dict[str, str] | None = None
@@ -136,9 +129,8 @@ class Learner:
     # --- building -----------------------------------------------------------------------------------
     def _prepare(self, model: nn.Module, layers: nn.ModuleList, *, trainable: bool) -> nn.Module:
         tr = self.trainer
-        if trainable and tr.activation_checkpointing:
-            target = model.backbone if isinstance(model, Critic) else model
-            target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if trainable and tr.activation_checkpointing:  # null: planned after sharding (plan_learner)
+            memory.set_checkpointing(model, True)
         if tr.compile:
             for block in layers:
                 block.compile()  # in place: parameter names stay the HF ones
@@ -146,11 +138,11 @@ class Learner:
             shard(
                 model,
                 mixed_precision=self.bf16,
-                cpu_offload=tr.offload_optimizer and trainable,
+                cpu_offload=self.offload and trainable,
                 layers=layers,
                 # One rank has nothing to free by resharding; with CPU offload the gathered copy is
                 # what offloading avoids keeping.
-                reshard_after_forward=self.pool.world_size > 1 or tr.offload_optimizer,
+                reshard_after_forward=self.pool.world_size > 1 or self.offload,
             )
         else:
             model.to(self.device)
@@ -161,7 +153,9 @@ class Learner:
             model.train()
         return model
 
-    def setup(self) -> None:
+    def setup(self, plan_memory: bool = True) -> None:
+        """plan_memory False (a colocated trainer, whose engine shares the GPU): the memory settings as given,
+        nulls at their CPU defaults, instead of planned against the device's free memory."""
         from transformers import AutoModelForCausalLM
 
         alg, tr = self.algorithm, self.trainer
@@ -178,6 +172,11 @@ class Learner:
         if lora is not None:
             self.base_fingerprint = base_fingerprint(model)
             model = wrap_lora(model, lora)  # before sharding: the adapter's params are sharded with the base
+        world = self.pool.world_size if self.fsdp else 1
+        extra = (alg.kl_coef > 0) * 0.25 + (alg.advantage == "gae")  # a reference's fp32 weights, a critic
+        static = memory.static_bytes(model, world) * (1 + extra)
+        given = tr.offload_optimizer if plan_memory else bool(tr.offload_optimizer)
+        self.offload = memory.decide_offload(given, int(static), self.device, self.fsdp)
         self.model = self._prepare(model, layers, trainable=True)
         if lora is not None:
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -204,6 +203,7 @@ class Learner:
             critic = Critic.from_pretrained(alg.critic_model_path or self.model_spec.path, attn)
             self.critic = self._prepare(critic, critic.backbone.layers, trainable=True)
             self.critic_opt = self._optimizer(self.critic, alg.critic_lr)
+        self.memory_plan = memory.plan_learner(self, capacity=None if plan_memory else 0)
         metrics.FP32_HEAD.set(int(self.fp32_head))
         log.info(
             "learner rank %d/%d on %s: fsdp %s, bf16 %s, fp32 LM head %s, activation checkpointing %s, "
@@ -214,8 +214,8 @@ class Learner:
             self.fsdp,
             self.bf16,
             self.fp32_head if self.bf16 else f"{bool(tr.fp32_lm_head)} (fp32 compute: no effect)",
-            tr.activation_checkpointing,
-            tr.offload_optimizer,
+            self.memory_plan.activation_checkpointing,
+            self.offload,
             self.ref is not None,
             self.critic is not None,
         )
@@ -282,7 +282,7 @@ class Learner:
                 for temperature in dict.fromkeys(s.temperature for s in mini):  # first-seen order
                     idx = [i for i, s in enumerate(mini) if s.temperature == temperature]
                     plan = plan_step(
-                        [len(mini[i]) for i in idx], self.pool.world_size, self.trainer.micro_batch_tokens
+                        [len(mini[i]) for i in idx], self.pool.world_size, self.memory_plan.micro_batch_tokens
                     )
                     for rank, mbs in zip(per_rank, plan, strict=True):
                         for mb in mbs:
@@ -384,6 +384,10 @@ class Learner:
         if self.critic is not None:
             stats["critic_grad_norm"] = sum(critic_norms) / len(critic_norms)
         stats["flops"] = self._flops(micro_batches, prox_source == "recompute")
+        peak = torch.tensor([float(memory.peak_bytes(self.device))], dtype=torch.float64, device=self.device)
+        stats["memory_peak_gib"] = (
+            float(self.pool.all_reduce(peak, torch.distributed.ReduceOp.MAX)[0]) / memory.GIB
+        )
         if self.updates > 1 and self.pool.is_main:
             log.debug(
                 "%d optimizer steps (pi_prox %s): loss %s, clip fraction %s",

@@ -95,7 +95,25 @@ def observe_step(r: dict) -> None:
     ENTROPY.set(r["entropy"])
     GRAD_NORM.set(r["grad_norm"])
     TRAIN_TOKENS_PER_S.set(r["train_tokens_per_s"])
+    MEMORY_PEAK.set(r["memory_peak_gib"] * (1 << 30))
     if r.get("kl_ref") is not None:
         KL_REF.set(r["kl_ref"])
     if r.get("mfu") is not None:
         MFU.set(r["mfu"])
+
+
+MEMORY_PEAK = Gauge(
+    "slipstream_trainer_memory_peak_bytes",
+    "Peak device memory of the last step (CUDA: allocated by PyTorch, highest rank; CPU: the process's "
+    "peak resident set)",
+)
+MEMORY_PLAN = Gauge(
+    "slipstream_trainer_memory_plan_bytes",
+    "The trainer's memory plan per rank (part: capacity usable, static weights/gradients/optimizer state, "
+    "per_token activations of one micro-batch token); 0 on CPU (not planned)",
+    ["part"],
+)
+MICRO_BATCH_TOKENS = Gauge(
+    "slipstream_trainer_micro_batch_tokens",
+    "Token budget of one packed micro-batch, as planned (or as set by trainer.micro_batch_tokens)",
+)

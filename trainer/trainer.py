@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import uuid
 from pathlib import Path
@@ -178,6 +179,9 @@ class Trainer:
         torch.manual_seed(self.config.algorithm.seed)
         torch.set_num_threads(tr.torch_threads)
         if tr.device == "cuda":
+            # Packed micro-batches of varying length fragment fixed-size segments (gigabytes reserved but
+            # unusable); expandable segments grow and shrink instead. Read at the first allocation.
+            os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
             torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
             self.device = torch.device("cuda", 0)
         else:
@@ -194,7 +198,7 @@ class Trainer:
             self.pool,
             response_budget=self.config.response_budget,
         )
-        self.learner.setup()
+        self.learner.setup(plan_memory=self.config.schedule is None)  # a colocated engine shares the GPU
         self.peak_flops = (
             peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         )
@@ -443,6 +447,7 @@ class Trainer:
             "schedule": cfg.schedule,
             "bus_backend": cfg.bus.backend,
             "fp32_lm_head": self.learner.fp32_head,
+            "micro_batch_tokens": self.learner.memory_plan.micro_batch_tokens,
             **(
                 {
                     "release_s": self.handoff.release_s,

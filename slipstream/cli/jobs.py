@@ -229,7 +229,8 @@ def render_status(st: dict):
                    f"IS-masked {_fmt(st.get('is_masked_fraction'))}, behav_kl {_fmt(st.get('behav_kl'), '.4f')}"),
         ("generators", f"{pools.get('generators', '-')} (want {want.get('generators', '-')}), "
          f"rollout workers {pools.get('rollout_workers', '-')}"),
-        ("trainers", f"{pools.get('trainers', '-')} (want {want.get('trainers', '-')})"),
+        ("trainers", f"{pools.get('trainers', '-')} (want {want.get('trainers', '-')}), memory peak "
+         f"{_fmt(st.get('memory_peak_gib'), '.1f')} GiB, micro-batches of {_fmt(st.get('micro_batch_tokens'))} tokens"),
         ("buffer", f"depth {buf.get('depth', '-')}, pending {buf.get('pending', '-')}, "
          f"produced {buf.get('produced', '-')}, consumed {buf.get('consumed', '-')}, "
          f"dropped stale {buf.get('dropped_stale', '-')}"),

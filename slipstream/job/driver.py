@@ -311,6 +311,8 @@ class JobDriver:
                     "release_s",
                     "resume_s",
                 )
+                    "memory_peak_gib",
+                    "micro_batch_tokens",
                 if k in self.last
             },
             **extra,

@@ -189,7 +189,10 @@ def remedy(kind: str, error_class: str, cause: str, spec: JobSpec | None) -> str
     gpu = "CUDA" in cause or "GPU" in cause
     if kind == "trainer_pool":
         tr = spec.trainer if spec is not None else None
-        keys = [f"lower trainer.micro_batch_tokens{now(tr and tr.micro_batch_tokens)}"]
+        tokens = tr and (
+            tr.micro_batch_tokens or (8192 if tr.device == "cpu" else "planned from free memory")
+        )
+        keys = [f"lower trainer.micro_batch_tokens{now(tokens)}"]
         if tr is None or not tr.activation_checkpointing:
             keys.append("turn on trainer.activation_checkpointing")
         if tr is None or tr.logprob_chunk_tokens == 0 or tr.logprob_chunk_tokens > 1024:
