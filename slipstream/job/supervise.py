@@ -49,6 +49,7 @@ _OOM_MARKERS = (
     "CUDA error: out of memory",
     "can't allocate memory",  # torch's CPU allocator
     "running low on memory",  # Ray's memory monitor killed the process
+    "MemoryPlanError",  # the trainer's memory plan: the longest sample cannot fit (trainer/memory.py)
 )
 _DISK_MARKERS = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
 _DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -131,7 +132,8 @@ def classify(error: BaseException | str | None) -> tuple[ErrorClass, str]:
         for e in _chain(error):
             if isinstance(getattr(e, "cause", None), BaseException):
                 continue  # a Ray error of the actor's own exception (its class too): that one decides
-            if any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):  # torch's and Ray's
+            # torch's and Ray's; the trainer's memory plan refusing what cannot fit
+            if any(c.__name__ in ("OutOfMemoryError", "MemoryPlanError") for c in type(e).__mro__):
                 return OUT_OF_MEMORY, (_lines(str(e)) or [type(e).__name__])[0][:300]
             if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:
                 return DISK_FULL, str(e)[:300]

@@ -99,6 +99,14 @@ def test_errors_raised_in_ray_processes_are_classified(local_ray, tmp_path):
     assert classify("RuntimeError: CUDA error: out of memory")[0] == OUT_OF_MEMORY
 
 
+def test_a_memory_plan_that_cannot_fit_is_an_out_of_memory_failure():
+    from trainer.memory import MemoryPlanError
+
+    err = MemoryPlanError("a micro-batch of the longest sample (4096 tokens) needs 9.0 GiB ...")
+    assert classify(err) == (OUT_OF_MEMORY, str(err))
+    assert classify(f"Traceback ...\ntrainer.memory.MemoryPlanError: {err}")[0] == OUT_OF_MEMORY
+
+
 def test_a_repeated_out_of_memory_fails_the_job_after_its_restarts_with_the_cause_and_the_fix(
     local_ray, tmp_path
 ):
