@@ -7,10 +7,15 @@ exists the child (tools/sandbox_child.py) locks itself down in layers. Each kern
 layer is used where the kernel allows it, and `probe()` reports which ones took hold.
 
 Kernel-enforced, holding even against code that defeats the Python-level hook:
-  1. Network namespace: unshare(CLONE_NEWUSER | CLONE_NEWNET), or CLONE_NEWNET alone for root
+  1. Network namespace: unshare(CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWNS), or without NEWUSER for root
      with CAP_SYS_ADMIN. The child sees only a loopback interface that is down: no IP traffic, no
      abstract Unix sockets of the host. The user namespace also drops every capability in the
      host namespace (root in the child cannot raise its rlimits, mount, or override file modes).
+     A mount namespace beside it (`filesystem` in `probe()`): the child's root becomes an empty
+     read-only tmpfs holding, bind-mounted at their own paths, only the working directory, the
+     directories Landlock lets it read and /dev/null, /dev/urandom (pivot_root; the old root is
+     detached). Every other path does not exist for it, to stat(), exists(), readlink() and listdir()
+     of a parent as much as to open(); Landlock alone does not govern file metadata.
   2. Landlock (Linux >= 5.13): reads only below the Python stdlib directories (sys.path), the
      system library directories the dynamic loader needs, zoneinfo, /dev/null and /dev/urandom;
      reads and writes only below the working directory; no execve of anything; no ptrace of
@@ -35,11 +40,15 @@ every connect, bind, sendto and name lookup; subprocess.Popen, os.system, os.exe
 os.posix_spawn, os.spawn*; os.kill and friends; every ctypes operation (so `import ctypes` fails);
 resource.setrlimit; further audit hooks; and `open` (and os.listdir, remove, rename, mkdir, chmod,
 ..., sqlite3.connect) of a resolved path outside the working directory, except reads below the
-stdlib directories and zoneinfo. It gives ordinary code a clear PermissionError, and is the only
+stdlib directories and zoneinfo. stat() and its kin raise no audit event, so os.stat, lstat, access,
+readlink, statvfs, pathconf and chdir are wrapped (in `os` and `posix`) with the same check, and with
+them os.path.exists/isdir/getsize/realpath and Path.stat. It gives ordinary code a clear PermissionError, and is the only
 defence where the kernel layers are missing. On its own it is NOT a security boundary (PEP 578
 says so): deliberately hostile code can defeat it, e.g. with hand-built code objects.
 
-Not guaranteed: secrecy of file metadata (stat and exists work on any path); a cap on the total
+Not guaranteed: secrecy of file metadata where the mount namespace is missing and the hook is defeated;
+that the parents of the working directory and of the readable directories exist (they are directories
+of the new root); a cap on the total
 memory or CPU of many concurrent sandboxes (the limits are per process, no cgroup); anything of
 layers 1-3 where `probe()` reports them missing. Set `require_isolation=True` to refuse to run code
 unless the network namespace, Landlock and seccomp are all in force.
@@ -81,6 +90,9 @@ class SandboxIsolation(msgspec.Struct, kw_only=True):
 
     netns: bool
     """In a fresh network namespace."""
+    filesystem: bool = False
+    """In a mount namespace whose root holds only the working directory and the read-only paths: every
+    other path does not exist for it (stat and exists included)."""
     landlock_abi: int
     """Landlock ABI version in force; 0 = none (4+ covers TCP, 6+ covers signals)."""
     seccomp: bool

@@ -20,6 +20,14 @@ _SELF = os.path.realpath(__file__)
 """This program's file: its frames are left out of the tracebacks shown to the model."""
 
 
+_SYSTEM_READ = tuple(
+    "/lib /lib64 /usr/lib /usr/lib64 /usr/local/lib /etc/ld.so.cache /etc/localtime /usr/share/zoneinfo".split()
+)
+"""Read-only outside Python's own directories: the dynamic loader (not Python) opens these when an
+extension module pulls in a shared library, e.g. libcrypto for hashlib; zoneinfo serves time zones."""
+_DEVICES = ("/dev/null", "/dev/urandom")
+
+
 def _child_main() -> None:
     config = json.loads(sys.argv[1])
     source = sys.stdin.buffer.read().decode("utf-8", "replace")
@@ -37,7 +45,9 @@ def _child_main() -> None:
 
     # Kernel layers first, while this process is still single-threaded (unshare(CLONE_NEWUSER)
     # requires it) and before any user code exists.
-    netns = bool(attempt(_enter_network_namespace))
+    netns = bool(attempt(_enter_namespaces))
+    # Before Landlock, which forbids changing mounts.
+    filesystem = netns and bool(attempt(_confine_filesystem, workdir, python_dirs + _SYSTEM_READ + _DEVICES))
     landlock_abi = attempt(_apply_landlock, workdir, python_dirs)
     for limit, value in (
         (resource.RLIMIT_CPU, (config["cpu_s"], config["cpu_s"] + 1)),
@@ -58,6 +68,7 @@ def _child_main() -> None:
         _install_audit_hook(workdir, python_dirs + ("/usr/share/zoneinfo",))
     status = {
         "netns": netns,
+        "filesystem": filesystem,
         "landlock_abi": landlock_abi,
         "seccomp": seccomp,
         "audit_hook": config["audit_hook"],
@@ -96,17 +107,93 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _enter_network_namespace() -> bool:
+def _enter_namespaces() -> bool:
+    """A network namespace and a mount namespace (the latter for _confine_filesystem)."""
     import ctypes
 
-    clone_newuser, clone_newnet = 0x10000000, 0x40000000
+    clone_newns, clone_newuser, clone_newnet = 0x00020000, 0x10000000, 0x40000000
+    uid, gid = os.getuid(), os.getgid()
     libc = _libc()
     # A user namespace first: it works unprivileged and drops the host capabilities; root with
-    # CAP_SYS_ADMIN can still get a bare network namespace where user namespaces are disabled.
-    for flags in (clone_newuser | clone_newnet, clone_newnet):
-        if libc.unshare(ctypes.c_int(flags)) == 0:
-            return True
-    return False
+    # CAP_SYS_ADMIN can still get bare network and mount namespaces where user namespaces are disabled.
+    if libc.unshare(ctypes.c_int(clone_newuser | clone_newnet | clone_newns)) == 0:
+        # The same ids inside as outside, so that files made in the new root's tmpfs have an owner.
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+        return True
+    return libc.unshare(ctypes.c_int(clone_newnet | clone_newns)) == 0
+
+
+def _confine_filesystem(workdir: str, read_roots: tuple) -> bool:
+    """Make the working directory, `read_roots` and the few files Python needs the whole filesystem this
+    process sees: they are bind-mounted at their own paths into an empty tmpfs that becomes the root
+    (pivot_root; the old root is detached, so nothing leads back to it). Every other path is then absent
+    to every call, stat() and readlink() included, which Landlock does not govern."""
+    import ctypes
+
+    ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind, ms_rec, ms_private = (
+        1,
+        2,
+        4,
+        32,
+        4096,
+        16384,
+        1 << 18,
+    )
+    mnt_detach, sys_pivot_root = 2, {"x86_64": 155, "aarch64": 41}[platform.machine()]
+    libc = _libc()
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
+
+    def mount(source, target, fstype, flags):
+        if libc.mount(source and os.fsencode(source), os.fsencode(target), fstype, flags, None) != 0:
+            raise OSError(ctypes.get_errno(), f"mount {source} on {target}")
+
+    mount(None, "/", None, ms_rec | ms_private)  # nothing below propagates back to the host
+    # Descriptors first: the tmpfs may cover a source (the working directory is often under /tmp).
+    sources = []
+    for path in (workdir, *read_roots):
+        try:
+            sources.append((path, os.open(path, os.O_PATH | os.O_CLOEXEC)))
+        except OSError:
+            continue  # absent on this system (/lib64 on aarch64)
+    new_root = "/tmp" if os.path.isdir("/tmp") else "/mnt"
+    try:
+        mount(b"tmpfs", new_root, b"tmpfs", ms_nosuid | ms_nodev)
+    except BaseException:
+        for _, fd in sources:
+            os.close(fd)
+        raise
+    try:
+        for path, fd in sources:
+            target = new_root + path
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(target, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                open(target, "a").close()
+            mount(f"/proc/self/fd/{fd}", target, None, ms_bind | ms_rec)
+        os.chdir(new_root)
+        if libc.syscall(ctypes.c_long(sys_pivot_root), b".", b".") != 0:
+            raise OSError(ctypes.get_errno(), "pivot_root")
+    except BaseException:
+        libc.umount2(os.fsencode(new_root), ctypes.c_int(mnt_detach))  # the host's view back, as it was
+        os.chdir(workdir)
+        raise
+    finally:
+        for _, fd in sources:
+            os.close(fd)
+    # pivot_root(".", ".") stacks the old root on the new one; detached, nothing leads back to it.
+    detached = libc.umount2(b".", ctypes.c_int(mnt_detach)) == 0
+    if detached:
+        # The tmpfs read-only: the working directory's mount is the only writable one.
+        libc.mount(None, b"/", None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev, None)
+    os.chdir(workdir)
+    return detached
 
 
 def _apply_landlock(workdir: str, python_dirs: tuple) -> int:
@@ -148,12 +235,7 @@ def _apply_landlock(workdir: str, python_dirs: tuple) -> int:
         return 0
     read_only = read_file | read_dir
     read_write = handled & ~execute & ~make_char & ~make_block
-    # The dynamic loader (not Python) opens these when an extension module pulls in a shared
-    # library, e.g. libcrypto for hashlib.
-    system = (
-        "/lib /lib64 /usr/lib /usr/lib64 /usr/local/lib /etc/ld.so.cache /etc/localtime /usr/share/zoneinfo"
-    )
-    rules = [(p, read_only) for p in python_dirs + tuple(system.split())]
+    rules = [(p, read_only) for p in python_dirs + _SYSTEM_READ]
     rules += [
         ("/dev/null", read_file | write_file | truncate),
         ("/dev/urandom", read_file),
@@ -295,7 +377,7 @@ def _apply_seccomp() -> bool:
 def _install_audit_hook(workdir: str, read_roots: tuple) -> None:
     realpath, fsdecode, fspath, sep = os.path.realpath, os.fsdecode, os.fspath, os.sep
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    devices = ("/dev/null", "/dev/urandom")
+    devices = _DEVICES
     af_unix = 1
     blocked = frozenset(
         (
@@ -315,19 +397,25 @@ def _install_audit_hook(workdir: str, read_roots: tuple) -> None:
     def under(path, roots):
         return any(path == root or path.startswith(root + sep) for root in roots)
 
-    def check(path, write):
+    def check(path, write, follow=True):
         if path is None:
             path = "."
         if isinstance(path, int):
             return  # an already-open descriptor
         path = fsdecode(fspath(path))
-        resolved = realpath(path)
+        head, tail = os.path.split(path)
+        if follow or tail in ("", ".", ".."):
+            resolved = realpath(path)
+        else:  # the link itself (lstat, readlink): where it lies, not where it points
+            resolved = os.path.join(realpath(head or "."), tail)
         if under(resolved, (workdir,)) or resolved in devices or (not write and under(resolved, read_roots)):
             return
         what = "writing" if write else "reading"
         raise PermissionError(
             f"sandbox: {what} {path!r} is not allowed (only files in the working directory)"
         )
+
+    _guard_metadata(check)
 
     def hook(event, args):
         if event == "open":
@@ -350,6 +438,52 @@ def _install_audit_hook(workdir: str, read_roots: tuple) -> None:
             raise PermissionError(f"sandbox: {event} is not allowed")
 
     sys.addaudithook(hook)
+
+
+_NO_FOLLOW = ("lstat", "readlink")
+"""Calls about a symbolic link itself: checked where the link lies, not where it points."""
+
+
+def _guard_metadata(check) -> None:
+    """Python raises no audit event for stat() and its kin (os.path.exists, isdir, getsize, realpath,
+    Path.stat, os.access, readlink, statvfs, chdir), so the hook cannot see them: they are wrapped
+    instead, in `os` and `posix` alike, and refuse a path outside the working directory as `open` does."""
+    import _thread
+    import posix
+
+    local = _thread._local()
+
+    def guarded(original):
+        name = original.__name__
+
+        def call(path, *args, **kwargs):
+            if getattr(local, "busy", False):
+                return original(path, *args, **kwargs)  # check() itself resolving a path (realpath)
+            local.busy = True
+            try:
+                follow = name not in _NO_FOLLOW and kwargs.get("follow_symlinks", True)
+                entry = os.fsdecode(path) if isinstance(path, (str, bytes)) else path
+                if kwargs.get("dir_fd") is not None and isinstance(entry, str) and not os.path.isabs(entry):
+                    # Relative to an open directory (shutil.rmtree, os.fwalk): one entry of it, not followed.
+                    if os.sep in entry or entry in (".", "..") or follow:
+                        raise PermissionError(
+                            f"sandbox: reading {entry!r} relative to a descriptor is not allowed"
+                        )
+                else:
+                    check(path, False, follow=follow)
+            finally:
+                local.busy = False
+            return original(path, *args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
+    for name in ("stat", "lstat", "access", "readlink", "statvfs", "pathconf", "chdir"):
+        original = getattr(posix, name, None)
+        if original is not None:
+            wrapper = guarded(original)
+            setattr(posix, name, wrapper)
+            setattr(os, name, wrapper)
 
 
 if __name__ == "__main__":

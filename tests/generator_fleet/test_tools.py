@@ -268,7 +268,9 @@ def test_sandbox_files_outside_the_workdir_are_denied(tmp_path, audit_hook, isol
     ]:
         result = call(sandbox, ctx, code=code)
         assert not result.ok, code
-        assert "PermissionError" in result.text, code
+        # The kernel's view (a private mount namespace) has no such file at all; the hook refuses first.
+        absent = not audit_hook and isolation.filesystem and "FileNotFoundError" in result.text
+        assert "PermissionError" in result.text or absent, code
         assert "root:" not in result.text and "do not read" not in result.text
 
     result = call(sandbox, ctx, code="open('../outside.txt', 'w').write('escaped')")
@@ -280,6 +282,54 @@ def test_sandbox_files_outside_the_workdir_are_denied(tmp_path, audit_hook, isol
     )
     assert result == ToolResult(text="kept")
     assert (tmp_path / "work" / "inside.txt").read_text() == "kept"
+
+
+METADATA_PROBE = """
+import os, pathlib, shutil
+calls = {
+    "stat": os.stat, "lstat": os.lstat, "exists": os.path.exists, "isfile": os.path.isfile,
+    "isdir": os.path.isdir, "getsize": os.path.getsize, "access": lambda p: os.access(p, os.F_OK),
+    "Path.stat": lambda p: pathlib.Path(p).stat().st_size, "readlink": os.readlink,
+    "disk_usage": lambda p: shutil.disk_usage(p).total > 0, "chdir": os.chdir,
+}
+for path in PATHS:
+    seen = []
+    for name, fn in calls.items():
+        try:
+            seen.append(f"{name}={fn(path)!r}")
+        except OSError as e:
+            seen.append(f"{name}:{type(e).__name__}")
+    print(" ".join(seen))
+"""
+
+
+@pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "kernel-only"])
+def test_sandbox_file_metadata_outside_the_workdir_is_hidden(tmp_path, audit_hook, isolation):
+    # stat() and its kin answer whether a path exists, its size and owner: outside the working directory
+    # a file that exists must look exactly like one that does not.
+    skip_unless_kernel_layer(audit_hook, isolation.filesystem)
+    ctx = workdir_ctx(tmp_path / "work")
+    secret_dir = tmp_path / "secret"
+    secret_dir.mkdir()
+    (secret_dir / "key.pem").write_text("x" * 1234)
+    (tmp_path / "work" / "mine.txt").write_text("abc")
+    pairs = [
+        (secret_dir / "key.pem", secret_dir / "missing.pem"),
+        (secret_dir, tmp_path / "missing-dir"),
+        ("/etc/passwd", "/etc/no-such-file"),
+        ("../secret/key.pem", "../secret/missing.pem"),
+    ]
+    for present, missing in pairs:
+        code = f"PATHS = {[str(present), str(missing)]!r}\n{METADATA_PROBE}"
+        result = call(PythonSandbox(audit_hook=audit_hook), ctx, code=code)
+        assert result.ok, result.text
+        seen_present, seen_missing = result.text.splitlines()
+        assert seen_present == seen_missing, (present, result.text)
+        assert "=True" not in seen_present and "1234" not in seen_present, result.text
+    result = call(
+        PythonSandbox(audit_hook=audit_hook), ctx, code="import os\nprint(os.stat('mine.txt').st_size)"
+    )
+    assert result == ToolResult(text="3")
 
 
 @pytest.mark.parametrize("audit_hook", [True, False], ids=["hook", "kernel-only"])
