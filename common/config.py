@@ -37,10 +37,31 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 Pool = Annotated[int, msgspec.Meta(ge=1, le=MAX_POOL)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)]
 Prob = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+RayResources = dict[
+    Annotated[str, msgspec.Meta(min_length=1, max_length=256)],
+    Annotated[float, msgspec.Meta(gt=0, le=MAX_COUNT)],
+]
+"""Ray custom resources an actor requests (name -> amount), e.g. `{node_b: 0.01}` on a node started with
+`ray start --resources '{"node_b": 1}'`, or Ray's own `{"node:10.0.0.2": 0.01}` (every node has one
+`node:<its IP>`)."""
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray sizes from other options (num_cpus, num_gpus): refused in a `resources` mapping."""
 
 
 class Spec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Base: unknown keys are errors."""
+
+
+def check_resources(key: str, resources: dict[str, float]) -> None:
+    """A `resources` mapping names custom resources only (Ray refuses CPU and GPU there: they have
+    options of their own)."""
+    for name in resources:
+        if name in RAY_BUILTIN_RESOURCES:
+            raise bad(
+                f"{key}.{name}",
+                f"{name} is set by its own option (cpus_per_engine, gpus_per_engine, trainer.device), "
+                "not as a custom resource",
+            )
 
 
 def bad(key: str, msg: str) -> ValueError:

@@ -9,7 +9,19 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from common.config import MAX_COUNT, NewTokens, NonNeg, Pool, Pos, Prob, Seconds, Spec, bad
+from common.config import (
+    MAX_COUNT,
+    NewTokens,
+    NonNeg,
+    Pool,
+    Pos,
+    Prob,
+    RayResources,
+    Seconds,
+    Spec,
+    bad,
+    check_resources,
+)
 from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
 from generator_fleet.launch_options import SGLangOptions
 from generator_fleet.tasks import REWARDS, TASKS, check_name
@@ -148,6 +160,12 @@ class GeneratorsSpec(Spec):
     `sglang` engines take `sglang.gpus_per_engine`."""
     cpus_per_engine: NonNeg = 0
     """CPUs Ray reserves for each engine (and each rollout worker takes none: they wait on I/O)."""
+    resources: RayResources = msgspec.field(default_factory=dict)
+    """Ray custom resources each engine, rollout worker and evaluator requests, so that they run only on
+    nodes that have them: `{node_b: 0.01}` puts them on a node started with
+    `ray start --resources '{"node_b": 1}'` (each actor takes the amount given: leave room for all of
+    them), `{"node:10.0.0.2": 0.01}` on the node with that address (Ray gives every node a `node:<IP>`).
+    Empty: anywhere Ray finds room. The job fails at start, naming this key, if no node has them."""
     torch_threads: Pos = 1
     mem_fraction_static: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] | None = None
     """`builtin` on CUDA: share of the GPU's total memory for the engine's weights and KV pool (SGLang's
@@ -170,6 +188,7 @@ class GeneratorsSpec(Spec):
     engines' API key, so the key stays out of the spec and its saved copy; null = no key."""
 
     def __post_init__(self) -> None:
+        check_resources("resources", self.resources)
         if self.engine == "external" and not self.urls and self.router_url is None:
             raise bad("urls", "engine `external` needs `urls` (or `router_url` to take its workers from)")
         if self.engine != "external":

@@ -272,6 +272,9 @@ class JobSpec(Spec):
             if co != ColocationSpec():
                 raise bad("colocation", "only with `placement: colocated`")
             return
+        for key, res in (("generators.resources", g.resources), ("trainer.resources", tr.resources)):
+            if res:
+                raise bad(key, "placement colocated puts engines beside their trainer ranks: no resources")
         if g.engine == "external":
             raise bad(
                 "generators.engine",

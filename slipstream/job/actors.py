@@ -1,7 +1,7 @@
 """Ray actors: thin wrappers that host one component each in its own process.
 
 Each actor logs INFO to `<output_dir>/logs/<name>.log` (WARNING and up also reach the driver) and serves
-its Prometheus metrics on 127.0.0.1, registering the address in Redis for scraping.
+its Prometheus metrics on its node's address (`node_address`), registering it in Redis for scraping.
 """
 
 from __future__ import annotations
@@ -59,17 +59,28 @@ def _setup_process(
     root.handlers[:] = [fh, sh]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
     gpu_metrics.register()  # this process's GPUs, if it has any
-    port = serve_metrics(redis_url, job.name, name)
-    logging.getLogger(__name__).info("%s: pid %d, metrics on 127.0.0.1:%d", name, os.getpid(), port)
+    host = node_address()
+    port = serve_metrics(redis_url, job.name, name, host)
+    logging.getLogger(__name__).info("%s: pid %d, metrics on %s:%d", name, os.getpid(), host, port)
 
 
-def serve_metrics(redis_url: str, job: str, replica: str) -> int:
-    """This process's Prometheus registry on 127.0.0.1, registered in Redis as `replica` of `job` for
+def node_address() -> str:
+    """Where this actor's servers (a built-in engine, the metrics endpoint) listen: 127.0.0.1 while the
+    Ray cluster is one node, so that nothing leaves loopback (Ray reports a host's external IP as its
+    node's address even for a cluster on 127.0.0.1); across nodes, this node's address in the cluster
+    (the one its raylet registered, which the other nodes reach), never every interface."""
+    if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
+
+
+def serve_metrics(redis_url: str, job: str, replica: str, host: str = "127.0.0.1") -> int:
+    """This process's Prometheus registry on `host`, registered in Redis as `replica` of `job` for
     scraping (slipstream/cluster/targets.py); its port."""
     from prometheus_client import start_http_server
 
-    server, _ = start_http_server(0, addr="127.0.0.1")  # port 0: the OS picks one, no race for it
-    connect(redis_url).hset(JobKeys(job).metrics_targets, replica, f"127.0.0.1:{server.server_port}")
+    server, _ = start_http_server(0, addr=host)  # port 0: the OS picks one, no race for it
+    connect(redis_url).hset(JobKeys(job).metrics_targets, replica, f"{host}:{server.server_port}")
     return server.server_port
 
 
@@ -106,6 +117,8 @@ class EngineActor:
         _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.lora = options.lora
+        if options.host == "127.0.0.1":  # the job's own engines: reachable from the trainer's node too
+            options = msgspec.structs.replace(options, host=node_address())
         self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:

@@ -33,7 +33,7 @@ from typing import NamedTuple
 from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.job.placement import Colocation, engine_spec
+from slipstream.job.placement import Colocation, engine_spec, require_resources
 from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, died, error_of, kill, outcome, wait_all
 from weight_bus.registry import EngineRegistry, engines_key, joining_key
 
@@ -78,10 +78,13 @@ def engine_actor(spec: JobSpec, placement: Colocation | None = None, slot: int =
     if placement is not None:
         opts = placement.engine(slot)
         return cls.options(num_cpus=g.cpus_per_engine, **opts), opts["num_gpus"]
+    res = dict(g.resources)
     if g.engine == "sglang":
         gpus = g.sglang.tp_size if g.sglang.gpus_per_engine is None else g.sglang.gpus_per_engine
-        return cls.options(num_gpus=gpus, num_cpus=g.cpus_per_engine), gpus
-    return cls.options(num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine), g.gpus_per_engine
+        return cls.options(num_gpus=gpus, num_cpus=g.cpus_per_engine, resources=res), gpus
+    return cls.options(
+        num_gpus=g.gpus_per_engine, num_cpus=g.cpus_per_engine, resources=res
+    ), g.gpus_per_engine
 
 
 def launch_engine(
@@ -120,13 +123,16 @@ def start_engines(
     from slipstream.job.actors import ExternalEnginesActor, job_ref
 
     g = spec.generators
+    require_resources("generators.resources", g.resources)
     if g.engine == "external":
         api_key = None
         if g.api_key_env is not None:
             api_key = os.environ.get(g.api_key_env)
             if not api_key:
                 raise RuntimeError(f"generators.api_key_env: environment variable {g.api_key_env} is not set")
-        attach = ExternalEnginesActor.remote(job_ref(spec), redis_url, api_key, g.urls, g.router_url)
+        attach = ExternalEnginesActor.options(resources=dict(g.resources)).remote(
+            job_ref(spec), redis_url, api_key, g.urls, g.router_url
+        )
         engine_actors.append(attach)
         workers = ray.get(attach.attach.remote())
     else:
@@ -147,7 +153,9 @@ def start_engines(
         engine_actors += started
         workers = ray.get([e.start.remote() for e in started])
         if g.router_url:  # the engines joined the router; the router joins the registry
-            attach = ExternalEnginesActor.remote(job_ref(spec), redis_url, api_key, workers, g.router_url)
+            attach = ExternalEnginesActor.options(resources=dict(g.resources)).remote(
+                job_ref(spec), redis_url, api_key, workers, g.router_url
+            )
             engine_actors.append(attach)
             ray.get(attach.attach.remote())
     rollout = [g.router_url.rstrip("/")] if g.router_url else workers
@@ -251,7 +259,7 @@ class GeneratorPool:
         """(actor, its run() call) of rollout worker `index`."""
         from slipstream.job.actors import RolloutActor
 
-        a = RolloutActor.remote(
+        a = RolloutActor.options(resources=dict(self.spec.generators.resources)).remote(
             self.spec.rollout_config(), self.redis_url, self.rollout_urls, self.api_key, index
         )
         return a, a.run.remote()
@@ -440,7 +448,7 @@ class GeneratorPool:
         if cfg is None:
             return
         priority = EVAL_PRIORITY if self.spec.generators.engine == "builtin" else None
-        self.evaluator = EvalActor.remote(
+        self.evaluator = EvalActor.options(resources=dict(self.spec.generators.resources)).remote(
             cfg, self.redis_url, self.rollout_urls, self.api_key, priority, self.eval_restarts
         )
         self.eval_run = self.evaluator.run.remote()

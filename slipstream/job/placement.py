@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from common.config import RAY_BUILTIN_RESOURCES
 from jobspec import JobSpec
 from weight_bus.config import ASYNC_MEM_FRACTION
 
@@ -146,4 +147,24 @@ def colocation(spec: JobSpec) -> Colocation | None:
         return None
     return Colocation(
         spec.trainer.device == "cuda", spec.trainer.num_trainers, spec.generators.cpus_per_engine
+    )
+
+
+def require_resources(key: str, wanted: dict[str, float]) -> None:
+    """RuntimeError, naming `key` (`generators.resources`), unless some alive Ray node has every resource
+    in `wanted`, each at least in the amount asked for: Ray would keep the actors pending forever."""
+    import ray
+
+    if not wanted:
+        return
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if any(all(n["Resources"].get(k, 0) >= v for k, v in wanted.items()) for n in nodes):
+        return
+    have = {
+        n.get("NodeManagerAddress", "?"): sorted(k for k in n["Resources"] if k not in RAY_BUILTIN_RESOURCES)
+        for n in nodes
+    }
+    raise RuntimeError(
+        f"{key}: no node of the Ray cluster has {wanted} (the nodes' custom resources: {have}; start a "
+        "node with `ray start --resources '{\"NAME\": AMOUNT}' ...`)"
     )

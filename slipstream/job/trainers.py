@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from jobspec import JobSpec
-from slipstream.job.placement import Colocation
+from slipstream.job.placement import Colocation, require_resources
 from slipstream.job.supervise import OTHER, Failure, Restarts, classify, died, error_of, kill, wait_all
 
 log = logging.getLogger("slipstream.job.trainers")
@@ -102,6 +102,7 @@ class TrainerPool:
         spec = msgspec.structs.replace(
             self.spec, trainer=msgspec.structs.replace(self.spec.trainer, **trainer)
         )
+        require_resources("trainer.resources", spec.trainer.resources)
         engine_urls, api_key = self.endpoints()
         config = spec.trainer_config()
         self.ranks = [
@@ -128,7 +129,8 @@ class TrainerPool:
         """Ray options of rank `rank`: a whole GPU each on cuda, or its colocated device slot's share."""
         if self.placement is not None:
             return self.placement.trainer(rank)
-        return {"num_gpus": 1 if self.spec.trainer.device == "cuda" else 0}
+        gpus = 1 if self.spec.trainer.device == "cuda" else 0
+        return {"num_gpus": gpus, "resources": dict(self.spec.trainer.resources)}
 
     def stop(self, checkpoint: bool) -> None:
         """The pool ends after its current step (with a checkpoint there if `checkpoint`)."""

@@ -36,6 +36,11 @@ def test_an_empty_spec_file_is_refused(tmp_path):
         ("supervision: {out_of_memory_restarts: -1}", "$.supervision.out_of_memory_restarts"),
         ("supervision: {max_restarts: 2, disk_full_restarts: 3}", "$.supervision.disk_full_restarts"),
         ("supervision: {restarts: 3}", "$.supervision.restarts"),
+        ("generators: {resources: {node_b: 0}}", "$.generators.resources[...]"),
+        ("generators: {resources: {CPU: 1}}", "$.generators.resources.CPU"),
+        ("trainer: {resources: {GPU: 1}}", "$.trainer.resources.GPU"),
+        ("trainer: {resources: [node_a]}", "$.trainer.resources"),
+        ("placement: colocated\ngenerators: {resources: {node_b: 1}}", "$.generators.resources"),
     ],
 )
 def test_bad_keys_fail_with_their_path(tmp_path, text, path):
@@ -160,3 +165,12 @@ def test_colocated_lora_job_runs_on_one_trainer_rank():
     )
     with pytest.raises(jobspec.JobSpecError, match=r"one trainer rank.*\$\.trainer\.num_trainers"):
         jobspec.from_dict({"model": lora, "placement": "colocated", **two})
+
+
+def test_pools_can_ask_for_ray_custom_resources():
+    """Engines, rollout workers and trainer ranks go to the nodes that have the resources they name."""
+    spec = jobspec.from_dict(
+        {"generators": {"resources": {"node_b": 0.01}}, "trainer": {"resources": {"node:10.0.0.1": 0.01}}}
+    )
+    assert spec.generators.resources == {"node_b": 0.01}
+    assert spec.trainer_config().trainer.resources == {"node:10.0.0.1": 0.01}
