@@ -3,6 +3,8 @@
 Every field documents its unit. The sections live beside their components (`models.config`,
 `generator_fleet.config`, `trainer.config`, `replay_buffer.config`, `weight_bus.config`); `jobspec.spec`
 composes them into `JobSpec`, `jobspec.loader` parses, overrides and validates.
+
+May import: common, models, replay_buffer, weight_bus, generator_fleet, trainer (their spec sections).
 """
 
 from common.config import (

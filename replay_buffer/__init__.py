@@ -1,4 +1,7 @@
-"""Replay buffer: group records on a Redis Stream with staleness-bounded, at-least-once consumption."""
+"""Replay buffer: group records on a Redis Stream with staleness-bounded, at-least-once consumption.
+
+May import: common.
+"""
 
 from replay_buffer.keys import JobKeys
 from replay_buffer.producer import BufferProducer

@@ -12,6 +12,7 @@ module over MAX_LINES lines without a reason written at its top.
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,19 @@ def test_long_modules_say_why(pkg):
     assert not long, f"over {MAX_LINES} lines without a '{LONG_MARK}' reason near the top:\n" + "\n".join(
         long
     )
+
+
+def test_each_package_says_what_it_owns_and_what_it_may_import():
+    """Every package's __init__ docstring ends its first paragraph on what it owns and has a `May import:`
+    line naming exactly the packages ALLOWED lets it import (or "nothing" / "every other package")."""
+    for pkg in PACKAGES:
+        doc = ast.get_docstring(ast.parse((ROOT / pkg / "__init__.py").read_text())) or ""
+        assert doc, f"{pkg}/__init__.py has no docstring saying what the package owns"
+        line = next((ln for ln in doc.splitlines() if ln.startswith("May import:")), None)
+        assert line is not None, f"{pkg}/__init__.py: no 'May import:' line"
+        named = {p for p in PACKAGES if re.search(rf"\b{p}\b", line)}
+        if "every other package" in line:
+            named = set(PACKAGES) - {pkg}
+        assert named == ALLOWED[pkg], (
+            f"{pkg}: docstring says {sorted(named)}, the rule {sorted(ALLOWED[pkg])}"
+        )

@@ -1,7 +1,10 @@
 """Weight bus: trainer rank 0 broadcasts new weights to every engine over one process group (backend
 ipc: hands them to engines on its host by CUDA IPC / shared memory).
 
-Importing the package is cheap (no torch): its names load from their modules on first use."""
+Importing the package is cheap (no torch): its names load from their modules on first use.
+
+May import: common, models, replay_buffer.
+"""
 
 from __future__ import annotations
 
