@@ -103,19 +103,11 @@ class Trainer:
         self.buffer = self.bus = None
         ipc = cfg.bus.backend == "ipc"
         self.per_rank = ipc and world_size > 1
+        device = "cuda:0" if cfg.trainer.device == "cuda" else "cpu"  # Ray gives each rank its GPU as 0
         """Colocated with several ranks: every rank hands the weights to the engines on its device, through
         its own bus (rank 0's knows the engines, pauses and continues them: weight_bus.rank_handoff)."""
         if rank != 0 and self.per_rank:
-            self.bus = WeightBus(
-                [],
-                api_key=api_key,
-                backend="ipc",
-                bucket_bytes=cfg.bus.bucket_bytes,
-                pause_mode=cfg.bus.pause_mode,
-                dtype=cfg.bus.dtype,
-                timeout_s=cfg.bus.timeout_s,
-                device="cuda:0" if cfg.trainer.device == "cuda" else "cpu",
-            )
+            self.bus = WeightBus.from_config(cfg.bus, [], api_key, backend="ipc", stage=False, device=device)
         if rank == 0:
             self.buffer = ReplayBuffer(
                 connect(redis_url),
@@ -124,23 +116,15 @@ class Trainer:
                 stale_policy=cfg.buffer.stale_policy,
                 ledger=cfg.buffer.ledger,
             )
-            self.bus = WeightBus(
+            self.bus = WeightBus.from_config(
+                cfg.bus,
                 engine_urls,
-                api_key=api_key,
-                backend=cfg.bus.backend,
-                bucket_bytes=cfg.bus.bucket_bytes,
-                pause_mode=cfg.bus.pause_mode,
-                dtype=cfg.bus.dtype,
-                timeout_s=cfg.bus.timeout_s,
+                api_key,
                 registry=EngineRegistry(connect(redis_url), cfg.name),
                 master_address=cfg.bus.master_address or master_address_for(engine_urls),
-                # ipc: buckets are packed where the trainer's weights are (Ray gives each rank its GPU as 0)
-                device=("cuda:0" if cfg.trainer.device == "cuda" else "cpu")
-                if cfg.bus.backend == "ipc"
-                else None,
+                device=device if ipc else None,  # ipc: buckets are packed where the trainer's weights are
                 lora=cfg.model.lora,
                 lora_dir=str(Path(cfg.output_dir) / "lora"),
-                stage=cfg.bus.stage_weights,
             )
         self.handoff: MemoryHandoff | None = None
         """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""

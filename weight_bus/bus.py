@@ -60,7 +60,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from weight_bus.config import BACKENDS, BUCKET_BYTES, PAUSE_MODES
+from weight_bus.config import BACKENDS, BUCKET_BYTES, PAUSE_MODES, BusSpec
 from weight_bus.engine_client import EngineClient
 from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
@@ -93,6 +93,25 @@ def _drain(it: Iterator) -> None:
 class WeightBus:
     """Connects to engines over HTTP, hosts rank 0 of the update group, publishes weights: a
     `Membership` (who is in the group) and a `Transfer` (one update over it), one update at a time."""
+
+    @classmethod
+    def from_config(
+        cls, spec: BusSpec, engine_urls: list[str], api_key: str | None = None, **over
+    ) -> WeightBus:
+        """The bus a job's `bus` section describes (backend, buckets, pause mode, dtype, timeouts, staging,
+        the address peers dial); `over`: what the section does not hold (registry, device, lora, ...) or
+        replaces."""
+        kw = {
+            "backend": spec.backend,
+            "bucket_bytes": spec.bucket_bytes,
+            "pause_mode": spec.pause_mode,
+            "dtype": spec.dtype,
+            "timeout_s": spec.timeout_s,
+            "stage": spec.stage_weights,
+        }
+        if spec.master_address:
+            kw["master_address"] = spec.master_address
+        return cls(engine_urls, api_key=api_key, **(kw | over))
 
     def __init__(
         self,
