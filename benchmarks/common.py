@@ -25,8 +25,12 @@ class ResultFile:
         argv: list[str],
         out_dir: Path,
         label: str | None = None,
+        append: bool = False,
         **fields: Any,
     ) -> None:
+        """append: today's file of the same benchmark, device and label, when there is one, is loaded and
+        added to (a benchmark run as several phase commands, each short enough for one device call); its
+        commands are listed in `commands`."""
         today = datetime.date.today()
         # a benchmark that is a package runs as a module
         package = (Path(__file__).parent / benchmark / "__main__.py").exists()
@@ -43,6 +47,12 @@ class ResultFile:
             "errors": [],
         }
         self.result.update(fields)  # e.g. config=...: keeps the key order above
+        if append and self.path.exists():  # one phase of several: what the earlier commands measured stays
+            earlier = json.loads(self.path.read_text())
+            commands = earlier.get("commands") or [earlier.get("command")]
+            earlier["commands"] = [*commands, self.result["command"]]
+            earlier["command"] = self.result["command"]
+            self.result = earlier
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -145,8 +145,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
 
     stalenesses = [int(s) for s in args.staleness.split(",")]
     label = "learning" if args.learning_only else None  # not to overwrite a full run's file
-    rf = ResultFile("async_vs_sync", args.device_kind, argv, args.out_dir, label, metrics={"runs": {}})
+    rf = ResultFile(
+        "async_vs_sync", args.device_kind, argv, args.out_dir, label, append=args.append, metrics={"runs": {}}
+    )
     result, out_path, save = rf.result, rf.path, rf.save
+    result["metrics"].setdefault("runs", {})
+    # the stalenesses of the whole series: an --append phase adds its own to the earlier commands'
+    ran = set() if args.phase == "bounds" else set(stalenesses)
+    measured = sorted(set(result["config"].get("max_staleness", [])) | ran)
 
     t_start = time.monotonic()
     work_root = Path(args.work_dir) if args.work_dir else None
@@ -168,7 +174,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         make_spec(raw, name="x", out=work / "x", max_staleness=0, total_steps=1)  # a bad job fails here
         samples_per_step = step_samples(raw)
         result["config"] = {
-            "max_staleness": stalenesses,
+            "max_staleness": measured,
             "steps_timed": args.steps,
             "warmup_steps": args.warmup,
             "samples_per_step": samples_per_step,
@@ -176,7 +182,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
             "job": json.loads(json.dumps(raw)),
             "model_shape": "tiny-arith (demo)" if args.device == "cpu" else args.model_shape,
             "async_vs_sync_uses": f"max_staleness={HEADLINE_STALENESS}"
-            if HEADLINE_STALENESS in stalenesses
+            if HEADLINE_STALENESS in measured
             else "best async",
             "definitions": {
                 "samples_per_s": "trained samples / trainer wall time over the steps after warmup_steps "
@@ -218,7 +224,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     result["errors"].append({"error": f"plots: {exc!r}"})
 
         with rf.recording(log, t_start, finish):
-            if not args.learning_only:
+            if not args.learning_only and args.phase in ("all", "staleness"):
                 for ms in stalenesses:
                     m = throughput_run(args, raw, model, work, ms, samples_per_step)
                     result["metrics"]["runs"][str(ms)] = m
@@ -228,10 +234,13 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                         f"{m['generator']['busy_fraction']}, staleness {m['staleness_histogram']}"
                     )
                     save()
+            if not args.learning_only and args.phase in ("all", "bounds"):
                 result["metrics"] |= pipeline_bounds(args, raw, model, work, samples_per_step)
-                summarise(result, stalenesses)
                 save()
-            if args.learning_steps > 0:
+            if not args.learning_only:
+                summarise(result)
+                save()
+            if args.learning_steps > 0 and args.phase == "all":
                 lraw, lmodel = learning_job(args, raw, model, work)
                 result["config"]["learning_job"] = json.loads(json.dumps(lraw))
                 save()
@@ -245,16 +254,22 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     return result
 
 
-def summarise(result: dict, stalenesses: list[int]) -> None:
+def summarise(result: dict) -> None:
+    """The ratios of what has been measured so far (every phase command of an --append series calls it):
+    per-staleness figures; with the bounds phase, the pipeline bound; with max_staleness 0 and an async
+    run, the headline ratios."""
     m, r = result["metrics"], result["ratios"]
     runs = m["runs"]
-    gen, tr = m["generator_only"], m["trainer_only"]
-    bound = min(gen["samples_per_s"], tr["samples_per_s"])
-    m["pipeline_bound_samples_per_s"] = bound
-    m["pipeline_bound_is"] = (
-        "generator_only" if gen["samples_per_s"] <= tr["samples_per_s"] else "trainer_only"
-    )
-    gen_tok = gen["generator"]["generated_tokens_per_s"]
+    gen, tr = m.get("generator_only"), m.get("trainer_only")
+    bound = min(gen["samples_per_s"], tr["samples_per_s"]) if gen and tr else None
+    if bound is not None:
+        m["pipeline_bound_samples_per_s"] = bound
+        m["pipeline_bound_is"] = (
+            "generator_only" if gen["samples_per_s"] <= tr["samples_per_s"] else "trainer_only"
+        )
+        m["generator_only_samples_per_s"] = gen["samples_per_s"]
+        m["trainer_only_samples_per_s"] = tr["samples_per_s"]
+    gen_tok = gen["generator"]["generated_tokens_per_s"] if gen else None
     for ms, run in runs.items():
         run["generator_utilisation"] = (
             run["generator"]["generated_tokens_per_s"] / gen_tok
@@ -265,8 +280,8 @@ def summarise(result: dict, stalenesses: list[int]) -> None:
         m[f"tokens_per_s_staleness_{ms}"] = run["tokens_per_s"]
         m[f"trainer_busy_staleness_{ms}"] = run["trainer_busy_fraction"]
         m[f"generator_busy_staleness_{ms}"] = run["generator"]["busy_fraction"]
-    m["generator_only_samples_per_s"] = gen["samples_per_s"]
-    m["trainer_only_samples_per_s"] = tr["samples_per_s"]
+        if bound:
+            r[f"async_vs_pipeline_bound_staleness_{ms}"] = run["samples_per_s"] / bound
     if "0" not in runs:
         return
     sync = runs["0"]["samples_per_s"]
@@ -277,11 +292,11 @@ def summarise(result: dict, stalenesses: list[int]) -> None:
     head = str(HEADLINE_STALENESS) if str(HEADLINE_STALENESS) in asyncs else best
     for ms, v in asyncs.items():
         r[f"async_vs_sync_staleness_{ms}"] = v / sync
-        r[f"async_vs_pipeline_bound_staleness_{ms}"] = v / bound
     r["async_vs_sync"] = asyncs[head] / sync
-    r["async_vs_pipeline_bound"] = asyncs[head] / bound
     r["best_async_vs_sync"] = asyncs[best] / sync
-    r["sync_vs_pipeline_bound"] = sync / bound
+    if bound:
+        r["async_vs_pipeline_bound"] = asyncs[head] / bound
+        r["sync_vs_pipeline_bound"] = sync / bound
     m["headline_staleness"] = int(head)
     m["best_async_staleness"] = int(best)
 
@@ -314,9 +329,11 @@ def report(result: dict) -> str:
     for e in result["errors"]:
         lines.append(f"ERROR {e['error']}")
     if "async_vs_sync" in r:
+        bound = r.get("async_vs_pipeline_bound")
         lines.append(
             f"async_vs_sync async_vs_sync={r['async_vs_sync']:.3f} async_vs_pipeline_bound="
-            f"{r['async_vs_pipeline_bound']:.3f} (max_staleness={m['headline_staleness']}, device={result['device']})"
+            f"{'n/a' if bound is None else f'{bound:.3f}'} (max_staleness={m['headline_staleness']}, "
+            f"device={result['device']})"
         )
     return "\n".join(lines)
 
@@ -404,6 +421,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--phase",
+        choices=["all", "staleness", "bounds"],
+        default="all",
+        help="run one part only, each short enough for one command on a GPU machine: staleness (the jobs of "
+        "--staleness), bounds (generator-only then trainer-only); all: both, then the learning jobs",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add to today's result file of the same device and label instead of starting it again (phase "
+        "commands run one after another; the ratios are recomputed from everything measured)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")

@@ -163,13 +163,25 @@ def test_cpu_learning_jobs_are_the_throughput_job(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_writes_result_file_with_headline_names(tmp_path, capsys):
-    result = main(["--quick", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)])
+def test_quick_run_in_phase_commands_writes_one_result_file_with_headline_names(tmp_path, capsys):
+    """The run as three phase commands appending to one file (each short enough for one device call): the
+    sync job, the async job, then the bounds; the ratios are those of the whole."""
+    base = ["--quick", "--out-dir", str(tmp_path), "--work-dir", str(tmp_path)]
+    phases = [["--phase", "staleness", "--staleness", "0"], ["--phase", "staleness", "--staleness", "2"]]
+    phases.append(["--phase", "bounds"])
+    for i, phase in enumerate(phases):
+        result = main([*base, *phase, *(["--append"] if i else [])])
+        if i == 0:  # the sync job alone: no ratio yet, nothing claimed
+            assert (
+                result["ratios"].get("async_vs_sync") is None
+                and "pipeline_bound_samples_per_s" not in result["metrics"]
+            )
 
     [path] = tmp_path.glob("async_vs_sync-cpu-*.json")
     on_disk = json.loads(path.read_text())
     assert on_disk == json.loads(json.dumps(result))
     assert on_disk["errors"] == []
+    assert len(on_disk["commands"]) == 3 and on_disk["commands"][-1].endswith("--phase bounds --append")
     assert {"benchmark", "device", "date", "command", "config", "metrics", "ratios"} <= on_disk.keys()
     assert on_disk["benchmark"] == "async_vs_sync" and on_disk["device"] == "cpu"
     assert path.name == f"async_vs_sync-cpu-{on_disk['date'].replace('-', '')}.json"
