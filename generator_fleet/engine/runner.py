@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.arena import lay_out_weights
@@ -33,6 +34,7 @@ from generator_fleet.engine.memory import (
 )
 from generator_fleet.engine.model import DecodeGraphs, PagedForward, check_supported
 from generator_fleet.engine.multi_copy import MultiCopy
+from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.runner_steps import RunnerSteps, abort_reason, fill_tokens
 from generator_fleet.engine.runner_weights import RunnerWeights
@@ -49,8 +51,39 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def load_model(path: str, device: torch.device, dtype: torch.dtype, load_format: str | None) -> nn.Module:
+    """The HF model at `path` on `device` in `dtype`, in eval mode; load_format "dummy" (SGLang's name):
+    random weights from the config, made on the device (benchmarks of models too large to save)."""
+    if load_format == "dummy":
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).eval()
+    if load_format in (None, "auto"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    raise ValueError(f"load_format {load_format!r}: expected auto or dummy")
+
+
 class Runner(RunnerWeights, RunnerSteps):
     """Owns the model, the KV cache, the request queue and the generation thread."""
+
+    @classmethod
+    def from_options(cls, o: EngineOptions) -> Runner:
+        """The runner an engine's options describe (engine/options.py: the server's, the command line's)."""
+        return cls(
+            o.model_path,
+            device=o.device,
+            max_batch_size=o.max_batch_size,
+            weight_version=o.weight_version,
+            context_length=o.context_length,
+            dtype=getattr(torch, o.dtype) if o.dtype else None,
+            kv_cache_tokens=o.kv_cache_tokens,
+            mem_fraction_static=o.mem_fraction_static,
+            cuda_graphs=not o.disable_cuda_graph,
+            load_format=o.load_format,
+            fp32_lm_head=o.fp32_lm_head,
+            json_any_whitespace=not o.constrained_json_disable_any_whitespace,
+            lora=o.lora,
+            max_loras=o.max_loras,
+        )
 
     def __init__(
         self,
@@ -91,16 +124,7 @@ class Runner(RunnerWeights, RunnerSteps):
         self.dtype = dtype or default_dtype(self.device)
         self.max_batch_size = max_batch_size
         self.tokenizer = load_tokenizer(self.model_path)
-        if load_format == "dummy":
-            with torch.device(self.device):
-                config = AutoConfig.from_pretrained(self.model_path)
-                self.model = AutoModelForCausalLM.from_config(config, dtype=self.dtype).eval()
-        elif load_format in (None, "auto"):
-            self.model = (
-                AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
-            )
-        else:
-            raise ValueError(f"load_format {load_format!r}: expected auto or dummy")
+        self.model = load_model(self.model_path, self.device, self.dtype, load_format)
         self.config = self.model.config
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(self.config, "max_position_embeddings", 4096))

@@ -71,22 +71,7 @@ class EngineServer:
         o = self.options
         if o.torch_threads:
             torch.set_num_threads(o.torch_threads)  # process-wide: one engine per process in production
-        self.runner = Runner(
-            o.model_path,
-            device=o.device,
-            max_batch_size=o.max_batch_size,
-            weight_version=o.weight_version,
-            context_length=o.context_length,
-            dtype=getattr(torch, o.dtype) if o.dtype else None,
-            kv_cache_tokens=o.kv_cache_tokens,
-            mem_fraction_static=o.mem_fraction_static,
-            cuda_graphs=not o.disable_cuda_graph,
-            load_format=o.load_format,
-            fp32_lm_head=o.fp32_lm_head,
-            json_any_whitespace=not o.constrained_json_disable_any_whitespace,
-            lora=o.lora,
-            max_loras=o.max_loras,
-        )
+        self.runner = Runner.from_options(o)
         self.runner.on_fatal.append(self._on_fatal)
         self.runner.start()
         self.app = build_app(self.runner, o, api_key=self.api_key, body_timeout_s=self.limits.body_timeout_s)
