@@ -66,7 +66,7 @@ from weight_bus.errors import BusError
 from weight_bus.group import DEFAULT_TIMEOUT_S, dtype_from_name
 from weight_bus.ipc_transfer import IpcTransfer
 from weight_bus.membership import IPC, Membership, Registry
-from weight_bus.rank_handoff import Ranks, publish_per_rank
+from weight_bus.rank_handoff import RankHandoff, Ranks
 from weight_bus.schema import DEFAULT_GROUP
 from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
 
@@ -187,10 +187,8 @@ class WeightBus:
         )
         self._lock = threading.Lock()
         """One update (or connect) at a time: an update never overlaps another."""
-        self.local_transfer: IpcTransfer | None = None
-        """ipc with several trainer ranks: this rank's transfer to the engines on its device."""
-        self.devices: list[str | None] | None = None
-        """ipc with several trainer ranks: each rank's CUDA device UUID (None on CPU), once known."""
+        self.rank_handoff = RankHandoff(self)
+        """ipc with several trainer ranks: this rank's handoff to the engines on its device."""
 
     @property
     def urls(self) -> list[str]:
@@ -240,7 +238,7 @@ class WeightBus:
                 if ranks is not None and ranks.world_size > 1:
                     if self.backend != IPC:
                         raise BusError(f"per-rank handoff is backend ipc's, not {self.backend}'s")
-                    return publish_per_rank(self, it, version, persistent, ranks)
+                    return self.rank_handoff.publish(it, version, persistent, ranks)
                 return self.transfer.publish(it, version, persistent)
             finally:
                 _drain(it)
@@ -249,8 +247,6 @@ class WeightBus:
         """Leave the group on every side (engines keep serving) and release the connections."""
         with self._lock:
             self.members.close()
-            if self.local_transfer is not None:
-                for e in self.local_transfer.members.engines:
-                    e.close()
+            self.rank_handoff.close()
         self.client.close()
         self.pool.shutdown(wait=False)
