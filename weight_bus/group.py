@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import socket
 
 import torch
@@ -29,10 +30,22 @@ def master_address_for(engine_urls: list[str]) -> str:
     remote = [
         h for u in engine_urls if (h := urlparse(u).hostname) and h not in ("127.0.0.1", "localhost", "::1")
     ]
-    if not remote:
-        return "127.0.0.1"
+    return address_toward(remote[0]) if remote else "127.0.0.1"
+
+
+def address_toward(host: str) -> str:
+    """This host's address on the route to `host` (no packet is sent): where a peer that dials `host`
+    can reach this process back. 127.0.0.1 for a loopback `host`."""
+    from ipaddress import ip_address
+
+    try:
+        if ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:  # a name
+        if host == "localhost":
+            return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((remote[0], 9))
+        s.connect((host, 9))
         return s.getsockname()[0]
 
 
@@ -77,14 +90,30 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def group_on(
-    store: dist.Store, rank: int, world_size: int, backend: str, group_name: str, timeout_s: float
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    group_name: str,
+    timeout_s: float,
+    local_address: str | None = None,
 ) -> dist.ProcessGroup:
     """The group over `store` (prefixed with `group_name`). gloo blocks until all `world_size` ranks have
-    joined (at most `timeout_s`); NCCL connects lazily, at the first collective."""
+    joined (at most `timeout_s`); NCCL connects lazily, at the first collective.
+
+    gloo: this rank's transport listens on `local_address` (this host's address toward the store, which
+    the peers can dial) and advertises it to them. Left to itself, gloo takes the address the host name
+    resolves to, often 127.0.0.1 or 127.0.1.1 (/etc/hosts): peers on other nodes then dial their own
+    loopback. An operator's GLOO_SOCKET_IFNAME still wins."""
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.PrefixStore(group_name, store)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if local_address is None or os.environ.get("GLOO_SOCKET_IFNAME"):
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
@@ -105,7 +134,8 @@ def new_group(
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: expected gloo or nccl")
     store = tcp_store(master_address, master_port, world_size, rank == 0, timeout_s)
-    return group_on(store, rank, world_size, backend, group_name, timeout_s)
+    local = master_address if rank == 0 else address_toward(master_address)
+    return group_on(store, rank, world_size, backend, group_name, timeout_s, local)
 
 
 def broadcast_async(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> dist.Work:

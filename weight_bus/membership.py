@@ -265,7 +265,7 @@ class Membership:
                 )
                 futures[e.url] = e.join(req)
             try:
-                self.group = group_on(store, 0, world, self.backend, name, timeout)
+                self.group = group_on(store, 0, world, self.backend, name, timeout, self.master_address)
             except Exception as e:
                 cause = f"setup failed: {type(e).__name__}: {e}"
                 log.warning("weight group %s: %s", name, cause)
