@@ -36,6 +36,7 @@ from slipstream.cluster.state import (
     JOB_STOP_TIMEOUT_S,
     PROMETHEUS_SKIPPED,
     RAY_DISCOVERY_FILE,
+    RAY_SIDE_PORTS,
     RAY_TEMP_PARENT_PREFIX,
     REPO_ROOT,
     SERVICES,
@@ -48,6 +49,7 @@ from slipstream.cluster.state import (
     private_dir,
     project_pythonpath,
     ray_env,
+    ray_node_env,
     ray_temp_dir,
     read_state,
     resolve_home,
@@ -107,12 +109,15 @@ def _start_ray(home: Path, state: ClusterState, sec: dict[str, str], num_cpus, n
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block"]
     cmd += ["--port", str(p["ray"]), "--temp-dir", str(temp_dir), "--disable-usage-stats"]
     cmd += ["--include-dashboard", "true", "--dashboard-host", host, "--dashboard-port", str(p["dashboard"])]
-    # Ray's defaults for these (10001, 52365) clash with any other Ray on the machine.
+    # Ray's defaults for these (10001, 52365; the metrics servers' 44217, 44227 and a random exporter port)
+    # clash with any other Ray on the machine: each cluster has its own, remembered in cluster.json.
     cmd += [
         "--ray-client-server-port",
         str(p["ray_client"]),
         "--dashboard-agent-listen-port",
         str(p["ray_agent"]),
+        "--metrics-export-port",
+        str(p["ray_metrics"]),
     ]
     if host not in ("", "0.0.0.0"):
         cmd += ["--node-ip-address", host]
@@ -128,6 +133,10 @@ def _start_ray(home: Path, state: ClusterState, sec: dict[str, str], num_cpus, n
         # migrate); this node is the whole cluster, so there is nowhere to drain to.
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         "PYTHONPATH": project_pythonpath(),
+        # No `ray start` option: the dashboard head's and the autoscaler monitor's metrics ports.
+        "DASHBOARD_METRIC_PORT": str(p["ray_dashboard_metrics"]),
+        "AUTOSCALER_METRIC_PORT": str(p["ray_autoscaler_metrics"]),
+        **ray_node_env(host),
         # Job entrypoints run through /bin/sh with this PATH: `python` there is this environment's.
         "PATH": os.pathsep.join(filter(None, [str(Path(sys.executable).parent), os.environ.get("PATH")])),
     }
@@ -226,7 +235,7 @@ def _start_api(home: Path, state: ClusterState, info: ClusterInfo) -> int:
 
 SERVICE_PORTS = {
     "redis": ["redis"],
-    "ray": ["ray", "dashboard", "ray_client", "ray_agent"],
+    "ray": ["ray", "dashboard", *RAY_SIDE_PORTS],
     "prometheus": ["prometheus"],
     "api": ["api"],
 }
@@ -312,15 +321,12 @@ def up(
         "dashboard": dashboard_port,
         "api": api_port,
         "prometheus": prometheus_port,
-        "ray_client": 0,
-        "ray_agent": 0,
+        **{name: 0 for name in RAY_SIDE_PORTS},
     }
     ports = {}
     for name, port in wanted.items():
         kept = old.ports.get(name) if old else None
-        is_running = (name in running) or (
-            name in ("dashboard", "ray_client", "ray_agent") and "ray" in running
-        )
+        is_running = (name in running) or (name in ("dashboard", *RAY_SIDE_PORTS) and "ray" in running)
         ports[name] = kept if is_running and kept else port or kept or 0
     for name in ports:  # distinct: a port just probed free can be handed out again by the next probe
         while not ports[name]:

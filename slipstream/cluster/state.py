@@ -286,6 +286,21 @@ def load_info(home: str | Path | None = None) -> ClusterInfo:
     return cluster_info(home, state, load_secrets(home, create=False))
 
 
+RAY_SIDE_PORTS = ("ray_client", "ray_agent", "ray_metrics", "ray_dashboard_metrics", "ray_autoscaler_metrics")
+"""Ray's ports besides its GCS and dashboard that `up` picks free per cluster (cluster.json): the client
+server, the dashboard agent's HTTP port, the agent's metrics exporter (`--metrics-export-port`), and the
+dashboard head's and autoscaler monitor's metrics servers (DASHBOARD_METRIC_PORT, AUTOSCALER_METRIC_PORT)."""
+
+
+def ray_node_env(host: str) -> dict[str, str]:
+    """What keeps Ray's node address on loopback for a cluster on loopback. Ray replaces a loopback
+    --node-ip-address with the host's IP (resolve_ip_for_localhost) unless it believes multi-node clusters
+    are off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Linux included); with its node address on loopback its
+    metrics servers bind to 127.0.0.1 instead of 0.0.0.0. A loopback cluster is one node anyway: nothing
+    elsewhere could reach it. Every process that joins this Ray (ray.init) needs it too, to find the node."""
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"} if host in ("127.0.0.1", "localhost", "::1") else {}
+
+
 def ray_env(info: ClusterInfo) -> dict[str, str]:
     """Environment any process needs to talk to this Ray (ray.init, `ray job submit`, JobSubmissionClient)."""
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": info.ray_auth_token}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": info.ray_auth_token, **ray_node_env(info.host)}

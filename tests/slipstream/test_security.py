@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -321,19 +322,65 @@ def test_component_metrics_servers_listen_on_loopback(info, tmp_path):
         proc.wait()
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="Ray (2.60) replaces --node-ip-address 127.0.0.1 with the node's IP (ray._private.services."
-    "resolve_ip_for_localhost); its GCS, raylet, agents, client server and metrics exporters listen on all "
-    "interfaces or that IP. Their gRPC/HTTP take the cluster's token (RAY_AUTH_MODE=token); the metrics "
-    "exporters do not. No ray start flag keeps them on loopback: firewall the node.",
-)
-def test_ray_internal_ports_listen_on_loopback(info):
-    sockets = _listening(_ray_pids(info.ray_temp_dir) | _with_children([info.pids["ray"]]))
-    wide = [s for s in sockets if s[2] not in LOOPBACK]
-    print(f"\nRay sockets not on loopback: {wide}")
-    assert wide == []
+RAY_ACTOR_HOLDER = """
+import sys
+import ray
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+
+
+@ray.remote(num_cpus=0)
+class Held:
+    def ping(self):
+        return "ready"
+
+
+held = Held.remote()
+print(ray.get(held.ping.remote()), flush=True)
+sys.stdin.read()  # keeps the driver and its actor (each a Ray worker with its own gRPC port) alive
+"""
+
+RAY_DEFAULT_METRICS_PORTS = {44217, 44227}
+"""Ray's fixed metrics ports (autoscaler monitor, dashboard head): one per machine, so a second cluster's
+head used to run without them."""
+
+
+@pytest.mark.slow  # the module's cluster: ~30 s to start on a loaded 2-core box
+def test_ray_listens_only_on_loopback_with_ports_of_its_own(info):
+    """Every socket of a loopback cluster's Ray (GCS, raylet, agents, client server, its three metrics
+    servers, a driver and an actor) listens on loopback; the side ports are the cluster's own (cluster.json)."""
+    ports = {
+        name: cluster_state.read_state(Path(info.home)).ports[name] for name in cluster_state.RAY_SIDE_PORTS
+    }
+    assert not set(ports.values()) & RAY_DEFAULT_METRICS_PORTS, ports
+    holder = subprocess.Popen(
+        [sys.executable, "-c", RAY_ACTOR_HOLDER, info.ray_address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_env() | cluster_state.ray_env(info),
+        cwd=REPO,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+
+        def sockets():
+            pids = _ray_pids(info.ray_temp_dir) | _with_children([*info.pids.values(), holder.pid])
+            return _listening(pids)
+
+        deadline = time.monotonic() + 120  # the dashboard agent starts its servers after the node is up
+        found = sockets()
+        while not set(ports.values()) <= {s[3] for s in found}:
+            assert time.monotonic() < deadline, f"not all of {ports} listen: {found}"
+            time.sleep(0.5)
+            found = sockets()
+        wide = [s for s in found if s[2] not in LOOPBACK]
+        assert wide == [], f"listening beyond loopback: {wide}"
+        names = {s[1] for s in found}
+        assert {"gcs_server", "raylet", "ray::Held"} <= names, names  # the probe saw Ray's own processes
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 RAY_WORKER_PROBE = """
