@@ -117,14 +117,18 @@ def _enter_namespaces() -> bool:
     # A user namespace first: it works unprivileged and drops the host capabilities; root with
     # CAP_SYS_ADMIN can still get bare network and mount namespaces where user namespaces are disabled.
     if libc.unshare(ctypes.c_int(clone_newuser | clone_newnet | clone_newns)) == 0:
-        # The same ids inside as outside, so that files made in the new root's tmpfs have an owner.
-        for name, text in (
-            ("setgroups", "deny"),
-            ("uid_map", f"{uid} {uid} 1"),
-            ("gid_map", f"{gid} {gid} 1"),
-        ):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
+        # The same ids inside as outside, so that files made in the new root's tmpfs have an owner. Where a
+        # security module forbids the mapping, the network namespace still holds; _confine_filesystem fails.
+        try:
+            for name, text in (
+                ("setgroups", "deny"),
+                ("uid_map", f"{uid} {uid} 1"),
+                ("gid_map", f"{gid} {gid} 1"),
+            ):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+        except OSError:
+            pass
         return True
     return libc.unshare(ctypes.c_int(clone_newnet | clone_newns)) == 0
 
