@@ -199,12 +199,17 @@ def unplanned(micro_batch_tokens: int | None, checkpointing: bool | None, offloa
 
 
 def device_capacity(device: torch.device) -> int:
-    """Bytes the trainer may use on `device`: what is free now plus what this process already holds,
-    less HEADROOM of the device; 0 on CPU."""
+    """Bytes the trainer may use on `device`: what is free now plus what this process already holds (at
+    most the process's memory fraction, when one is set), less HEADROOM of the device; 0 on CPU."""
     if device.type != "cuda":
         return 0
     free, total = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_allocated(device) - HEADROOM * total)
+    usable = free + torch.cuda.memory_allocated(device)
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if fraction < 1.0:  # torch.cuda.set_per_process_memory_fraction caps this process below the device
+        total = int(fraction * total)
+        usable = min(usable, total)
+    return int(usable - HEADROOM * total)
 
 
 def peak_bytes(device: torch.device, reset: bool = True) -> int:
