@@ -144,7 +144,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         return run_fp32_head(args, argv)
 
     stalenesses = [int(s) for s in args.staleness.split(",")]
-    label = "learning" if args.learning_only else None  # not to overwrite a full run's file
+    label = args.label or ("learning" if args.learning_only else None)  # not to overwrite a full run's file
     rf = ResultFile(
         "async_vs_sync", args.device_kind, argv, args.out_dir, label, append=args.append, metrics={"runs": {}}
     )
@@ -428,6 +428,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run one part only, each short enough for one command on a GPU machine: staleness (the jobs of "
         "--staleness), bounds (generator-only then trainer-only); all: both, then the learning jobs",
     )
+    p.add_argument("--label", help="result file label (e.g. the model shape: one file per shape)")
     p.add_argument(
         "--append",
         action="store_true",

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Scale-out GPU phases for one device call: each step under its own timeout, its log and result files under
+# $OUT (a step that times out keeps what the steps before it wrote; async_vs_sync phases append to one
+# result file per shape). Usage, on a 2-GPU machine (trainer on GPU 0, one engine on GPU 1):
+#   KIND=nvidia-h200-x2 STEPS="memory sync-0.5b async-0.5b bounds-0.5b" bash benchmarks/gpu/scale_out.sh
+# Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases).
+set -u
+OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
+ASYNC=${ASYNC:-1}; RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+LOG=$OUT/steps.log
+step() {
+  local name=$1 limit=$2; shift 2
+  echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  echo "== $name rc=$? ($(date +%T))" | tee -a "$LOG"
+}
+avs() {  # shape label, phase args...
+  local shape=$1; shift
+  python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no-learning --steps "$RUN_STEPS" \
+    --warmup "$WARMUP" --model-shape "qwen2.5-$shape-shape" --label "$shape" --out-dir "$OUT" "$@"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
+for s in $STEPS; do
+  case $s in
+    memory) step memory "${T_MEMORY:-240}" python -m pytest -q -s -m gpu -p no:cacheprovider tests/trainer/test_memory_plan_cuda.py ;;
+    sync-*) step "$s" "${T_PHASE:-280}" avs "${s#sync-}" --phase staleness --staleness 0 --append ;;
+    async-*) step "$s" "${T_PHASE:-280}" avs "${s#async-}" --phase staleness --staleness "$ASYNC" --append ;;
+    bounds-*) step "$s" "${T_PHASE:-280}" avs "${s#bounds-}" --phase bounds --append ;;
+  esac
+done
+grep -h "^async_vs_sync \|samples/s\|GiB usable\|peak \|passed\|failed\|rc=\|ERROR" "$LOG" | tail -40
