@@ -1,0 +1,91 @@
+"""Two nodes in network namespaces and one Slipstream cluster across them, shared by the module: node A runs
+`slipstream cluster up --host <A's address>`; node B joins with the `ray start --address ...` line that
+`cluster up` printed, offering the custom resource `node_b`. Skipped where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+from netns import Node, nodes, unavailable
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+NODE_B_RESOURCE = "node_b"
+NODE_B_UNITS = 100
+"""Units of `node_b` node B offers: each generator actor asks for one (engines, rollout workers)."""
+
+
+class Cluster:
+    """The cluster across nodes `a` (head: Redis, Ray head, control API) and `b` (a Ray worker node)."""
+
+    def __init__(self, a: Node, b: Node, home: Path, up_output: str) -> None:
+        self.a, self.b, self.home, self.up_output = a, b, home, up_output
+
+    @property
+    def secrets(self) -> dict[str, str]:
+        return json.loads((self.home / "secrets.json").read_text())
+
+    @property
+    def ray_env(self) -> dict[str, str]:
+        """What a process needs to join this Ray (read when `ray` is imported)."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.secrets["ray_auth_token"]}
+
+    def python(self, node: Node, code: str, timeout_s: float = 120.0, env: dict | None = None):
+        """Run `code` with this repository's Python in `node`; what its last stdout line says, as JSON."""
+        run_env = {**ENV, **(env or {})}
+        out = node.run([sys.executable, "-c", code], env=run_env, timeout_s=timeout_s).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    def cli(self, *args: str, timeout_s: float = 120.0) -> str:
+        """`slipstream ARGS --home HOME` in node A; its stdout."""
+        cmd = [sys.executable, "-m", "slipstream.cli", *args, "--home", str(self.home)]
+        return self.a.run(cmd, env=ENV, timeout_s=timeout_s).stdout
+
+    def alive_nodes(self) -> list[dict]:
+        """Ray's view of the cluster, asked from node A: each alive node's address and resources."""
+        code = f"""
+import json, ray
+from slipstream.cluster.state import load_info
+info = load_info({str(self.home)!r})
+ray.init(address=info.ray_address, logging_level="ERROR", log_to_driver=False)
+print(json.dumps([{{"address": n["NodeManagerAddress"], "resources": n["Resources"]}}
+                  for n in ray.nodes() if n["Alive"]]))
+"""
+        return self.python(self.a, code, env=self.ray_env)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if (why := unavailable()) is not None:
+        pytest.skip(f"multi-node tests: {why}")
+    home = Path(tempfile.mkdtemp(prefix="ssmn-", dir="/tmp"))
+    with nodes(2) as (a, b):
+        try:
+            up = [sys.executable, "-m", "slipstream.cli", "cluster", "up", "--home", str(home)]
+            up += ["--host", a.address, "--no-prometheus"]
+            out = a.run(up, env=ENV, timeout_s=180).stdout
+            c = Cluster(a, b, home, out)
+            # node B joins exactly as `cluster up` told the operator to
+            joined = re.search(r"ray start --address (\S+)", out)
+            assert joined, f"`cluster up --host {a.address}` printed no `ray start --address` line:\n{out}"
+            start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", joined.group(1)]
+            start += ["--resources", json.dumps({NODE_B_RESOURCE: NODE_B_UNITS})]
+            start += ["--temp-dir", str(home / "ray-b"), "--disable-usage-stats"]
+            b.run(start, env={**ENV, **c.ray_env}, timeout_s=180)
+            yield c
+        finally:
+            # the cluster's own way down first (it stops jobs and services by pid); whatever is left in
+            # either namespace (node B's Ray, a stuck process) is killed when the namespaces go
+            a.run(
+                [sys.executable, "-m", "slipstream.cli", "cluster", "down", "--home", str(home), "--force"],
+                env=ENV,
+                timeout_s=120,
+                check=False,
+            )
+    shutil.rmtree(home, ignore_errors=True)

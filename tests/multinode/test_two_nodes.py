@@ -1,0 +1,163 @@
+"""Slipstream across two nodes (network namespaces on one box: tests/multinode/netns.py): the cluster that
+`cluster up --host` starts on node A is reachable from node B wherever B must dial it, and a job whose
+engines and rollout workers run on B (`generators.resources`) and whose trainer runs on A
+(`trainer.resources`) learns over the cross-node weight bus and the head's Redis, its books balanced."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from conftest import NODE_B_RESOURCE, Cluster
+from netns import Listener, Node
+
+pytestmark = pytest.mark.slow
+
+JOB_TIMEOUT_S = 300.0
+"""How long the job may take to reach a state (generous: a loaded 2-core CI box); never a measured value."""
+ENDED = ("succeeded", "failed", "stopped", "interrupted")
+
+
+def unreachable(node: Node, listeners: list[Listener]) -> list[Listener]:
+    """Listeners that another node cannot dial: on loopback only (no socket on the same port bound to the
+    node's address or to every interface)."""
+    reachable = {x.port for x in listeners if not x.loopback_only}
+    return [x for x in listeners if x.loopback_only and x.port not in reachable]
+
+
+def dial(cluster: Cluster, src: Node, dst: Node, ports: list[int]) -> dict[str, str]:
+    """Open a TCP connection from node `src` to each of `dst`'s `ports`: {port: error} of those that fail."""
+    code = f"""
+import json, socket
+bad = {{}}
+for p in {sorted(set(ports))!r}:
+    try:
+        socket.create_connection(({dst.address!r}, p), timeout=5).close()
+    except OSError as e:
+        bad[p] = repr(e)
+print(json.dumps(bad))
+"""
+    return cluster.python(src, code)
+
+
+def show(node: Node, listeners: list[Listener]) -> str:
+    return "\n".join(f"  {node.name} {x.address}:{x.port} {x.process} (pid {x.pid})" for x in listeners)
+
+
+def test_node_b_joined_with_the_printed_line(cluster):
+    assert f"ray start --address {cluster.a.address}:" in cluster.up_output, cluster.up_output
+    alive = {n["address"]: n["resources"] for n in cluster.alive_nodes()}
+    assert set(alive) == {cluster.a.address, cluster.b.address}, alive
+    assert alive[cluster.b.address].get(NODE_B_RESOURCE, 0) > 0
+
+
+def test_what_node_a_serves_is_reachable_from_node_b(cluster):
+    listening = cluster.a.listeners()
+    print("node A listens on:\n" + show(cluster.a, listening))
+    assert not unreachable(cluster.a, listening), "loopback only on A:\n" + show(
+        cluster.a, unreachable(cluster.a, listening)
+    )
+    info = json.loads((cluster.home / "cluster.json").read_text())
+    ports = info["ports"]
+    for service in ("redis", "api", "ray"):  # bound to the operator's address (the GCS: every interface)
+        on = {x.address for x in listening if x.port == ports[service]}
+        assert on and on <= {cluster.a.address, "*", "0.0.0.0"}, (service, on)
+    assert {x.address for x in listening if x.port == ports["redis"]} == {cluster.a.address}
+    failed = dial(cluster, cluster.b, cluster.a, [x.port for x in listening if not x.loopback_only])
+    assert not failed, f"node B cannot dial node A's ports: {failed}"
+
+
+def _status(cluster: Cluster, name: str) -> dict:
+    code = f"""
+import json
+from slipstream.cli.jobs import ControlClient
+from slipstream.cluster.state import load_info
+info = load_info({str(cluster.home)!r})
+print(json.dumps(ControlClient(info.api_url, info.api_token).get({name!r})))
+"""
+    return cluster.python(cluster.a, code)
+
+
+def _wait(cluster: Cluster, name: str, what: str, cond, ended_ok: bool = False) -> dict:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        st = _status(cluster, name)
+        if cond(st):
+            return st
+        assert ended_ok or st.get("state") not in ENDED, (what, st)
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {st}"
+        time.sleep(3)
+
+
+def _books(cluster: Cluster, name: str) -> dict:
+    code = f"""
+import json, redis
+from replay_buffer import ReplayBuffer
+from slipstream.cluster.state import load_info
+info = load_info({str(cluster.home)!r})
+print(json.dumps(ReplayBuffer(redis.Redis.from_url(info.redis_url), {name!r}).stats()))
+"""
+    return cluster.python(cluster.a, code)
+
+
+def _pids_named(listeners: list[Listener], actor: str) -> set[int]:
+    """Processes of Ray actor class `actor` (`ss` shows a process name cut to 15 characters)."""
+    return {x.pid for x in listeners if x.process.startswith(f"ray::{actor}"[:15])}
+
+
+def test_a_job_with_generators_on_node_b_and_the_trainer_on_node_a(cluster, tiny_model_dir, tmp_path):
+    name = "across"
+    spec = tmp_path / "across.yaml"
+    spec.write_text(
+        f"""
+name: {name}
+model: {{path: {tiny_model_dir}}}
+rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
+generators: {{num_engines: 1, num_workers: 1, resources: {{{NODE_B_RESOURCE}: 1}}}}
+trainer: {{resources: {{"node:{cluster.a.address}": 0.01}}}}
+algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
+buffer: {{max_staleness: 1}}
+"""
+    )
+    assert f"submitted job {name}" in cluster.cli("submit", str(spec))
+    st = _wait(cluster, name, "weight versions", lambda s: s.get("version", 0) >= 3)
+    assert st["state"] == "running" and st.get("reward_mean") is not None, st
+
+    # where each process runs, and that what the other node dials is reachable
+    on_a, on_b = cluster.a.listeners(), cluster.b.listeners()
+    print("during the job:\n" + show(cluster.a, on_a) + "\n" + show(cluster.b, on_b))
+    engines = [x for x in on_b if x.pid in _pids_named(on_b, "EngineActor")]
+    trainers = _pids_named(on_a, "TrainerActor")
+    assert engines and not _pids_named(on_a, "EngineActor"), "the engine is not on node B"
+    assert _pids_named(on_b, "RolloutActor") and not _pids_named(on_a, "RolloutActor")
+    assert trainers and not _pids_named(on_b, "TrainerActor"), "the trainer is not on node A"
+    # node B's processes are all dialled from A (engines by the trainer and the driver, metrics by the
+    # head's Prometheus); on A, only the driver's metrics and the one-rank trainer's own group store stay
+    # on loopback: nothing on B dials them
+    assert not unreachable(cluster.b, on_b), "loopback only on B:\n" + show(
+        cluster.b, unreachable(cluster.b, on_b)
+    )
+    private = trainers | {st["driver"]["pid"]}
+    local = [x for x in unreachable(cluster.a, on_a) if x.pid not in private]
+    assert not local, "loopback only on A:\n" + show(cluster.a, local)
+    assert {x.address for x in engines if not x.wildcard} == {cluster.b.address}, show(cluster.b, engines)
+    assert not dial(cluster, cluster.a, cluster.b, [x.port for x in engines])
+    # the trainer's other ports: the weight bus's store and gloo transport, which the engine dials
+    bus = [x.port for x in on_a if x.pid in trainers and not x.loopback_only]
+    assert bus and not dial(cluster, cluster.b, cluster.a, bus)
+
+    v0 = st["version"]
+    st = _wait(cluster, name, "more versions", lambda s: s.get("version", 0) >= v0 + 2)
+    cluster.cli("stop", name)
+    st = _wait(cluster, name, "the stop", lambda s: s.get("state") in ENDED, ended_ok=True)
+    assert st["state"] == "stopped", st
+    books = _books(cluster, name)
+    print(f"stopped at version {st['version']}: {books}")
+    assert books["duplicates"] == 0 and books["dead_letter"] == 0
+    assert (
+        books["produced"] == books["consumed"] + books["dropped_stale"] + books["unread"] + books["pending"]
+    )
+    assert books["consumed"] == 2 * books["steps"] and books["steps"] >= v0 + 2
+    log = (cluster.home / "jobs" / name / "logs" / "driver.log").read_text()
+    assert "Traceback" not in log, log[-4000:]
