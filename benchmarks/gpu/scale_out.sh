@@ -6,7 +6,8 @@
 # Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases).
 set -u
 OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
-ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS); RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
+ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
+RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 LOG=$OUT/steps.log
