@@ -68,8 +68,9 @@ def node_address() -> str:
     """Where this actor's servers (a built-in engine, the metrics endpoint) listen: 127.0.0.1 while the
     Ray cluster is one node, so that nothing leaves loopback (Ray reports a host's external IP as its
     node's address even for a cluster on 127.0.0.1); across nodes, this node's address in the cluster
-    (the one its raylet registered, which the other nodes reach), never every interface."""
-    if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+    (the one its raylet registered, which the other nodes reach), never every interface. Outside Ray
+    (a component run on its own), 127.0.0.1."""
+    if not ray.is_initialized() or len([n for n in ray.nodes() if n.get("Alive")]) == 1:
         return "127.0.0.1"
     return ray.util.get_node_ip_address()
 
