@@ -28,7 +28,6 @@ reaches the replay buffer (the evaluator has no buffer producer).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -434,18 +433,20 @@ class Evaluator:
         """The record into the job's progress stream (with the run's attempt and clock), the metrics, a log
         line."""
         from replay_buffer.keys import JobKeys
+        from replay_buffer.progress import EvalRecord, async_append_progress, redis_now, run_clock
 
         keys = JobKeys(self.config.name)
-        run = await self.redis.hgetall(keys.run)
-        run = {(k.decode() if isinstance(k, bytes) else k): v for k, v in run.items()}
-        started = run.get("started_at")
-        if started is not None:
-            sec, usec = await self.redis.time()
-            rec["elapsed_s"] = sec + usec / 1e6 - float(started)
-        else:
-            rec["elapsed_s"] = float(run.get("elapsed_before", 0.0) or 0.0)
-        rec["attempt"] = int(run.get("attempt", 1))
-        await self.redis.xadd(keys.progress, {"j": json.dumps(rec)})
+        clock = run_clock(await self.redis.hgetall(keys.run))
+        rec["elapsed_s"] = clock.elapsed_s(redis_now(await self.redis.time()))
+        rec["attempt"] = clock.attempt
+        record = EvalRecord(
+            version=rec["version"],
+            eval=rec["eval"],
+            version_max=rec["version_max"],
+            elapsed_s=rec["elapsed_s"],
+            attempt=rec["attempt"],
+        )
+        await async_append_progress(self.redis, keys, record)
         v, res = rec["version"], rec["eval"]
         self.done[v] = rec
         self.last_version = max(self.last_version, v)

@@ -40,6 +40,7 @@ import redis.asyncio as aioredis
 from replay_buffer import metrics, scripts
 from replay_buffer.config import STALE_POLICIES
 from replay_buffer.keys import TRAINER_GROUP, JobKeys
+from replay_buffer.progress import StepRecord, entry_record, redis_now, run_clock
 from replay_buffer.schema import GroupRecord, RecordError, decode, encode
 from replay_buffer.staleness import is_usable, staleness
 
@@ -207,7 +208,7 @@ class ReplayBuffer:
         info = self.run_info()
         if resume and info:
             last = self.r.xrevrange(self.keys.progress, count=1)
-            before = json.loads(last[0][1][b"j"])["elapsed_s"] if last else 0.0
+            before = entry_record(last[0][1]).elapsed_s if last else 0.0
             pipe = self.r.pipeline(transaction=True)
             pipe.hincrby(self.keys.run, "attempt", 1)
             pipe.hdel(self.keys.run, "started_at")  # the first trainer pool of this attempt sets it
@@ -231,37 +232,32 @@ class ReplayBuffer:
             return {}
         return {
             "run_id": raw["run_id"],
-            "attempt": int(raw.get("attempt", 1)),
+            "attempt": run_clock(raw).attempt,
             "trims": int(raw.get("trims", 0)),
         }
-
-    def _now(self) -> float:
-        sec, usec = self.r.time()
-        return sec + usec / 1e6
 
     def start_clock(self) -> float:
         """The run clock's reading now (seconds): it starts when the run's first trainer pool starts and
         every later pool (rescale, restart, resumed attempt) continues it; Redis time, so every process
         reads the same clock."""
-        now = self._now()
-        before = float(as_str(self.r.hget(self.keys.run, "elapsed_before") or b"0"))
+        now = redis_now(self.r.time())
+        before = run_clock(self.r.hgetall(self.keys.run)).elapsed_before
         self.r.hsetnx(self.keys.run, "started_at", repr(now - before))
-        return now - float(as_str(self.r.hget(self.keys.run, "started_at")))
+        return run_clock(self.r.hgetall(self.keys.run)).reading(now)
 
     def clock(self) -> float | None:
         """The run clock's reading now; None before the first trainer pool started it."""
-        started = self.r.hget(self.keys.run, "started_at")
-        return None if started is None else self._now() - float(as_str(started))
+        return run_clock(self.r.hgetall(self.keys.run)).reading(redis_now(self.r.time()))
 
     def truncate_progress(self, version: int) -> int:
         """Drop the progress records of steps after `version` (the trainer resumed from a checkpoint there:
         those steps are lost and will be trained again); returns how many were dropped."""
         drop = []
         for entry_id, fields in self.r.xrevrange(self.keys.progress, count=10_000):
-            rec = json.loads(fields[b"j"])
-            if rec["version"] > version:
+            rec = entry_record(fields)
+            if rec.version > version:
                 drop.append(entry_id)
-            elif rec.get("kind") != "eval":  # evaluations trail the steps: only a step's record ends the scan
+            elif isinstance(rec, StepRecord):  # evaluations trail the steps: a step ends the scan
                 break
         if drop:
             pipe = self.r.pipeline(transaction=True)

@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from replay_buffer.progress import StepRecord
+
 STEP_SECONDS = Histogram("slipstream_trainer_step_seconds", "Forward+backward+optimizer time per step")
 WAIT_SECONDS = Histogram(
     "slipstream_trainer_data_wait_seconds", "Time waiting for a full batch from the buffer"
@@ -73,33 +75,35 @@ CHECKPOINT_BYTES = Gauge(
 MFU = Gauge("slipstream_trainer_mfu", "Model FLOPs utilisation of the last step (bf16 peak; GPU only)")
 
 
-def observe_step(r: dict) -> None:
-    STEP_SECONDS.observe(r["step_s"])
-    WAIT_SECONDS.observe(r["wait_s"])
+def observe_step(r: StepRecord) -> None:
+    """The metrics of a step, from its progress record (a field the record lacks is an AttributeError)."""
+    STEP_SECONDS.observe(r.step_s)
+    WAIT_SECONDS.observe(r.wait_s)
     STEPS.inc()
-    OPTIMIZER_STEPS.inc(r["optimizer_steps"])
-    for stat in ("mean", "min", "max"):
-        RATIO.labels(stat).set(r[f"ratio_{stat}"])
-    TOKENS.inc(r["response_tokens"])
-    LOSS.set(r["loss"])
-    REWARD.set(r["reward_mean"])
-    VERSION.set(r["version"])
-    CLIP.set(r["clip_fraction"])
-    KL.set(r["behav_kl"])
-    LOGPROB_DIFF.set(r["logprob_diff_mean"])
-    IS_WEIGHT_MEAN.set(r["is_weight_mean"])
-    IS_WEIGHT_MAX.set(r["is_weight_max"])
-    IS_TRUNCATED.set(r["is_truncated_fraction"])
-    IS_MASKED.set(r["is_masked_fraction"])
-    LR.set(r["lr"])
-    ENTROPY.set(r["entropy"])
-    GRAD_NORM.set(r["grad_norm"])
-    TRAIN_TOKENS_PER_S.set(r["train_tokens_per_s"])
-    MEMORY_PEAK.set(r["memory_peak_gib"] * (1 << 30))
-    if r.get("kl_ref") is not None:
-        KL_REF.set(r["kl_ref"])
-    if r.get("mfu") is not None:
-        MFU.set(r["mfu"])
+    OPTIMIZER_STEPS.inc(r.optimizer_steps)
+    RATIO.labels("mean").set(r.ratio_mean)
+    RATIO.labels("min").set(r.ratio_min)
+    RATIO.labels("max").set(r.ratio_max)
+    TOKENS.inc(r.response_tokens)
+    LOSS.set(r.loss)
+    REWARD.set(r.reward_mean)
+    VERSION.set(r.version)
+    CLIP.set(r.clip_fraction)
+    KL.set(r.behav_kl)
+    LOGPROB_DIFF.set(r.logprob_diff_mean)
+    IS_WEIGHT_MEAN.set(r.is_weight_mean)
+    IS_WEIGHT_MAX.set(r.is_weight_max)
+    IS_TRUNCATED.set(r.is_truncated_fraction)
+    IS_MASKED.set(r.is_masked_fraction)
+    LR.set(r.lr)
+    ENTROPY.set(r.entropy)
+    GRAD_NORM.set(r.grad_norm)
+    TRAIN_TOKENS_PER_S.set(r.train_tokens_per_s)
+    MEMORY_PEAK.set(r.memory_peak_gib * (1 << 30))
+    if isinstance(r.kl_ref, float):  # only with a reference model
+        KL_REF.set(r.kl_ref)
+    if isinstance(r.mfu, float):  # GPU only
+        MFU.set(r.mfu)
 
 
 MEMORY_PEAK = Gauge(

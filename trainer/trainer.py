@@ -15,7 +15,6 @@ whether there is a step (the group leaves the loop together), then sends each ra
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -23,9 +22,11 @@ import uuid
 from pathlib import Path
 
 import torch
+from msgspec import UNSET
 
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
+from replay_buffer.progress import StepRecord, append_progress
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
 from trainer.config import TrainerConfig
@@ -102,8 +103,8 @@ class Trainer:
         self.rank, self.world_size = rank, world_size
         self.buffer = self.bus = None
         ipc = cfg.bus.backend == "ipc"
-        self.per_rank = ipc and world_size > 1
         device = "cuda:0" if cfg.trainer.device == "cuda" else "cpu"  # Ray gives each rank its GPU as 0
+        self.per_rank = ipc and world_size > 1
         """Colocated with several ranks: every rank hands the weights to the engines on its device, through
         its own bus (rank 0's knows the engines, pauses and continues them: weight_bus.rank_handoff)."""
         if rank != 0 and self.per_rank:
@@ -404,53 +405,46 @@ class Trainer:
         step_s = t_step - t_data
         seq_tokens = sum(len(s) + s.num_prompt_tokens for s in samples)
         stale_lengths = self.buffer.pop_stale_lengths()
-        record = {
-            "step": version,
-            "version": version,
-            "run_id": self.run_info.get("run_id"),
-            "attempt": self.run_info.get("attempt"),
-            "pool_id": self.pool_id,
-            "ranks": self.world_size,
-            "samples": len(samples),
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
-            "staleness_mean": sum(stale) / len(stale),
-            "staleness_max": max(stale),
-            "response_tokens": sum(len(s) for s in samples),
-            "wait_s": t_data - t0 - (self.handoff.release_s if self.handoff else 0.0),
-            "step_s": step_s,
-            "train_tokens_per_s": seq_tokens / max(step_s, 1e-9),
-            "mfu": stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
-            "publish_s": pub.transfer_s if pub else 0.0,
-            "pause_s": pub.pause_s if pub else 0.0,
-            # the whole publish as the trainer waits on it: buffer commit, gather, pause, transfer, continue
-            "publish_call_s": t_pub - t_step,
-            "commit_s": t_commit - t_step,  # the replay buffer's commit of the step's entries
-            "publish_gather_s": pub.gather_ms / 1e3 if pub else 0.0,  # gathering and packing the weights
-            "elapsed_s": time.monotonic() - t_start,
-            "placement": "colocated" if cfg.schedule else "disaggregated",
-            "schedule": cfg.schedule,
-            "bus_backend": cfg.bus.backend,
-            "fp32_lm_head": self.learner.fp32_head,
-            "micro_batch_tokens": self.learner.memory_plan.micro_batch_tokens,
-            **(
-                {
-                    "release_s": self.handoff.release_s,
-                    "resume_s": self.handoff.resume_s,
-                    "released_engines": self.handoff.released_count,
-                    "resumed_engines": self.handoff.resumed_count,
-                }
-                if self.handoff is not None
-                else {}
-            ),
-            # response lengths of the trained samples and of those dropped as stale since the last step:
-            # a stale distribution longer than the trained one means long rollouts are being lost
+        ho = self.handoff
+        # every name is a StepRecord field (replay_buffer/progress.py): one the record lacks is a TypeError
+        record = StepRecord(
+            step=version,
+            version=version,
+            run_id=self.run_info.get("run_id"),
+            attempt=self.run_info.get("attempt"),
+            pool_id=self.pool_id,
+            ranks=self.world_size,
+            samples=len(samples),
+            reward_mean=sum(s.reward for s in samples) / len(samples),
+            staleness_mean=sum(stale) / len(stale),
+            staleness_max=max(stale),
+            response_tokens=sum(len(s) for s in samples),
+            wait_s=t_data - t0 - (ho.release_s if ho else 0.0),
+            step_s=step_s,
+            train_tokens_per_s=seq_tokens / max(step_s, 1e-9),
+            mfu=stats["flops"] / step_s / (self.peak_flops * self.world_size) if self.peak_flops else None,
+            publish_s=pub.transfer_s if pub else 0.0,
+            pause_s=pub.pause_s if pub else 0.0,
+            publish_call_s=t_pub - t_step,
+            commit_s=t_commit - t_step,
+            publish_gather_s=pub.gather_ms / 1e3 if pub else 0.0,
+            elapsed_s=time.monotonic() - t_start,
+            placement="colocated" if cfg.schedule else "disaggregated",
+            schedule=cfg.schedule,
+            bus_backend=cfg.bus.backend,
+            fp32_lm_head=self.learner.fp32_head,
+            micro_batch_tokens=self.learner.memory_plan.micro_batch_tokens,
+            release_s=ho.release_s if ho else UNSET,
+            resume_s=ho.resume_s if ho else UNSET,
+            released_engines=ho.released_count if ho else UNSET,
+            resumed_engines=ho.resumed_count if ho else UNSET,
             **length_stats("len_trained", [len(s) for s in samples]),
             **length_stats("len_stale", stale_lengths),
-            "stale_samples": len(stale_lengths),
+            stale_samples=len(stale_lengths),
             **episode_stats(groups),
             **stats,
-        }
-        self.buffer.r.xadd(self.buffer.keys.progress, {"j": json.dumps(record)})
+        )
+        append_progress(self.buffer.r, self.buffer.keys, record)
         self._log_sample(version, groups[0].samples[0])
         metrics.observe_step(record)
 

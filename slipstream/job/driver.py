@@ -44,7 +44,7 @@ from slipstream.cluster.job_store import NO_POOLS, JobStore, resume_fields, resu
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
-from slipstream.job.progress import ProgressReader, format_eval
+from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
 from slipstream.job.supervise import POLL_S, GiveUp, Restarts
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
@@ -287,34 +287,7 @@ class JobDriver:
             "samples_per_s": self.last.get("samples_per_s", 0.0),
             "output_dir": self.spec.output_dir,
             **({"tracking": self.tracker.status()} if self.tracker is not None else {}),
-            **{
-                k: self.last[k]
-                for k in (
-                    "reward_mean",
-                    "staleness_mean",
-                    "staleness_max",
-                    "tokens_per_s",
-                    "train_tokens_per_s",
-                    "step_s",
-                    "loss",
-                    "mfu",
-                    "lr",
-                    "behav_kl",
-                    "logprob_diff_mean",
-                    "is_masked_fraction",
-                    "clip_fraction",
-                    "optimizer_steps",
-                    "ratio_min",
-                    "ratio_max",
-                    "prox_source",
-                    "schedule",
-                    "release_s",
-                    "resume_s",
-                )
-                    "memory_peak_gib",
-                    "micro_batch_tokens",
-                if k in self.last
-            },
+            **{k: self.last[k] for k in STATUS_FIELDS if k in self.last},
             **extra,
         }
         if self.last_eval:

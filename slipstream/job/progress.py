@@ -3,11 +3,37 @@ and the UI) and the one-line rendering `slipstream run` prints per step (and per
 
 from __future__ import annotations
 
-import json
-
 import redis
 
 from replay_buffer import JobKeys
+from replay_buffer.progress import EvalRecord, as_dict, entry_record
+
+STATUS_FIELDS = (
+    "reward_mean",
+    "staleness_mean",
+    "staleness_max",
+    "tokens_per_s",
+    "train_tokens_per_s",
+    "step_s",
+    "loss",
+    "mfu",
+    "lr",
+    "behav_kl",
+    "logprob_diff_mean",
+    "is_masked_fraction",
+    "clip_fraction",
+    "optimizer_steps",
+    "ratio_min",
+    "ratio_max",
+    "prox_source",
+    "schedule",
+    "release_s",
+    "resume_s",
+    "memory_peak_gib",
+    "micro_batch_tokens",
+)
+"""The last step record's fields the job driver copies into the job's status (`slipstream status`, the
+control API, the status page); each a StepRecord field (replay_buffer/progress.py)."""
 
 
 def format_progress(r: dict, total_steps: int, agent: bool = False) -> str:
@@ -48,8 +74,9 @@ def is_eval(rec: dict) -> bool:
 
 
 class ProgressReader:
-    """Follows a job's trainer progress stream: the records of its current run (one JSON record per
-    step, a batch; a new run of the name starts with an empty stream). `elapsed_s` is the run's clock,
+    """Follows a job's trainer progress stream: the records of its current run (one StepRecord per step,
+    a batch, as a dict: replay_buffer/progress.py `as_dict`; a new run of the name starts with an empty
+    stream). `elapsed_s` is the run's clock,
     which every trainer pool of the run continues (ReplayBuffer.start_clock). Each record gains
     `tokens_per_s` and `samples_per_s`: response tokens and samples trained so far in the run ÷ its
     elapsed_s. A record whose version is not past the previous one's (the pool restarted from an older
@@ -89,22 +116,24 @@ class ProgressReader:
         for _, entries in self.r.xread({self.key: self.last_id}, block=block, count=100) or []:
             for entry_id, fields in entries:
                 self.last_id = entry_id
-                rec = json.loads(fields[b"j"])
-                if is_eval(rec):
+                typed = entry_record(fields)
+                if isinstance(typed, EvalRecord):
+                    rec = as_dict(typed)
                     while self.evals and self.evals[-1]["version"] >= rec["version"]:
                         self.evals.pop()
                     self.evals.append(rec)
                     self.new_evals.append(rec)
                     continue
-                while self.records and self.records[-1]["version"] >= rec["version"]:
+                while self.records and self.records[-1]["version"] >= typed.version:
                     gone = self.records.pop()
                     self.tokens -= gone["response_tokens"]
-                    self.samples -= gone.get("samples", 0)
-                self.tokens += rec["response_tokens"]
-                self.samples += rec.get("samples", 0)
-                elapsed = max(rec["elapsed_s"], 1e-9)
-                rec["tokens_per_s"] = self.tokens / elapsed
-                rec["samples_per_s"] = self.samples / elapsed
+                    self.samples -= gone["samples"]
+                self.tokens += typed.response_tokens
+                self.samples += typed.samples
+                elapsed = max(typed.elapsed_s, 1e-9)
+                typed.tokens_per_s = self.tokens / elapsed
+                typed.samples_per_s = self.samples / elapsed
+                rec = as_dict(typed)
                 self.records.append(rec)
                 out.append(rec)
         return out
