@@ -364,7 +364,7 @@ tokenized at submit, so only a prompt's least possible size (its chat template a
 
 
 def check_context(spec: JobSpec) -> None:
-    """Every token budget, plus a prompt, must fit the context the engines serve: the model's
+    """Every request's token budget, plus a prompt, must fit the context the engines serve: the model's
     max_position_embeddings (from model.path's config.json once it exists), or `generators.sglang.
     context_length` when set. An engine holds at most context - 1 tokens per sequence (SGLang refuses a
     request of prompt + max_new_tokens >= context, the built-in engine the same), so a budget over that
@@ -377,11 +377,9 @@ def check_context(spec: JobSpec) -> None:
     sglang = spec.generators.sglang
     if spec.generators.engine == "sglang" and sglang.context_length is not None:
         context, source = sglang.context_length, "generators.sglang.context_length"
-    # An agent's episode grows one sequence: its every turn (rollout.sampling.max_new_tokens) and all of
-    # them together (agent.max_total_tokens) follow the prompt in the same context.
+    # What one request asks for (in an agent job, each model turn). agent.max_total_tokens is a budget over
+    # an episode's turns that episodes which end early never reach: it is not refused here.
     budgets = [("rollout.sampling.max_new_tokens", spec.rollout.sampling.max_new_tokens)]
-    if spec.agent is not None:
-        budgets.append(("agent.max_total_tokens", spec.agent.max_total_tokens))
     if spec.eval is not None and spec.eval.max_new_tokens is not None:
         budgets.append(("eval.max_new_tokens", spec.eval.max_new_tokens))
     for key, tokens in budgets:

@@ -1,5 +1,5 @@
-"""Token budgets against the model's real context: a `rollout.sampling.max_new_tokens` (or an agent's or an
-eval's budget) that leaves no room for a prompt in the model's max_position_embeddings is refused with its
+"""Token budgets against the model's real context: a `rollout.sampling.max_new_tokens` (or an eval's
+`max_new_tokens`) that leaves no room for a prompt in the model's max_position_embeddings is refused with its
 key and the numbers by `validate`, by a submit to the control API (on the real JobControl over a real
 Redis) and by a local `run` once its model exists; while the model is not built yet nothing is claimed."""
 
@@ -46,16 +46,13 @@ def test_the_largest_budget_that_fits_passes_and_one_more_is_refused(model):
     assert "max_new_tokens 63" in msg and "context of 64" in msg and str(model / "config.json") in msg
 
 
-@pytest.mark.parametrize(
-    ("sections", "key"),
-    [
-        ({"agent": {"max_total_tokens": 100}}, "agent.max_total_tokens"),
-        ({"eval": {"max_new_tokens": 64}}, "eval.max_new_tokens"),
-    ],
-)
-def test_agent_and_eval_budgets_are_checked_too(model, sections, key):
-    with pytest.raises(jobspec.JobSpecError, match=rf"{key} \d+ .* - at `\$\.{key}`"):
-        jobspec.check_context(jobspec.loads(_spec(model, **sections)))
+def test_eval_budget_is_checked_and_an_agents_episode_budget_is_not(model):
+    with pytest.raises(
+        jobspec.JobSpecError, match=r"eval\.max_new_tokens 64 .* - at `\$\.eval\.max_new_tokens`"
+    ):
+        jobspec.check_context(jobspec.loads(_spec(model, eval={"max_new_tokens": 64})))
+    # A budget over an episode's turns, each of which asks for rollout.sampling.max_new_tokens at most.
+    jobspec.check_context(jobspec.loads(_spec(model, agent={"max_total_tokens": 512}, rollout=_sampling(8))))
 
 
 def test_sglang_context_length_is_the_engines_context(model):

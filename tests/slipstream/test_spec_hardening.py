@@ -240,10 +240,13 @@ def test_values_that_would_fail_later_are_refused_at_submit(control, spec, overr
     assert f"`{key}`" in msg, msg
 
 
-def test_the_largest_step_and_response_allowed_are_accepted(control):
+def test_the_largest_step_and_response_allowed_are_accepted(control, tmp_path):
+    # In an empty working directory: a model built at the default model.path (runs/demo/model, 64 tokens of
+    # context) would refuse this budget (jobspec.check_context).
     spec = _accepted(
         control,
         "name: big\nalgorithm: {groups_per_step: 65536}\nrollout: {sampling: {max_new_tokens: 131072}}",
+        cwd=str(tmp_path),
     )
     assert spec["algorithm"]["groups_per_step"] == 65536
     assert spec["rollout"]["sampling"]["max_new_tokens"] == 131072
