@@ -141,7 +141,8 @@ class JobKeys(msgspec.Struct, frozen=True):
 
     @property
     def progress(self) -> str:
-        """Stream of per-step trainer progress records (JSON), read by the driver and the CLI."""
+        """Stream of progress records: one JSON StepRecord per trainer step and EvalRecord per evaluation
+        (replay_buffer/progress.py, the only writer and reader), read by the driver and the CLI."""
         return self._k("progress")
 
     @property
