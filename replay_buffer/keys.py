@@ -188,6 +188,18 @@ class JobKeys(msgspec.Struct, frozen=True):
         """List of commands waiting for the job driver."""
         return self._k("commands")
 
+    @property
+    def submission(self) -> str:
+        """The job's current Ray submission id (slipstream/cluster/job_store.py `submission_id`): written
+        with the record before Ray is called; only a driver started for it may take the run lease."""
+        return self._k("submission")
+
+    @property
+    def lease(self) -> str:
+        """The run lease (slipstream/job/lease.py): JSON identity of the one driver running the job, set
+        NX with a TTL the driver renews; a second driver for the name finds it held and exits."""
+        return self._k("lease")
+
     def per_run(self) -> list[str]:
         """Every key a run writes (not the control records of slipstream/cluster/job_store.py): a new run of the same
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""

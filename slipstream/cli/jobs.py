@@ -276,7 +276,9 @@ def render_status(st: dict):
         rows.append(("checkpoint", st["note"]))
     if st.get("error"):
         rows.append(("error", st["error"]))
-    rows.append(("ray job", f"{st.get('ray_job_id', '-')} ({st.get('ray_status', '-')})"))
+    drv = st.get("driver") or {}  # the one driver holding the job's run lease
+    at = f"; driver pid {drv.get('pid')} on {drv.get('host')}" if drv else ""
+    rows.append(("ray job", f"{st.get('ray_job_id', '-')} ({st.get('ray_status', '-')}){at}"))
     for k, v in rows:
         t.add_row(k, v)
     return t

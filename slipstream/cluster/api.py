@@ -63,7 +63,11 @@ message, not FastAPI's default 422 schema (a list of field errors) alone."""
 
 
 class StopRequest(BaseModel):
-    force: bool = Field(False, description="also stop the Ray job now instead of after the current step")
+    force: bool = Field(
+        False,
+        description="also have Ray stop the job's submission now (its driver gets SIGTERM, no checkpoint) "
+        "instead of after the current step",
+    )
     checkpoint: bool = Field(
         True, description="write a checkpoint where the trainer stops (whatever checkpoint_every says)"
     )

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import secrets
 import shlex
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,24 +27,22 @@ from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
 from jobspec.spec import eval_task
 from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
+from slipstream.cluster.job_paths import output_dir_note, path_problem, purge_job_dir, resolve_spec_paths
 from slipstream.cluster.job_store import (
     ACTIVE_STATES,
-    NO_POOLS,
     JobStore,
+    NameTaken,
     checkpoint_dir,
     latest_checkpoint,
-    resume_fields,
     resume_version,
 )
+from slipstream.cluster.reconcile import DriverReconciler
 from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
+from slipstream.job import lease
 from slipstream.job.progress import ProgressReader
 
 log = logging.getLogger(__name__)
 
-RAY_TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-SUBMIT_GRACE_S = 120.0
-"""A job recorded as submitted with no Ray job id after this long never reached Ray (the control API
-died between recording it and submitting it): it is marked interrupted."""
 REDIS_TIMEOUT_S = 5.0
 """How long the control plane waits for one Redis reply. A request is answered (503, or a status's last
 known state) after about this long when Redis stalls, instead of hanging on it or retrying for a minute
@@ -63,78 +59,7 @@ class ControlError(Exception):
         self.status = status
 
 
-def output_dir_note(spec: jobspec.JobSpec, home: Path) -> str | None:
-    """What the submitter is told when the spec's output_dir is relative: a submitted job writes in its
-    own directory instead (resolve_spec_paths), and the user should not look for `runs/x` by the spec."""
-    if Path(spec.output_dir).is_absolute():
-        return None
-    job_dir = (home / "jobs" / spec.name).resolve()
-    return (
-        f"output_dir {spec.output_dir!r} is relative: a submitted job writes in its own directory "
-        f"{job_dir} (an absolute output_dir must lie inside it) - at `$.output_dir`"
-    )
-
-
-def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jobspec.JobSpec:
-    """Relative paths in a submitted spec by jobspec.resolve_paths' rule, against the submitter's
-    working directory (`cwd`, same filesystem as the cluster). Outputs are contained: output_dir is
-    the job's own directory HOME/jobs/NAME (a relative one is replaced by it, and the submit answer says
-    so: output_dir_note; an absolute one, normalised with symlinks resolved, must lie inside it), and so
-    must checkpoint_dir; so no two jobs share one and no job writes outside HOME. Raises JobSpecError
-    naming the key."""
-    job_dir = (home / "jobs" / spec.name).resolve()
-    if not Path(spec.output_dir).is_absolute():
-        spec = msgspec.structs.replace(spec, output_dir=str(job_dir))
-    s = jobspec.resolve_paths(spec, Path(cwd) if cwd else Path.cwd())
-    for key, p in (("$.output_dir", s.output_dir), ("$.trainer.checkpoint_dir", s.trainer.checkpoint_dir)):
-        if p is not None and not Path(p).is_relative_to(job_dir):
-            raise jobspec.JobSpecError(
-                f"invalid job spec: {p} is outside the job's directory {job_dir}: a submitted job writes "
-                f"only under its own directory (leave it unset, or give a path inside it) - at `{key}`"
-            )
-    return s
-
-
-def purge_job_dir(home: Path, name: str) -> dict:
-    """Delete job `name`'s own directory, HOME/jobs/NAME, and nothing outside it: HOME and the jobs root
-    may be links (the operator's choice of disk), but the job's entry in it is not followed. A link there
-    is removed as a link, its target kept (it may be another job's directory, or anything at all); a real
-    directory is deleted without following the links inside it (shutil.rmtree unlinks them). Returns
-    {"deleted": path} or {"link": path, "target": where it pointed}, {} when there is nothing."""
-    root = (home / "jobs").resolve()
-    job_dir = root / name
-    if job_dir.parent != root or name in ("", ".", ".."):  # a name is one plain path component
-        raise ControlError(422, f"job name {name!r} is not a directory name")
-    if job_dir.is_symlink():
-        target = os.readlink(job_dir)
-        job_dir.unlink()
-        log.warning("job %s: %s is a link (to %s): removed the link, kept its target", name, job_dir, target)
-        return {"link": str(job_dir), "target": target}
-    if job_dir.is_dir():
-        shutil.rmtree(job_dir)
-        log.info("job %s: deleted %s", name, job_dir)
-        return {"deleted": str(job_dir)}
-    return {}
-
-
-def _path_problem(spec: jobspec.JobSpec, cwd: str | None) -> str | None:
-    """A path field no filesystem can hold (a NUL byte), named by its key; checked before any is used."""
-    paths = {
-        "cwd": cwd,
-        "$.output_dir": spec.output_dir,
-        "$.model.path": spec.model.path,
-        "$.dataset.path": spec.dataset.path,
-        "$.algorithm.ref_model_path": spec.algorithm.ref_model_path,
-        "$.algorithm.critic_model_path": spec.algorithm.critic_model_path,
-        "$.trainer.checkpoint_dir": spec.trainer.checkpoint_dir,
-    }
-    for key, p in paths.items():
-        if p is not None and "\0" in p:
-            return f"a path cannot hold a NUL byte - at `{key}`"
-    return None
-
-
-class JobControl:
+class JobControl(DriverReconciler):
     def __init__(
         self,
         info: ClusterInfo,
@@ -157,6 +82,8 @@ class JobControl:
         self.store = JobStore(self.r)
         self._ray = None
         self._admin = None
+        self._submitting: set[str] = set()
+        """Jobs this process is submitting right now: Ray may not know their submission yet."""
         self._last_status: dict[str, tuple[float, dict]] = {}
         """Job name -> (time.monotonic(), status) of the last `get` that Redis answered: what `get`
         answers, with its age, while Redis does not."""
@@ -205,61 +132,6 @@ class JobControl:
         st = self.store.status(name)
         return self._reconcile(name, st) if reconcile else st
 
-    def _ray_status(self, ray_id: str) -> tuple[str, str]:
-        """(status, message) of a Ray job: Ray's status, `GONE` if Ray does not know the job (its head
-        was restarted: job records do not survive it), `UNKNOWN` if Ray cannot be asked."""
-        try:
-            info = self.ray.get_job_info(ray_id)
-        except RuntimeError as e:  # the SDK's answer to an HTTP error status
-            if "status code 404" in str(e):
-                return "GONE", f"Ray has no job {ray_id} (the cluster was restarted since it started)"
-            return "UNKNOWN", str(e)
-        except Exception as e:  # Ray down or unreachable
-            return "UNKNOWN", f"{type(e).__name__}: {e}"
-        return str(getattr(info.status, "value", info.status)), info.message or ""
-
-    def _reconcile(self, name: str, st: dict[str, Any]) -> dict[str, Any]:
-        """An active job whose driver is gone (Ray does not know its Ray job, or says it ended, or it
-        never reached Ray) without having reported an end is marked `interrupted` (`failed` if Ray says
-        the driver failed) with the reason and its latest checkpoint, so that it can be resubmitted
-        (resumed with `trainer.resume_from: latest`) and no command finds it stuck. Ray unreachable:
-        nothing is decided. Adds `ray_status` to the status it returns."""
-        state, ray_id = st.get("state"), st.get("ray_job_id")
-        if ray_id:
-            ray_status, message = self._ray_status(ray_id)
-            st["ray_status"] = ray_status if ray_status != "UNKNOWN" else f"unknown ({message})"
-        elif state in ACTIVE_STATES and time.time() - st.get("submitted_at", time.time()) > SUBMIT_GRACE_S:
-            ray_status, message = "GONE", "the job never reached Ray (its submission was interrupted)"
-        else:
-            return st
-        if state not in ACTIVE_STATES or ray_status not in RAY_TERMINAL + ("GONE",):
-            return st
-        if ray_status == "FAILED":
-            new, why = "failed", f"the driver failed: {message}"
-        elif ray_status == "STOPPED" and self.store.desired(name)["stop"]:
-            new, why = "stopped", f"stopped by Ray before the driver could report: {message}"
-        else:
-            new, why = "interrupted", f"the driver is gone without reporting an end: {message or ray_status}"
-        resume = resume_fields(json.loads(self.store.spec_json(name) or "{}"))
-        error = f"{why}; last reported version {st.get('version', 0)}; {resume['note']}"
-        st = self.store.update_status(name, state=new, error=error, phase=None, pools=NO_POOLS, **resume)
-        st["ray_status"] = ray_status
-        log.warning("job %s: %s -> %s: %s", name, state, new, error)
-        return st
-
-    def reconcile(self) -> list[str]:
-        """Mark every active job whose driver is gone (the control API does it at start-up: after a
-        cluster restart no job is left `running` with nothing running it). The jobs marked."""
-        marked = []
-        for name in self.store.names():
-            st = self.store.status(name)
-            if (
-                st.get("state") in ACTIVE_STATES
-                and self._reconcile(name, st).get("state") not in ACTIVE_STATES
-            ):
-                marked.append(name)
-        return marked
-
     # --- operations -----------------------------------------------------------------------------------
     def submit(self, spec_text: str, overrides: list[str] | None = None, cwd: str | None = None) -> dict:
         try:
@@ -270,7 +142,7 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: an override's value is not YAML: {e}") from None
         except RecursionError:
             raise ControlError(422, "invalid job spec: nested too deeply") from None
-        if why := _path_problem(spec, cwd):
+        if why := path_problem(spec, cwd):
             raise ControlError(422, f"invalid job spec: {why}")
         # Each tools[].impl: allowed, and a class with the Tool protocol's members in its source (read, not run).
         if why := check_tools(spec.tools, self.tool_modules):
@@ -297,55 +169,83 @@ class JobControl:
             raise ControlError(422, f"invalid job spec: a path cannot be resolved: {e}") from None
         try:
             Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
-            (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
         except OSError as e:
             raise ControlError(
                 422, f"invalid job spec: cannot write the output directory: {e} - at `$.output_dir`"
             ) from None
+        self._submitting.add(spec.name)
         try:
-            self._job_credentials(spec.name)
-        except (redis.RedisError, OSError) as e:
-            raise ControlError(503, f"cannot create the job's Redis user: {e}") from e
-        self.store.create(
-            spec.name,
-            jobspec.to_json(spec),
-            spec.generators.num_engines,
-            spec.trainer.num_trainers,
-            version=resume_version(msgspec.to_builtins(spec)),
-        )
-        # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
-        entry = shlex.join(
-            [sys.executable, "-m", "slipstream.job.driver", "--home", str(self.home), "--job", spec.name]
-        )
-        try:
-            ray_id = self.ray.submit_job(
-                entrypoint=entry,
-                runtime_env={
-                    "env_vars": {
-                        "PYTHONPATH": project_pythonpath(),
-                        "HF_HUB_OFFLINE": "1",
-                        "TOKENIZERS_PARALLELISM": "false",
-                        # the rollout workers enforce the allow-list again when they build the tools
-                        **(
-                            {TOOL_MODULES_ENV: json.dumps(self.tool_modules)}
-                            if self.tool_modules is not None
-                            else {}
-                        ),
-                    }
-                },
-                metadata={"slipstream_job": spec.name},
-            )
-        except Exception as e:
-            self.store.update_status(spec.name, state="failed", error=f"Ray job submission failed: {e}")
-            raise ControlError(503, f"Ray job submission failed: {e}") from e
-        self.store.update_status(spec.name, ray_job_id=ray_id, output_dir=spec.output_dir)
-        log.info("job %s submitted as Ray job %s (output %s)", spec.name, ray_id, spec.output_dir)
+            sid = self._record(spec)
+            self._send(spec, sid)
+        finally:
+            self._submitting.discard(spec.name)
+        log.info("job %s submitted as Ray job %s (output %s)", spec.name, sid, spec.output_dir)
         return {
             "name": spec.name,
-            "ray_job_id": ray_id,
+            "ray_job_id": sid,
             "output_dir": spec.output_dir,
             **({"note": note} if note else {}),
         }
+
+    def _record(self, spec: jobspec.JobSpec) -> str:
+        """The job's record with its submission id (before Ray hears of it), its job.json and its Redis
+        user; the id. A name still held by a driver is refused (409); a lease whose holder's submission
+        Ray says ended is freed first."""
+        for _ in range(2):
+            try:
+                sid = self.store.create(
+                    spec.name,
+                    jobspec.to_json(spec),
+                    spec.generators.num_engines,
+                    spec.trainer.num_trainers,
+                    version=resume_version(msgspec.to_builtins(spec)),
+                )
+                break
+            except NameTaken as e:
+                if e.state in ACTIVE_STATES:
+                    raise ControlError(409, f"job {spec.name!r} is {e.state}; stop it first") from None
+                if taken := self._free_lease(spec.name):
+                    raise ControlError(409, taken) from None
+        else:
+            raise ControlError(409, f"job {spec.name!r} was submitted by another request meanwhile")
+        try:
+            self.store.update_status(spec.name, output_dir=spec.output_dir)  # no driver yet: no race
+            (Path(spec.output_dir) / "job.json").write_text(jobspec.to_json(spec))
+            self._job_credentials(spec.name)
+        except (redis.RedisError, OSError) as e:
+            self._abandon(spec.name, sid, f"the job's files or Redis user could not be made: {e}")
+            raise ControlError(503, f"cannot create the job's files or Redis user: {e}") from e
+        return sid
+
+    def _send(self, spec: jobspec.JobSpec, sid: str) -> None:
+        """Submit the job's driver to Ray as submission `sid` (Ray refuses an id twice)."""
+        # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
+        entry = shlex.join(
+            [sys.executable, "-m", "slipstream.job.driver", "--home", str(self.home), "--job", spec.name]
+            + ["--submission", sid]
+        )
+        env = {
+            "PYTHONPATH": project_pythonpath(),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            # the rollout workers enforce the allow-list again when they build the tools
+            **({TOOL_MODULES_ENV: json.dumps(self.tool_modules)} if self.tool_modules is not None else {}),
+        }
+        try:
+            self.ray.submit_job(
+                entrypoint=entry,
+                submission_id=sid,
+                runtime_env={"env_vars": env},
+                metadata={"slipstream_job": spec.name},
+            )
+        except Exception as e:
+            ray_status, _ = self._ray_status(sid)
+            if ray_status in ("GONE", "UNKNOWN"):  # it has no driver, and none can start for it now
+                self._abandon(spec.name, sid, f"Ray job submission failed: {e}")
+                raise ControlError(503, f"Ray job submission failed: {e}") from e
+            log.warning(
+                "job %s: Ray answered its submission with %s, but has it (%s)", spec.name, e, ray_status
+            )
 
     def get(self, name: str) -> dict:
         """The job's status. While Redis does not answer, the last status this process read, with
@@ -522,13 +422,17 @@ class JobControl:
         # a stop asked for with a checkpoint keeps it (the trainer was told so already)
         checkpoint = checkpoint or (again and want["stop_checkpoint"])
         self.store.request_stop(name, checkpoint=checkpoint, reason=reason)
-        if force and st.get("ray_job_id"):
-            try:
-                self.ray.stop_job(st["ray_job_id"])
-            except Exception as e:
-                raise ControlError(503, f"Ray could not stop job {name!r}: {e}") from e
+        sid, driver = st.get("ray_job_id"), st.get("driver")
         if force:
-            message = f"stopping the Ray job now: no checkpoint is written at the stop; {on_disk}"
+            message = (
+                self._force_stop(name, sid, driver) + f"; no checkpoint is written at the stop; {on_disk}"
+            )
+        elif state == "submitted" and not driver:  # no trainer yet that could write a checkpoint
+            checkpoint = False
+            message = (
+                f"the job has not started (Ray submission {sid} has no driver yet): its driver ends it as it "
+                f"starts, without training; no checkpoint is written; {on_disk}"
+            )
         elif again:
             message = "a stop was requested already: the trainer ends after its current step" + (
                 ", with a checkpoint there" if checkpoint else ", writing no checkpoint"
@@ -549,6 +453,20 @@ class JobControl:
         )
         return {**out, "stop": True, "checkpoint": checkpoint and not force, "message": message}
 
+    def _force_stop(self, name: str, sid: str | None, driver: dict | None) -> str:
+        """Have Ray stop the job's submission `sid` now; what happens, in words."""
+        if not sid:  # a record from before submission ids: Ray cannot be asked for it by name
+            return "its Ray submission id is unknown: nothing is stopped by Ray, its driver (if any) reads the stop"
+        try:
+            stopping = self.ray.stop_job(sid)
+        except Exception as e:
+            raise ControlError(503, f"Ray could not stop job {name!r} (submission {sid}): {e}") from e
+        if not stopping:
+            return f"Ray says submission {sid} has ended already: nothing to stop"
+        if driver:
+            return f"Ray is stopping submission {sid} now: SIGTERM to its driver ({lease.describe(driver)})"
+        return f"Ray is cancelling submission {sid} now: its driver has not started, nothing trained"
+
     def remove(self, name: str, purge: bool = False) -> dict:
         """Delete an ended job's records: its control entry and every Redis key under its prefix (the
         stream, ledger, progress, status...). Its output directory stays unless `purge` (`purge_job_dir`:
@@ -567,7 +485,10 @@ class JobControl:
             (self.home / "jobs" / name / "redis_url").unlink(missing_ok=True)
         except redis.RedisError as e:
             log.warning("job %s: its Redis user could not be deleted: %s", name, e)
-        purged = purge_job_dir(self.home, name) if purge else {}
+        try:
+            purged = purge_job_dir(self.home, name) if purge else {}
+        except ValueError as e:
+            raise ControlError(422, str(e)) from None
         output_removed = purged.get("deleted") is not None
         if purge and out.exists():  # what is left is outside the job's directory (or behind its link)
             log.info("job %s: output %s is outside %s; kept", name, out, self.home / "jobs" / name)

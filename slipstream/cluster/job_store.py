@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import redis
 
-from replay_buffer.keys import JOBS_INDEX, JobKeys
+import jobspec
+from jobspec.spec import check_name
+from replay_buffer.keys import JOBS_INDEX, KEY_PREFIX, JobKeys
 
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
 """A job in one of these holds resources; a new job of the same name is refused until it ends."""
@@ -21,6 +25,22 @@ ENDED_STATES = ("succeeded", "failed", "stopped", "interrupted")
 """`interrupted`: the job's driver is gone without having reported an end (a cluster restart, a killed
 driver); `slipstream status` says why and where its latest checkpoint is, and its name can be reused."""
 COMMANDS = ("checkpoint",)
+SUBMISSIONS = f"{KEY_PREFIX}control:submissions"
+"""Hash job name -> submissions of that name so far: the number in each new submission id."""
+
+
+def submission_id(job: str, n: int) -> str:
+    """The Ray submission id of the job's `n`th submission, derived before Ray is called (passed as Ray's
+    `submission_id`): the control plane can always ask Ray about it, and stop it."""
+    return f"slipstream-{job}-{n}"
+
+
+class NameTaken(Exception):
+    """The name is not free: the job is `state` (active), or `held`: a driver holds its run lease."""
+
+    def __init__(self, state: str | None, held: bool) -> None:
+        super().__init__(state)
+        self.state, self.held = state, held
 
 
 class JobStore:
@@ -30,17 +50,59 @@ class JobStore:
         self.r = r
 
     # --- submission ------------------------------------------------------------------------------------
-    def create(self, job: str, spec_json: str, generators: int, trainers: int, version: int = 0) -> None:
-        """Record a submitted job (replacing what an ended job of the same name left); `version`: the one
-        it resumes from (resume_version), shown until its trainer reports."""
-        pipe = self.r.pipeline()
-        pipe.hset(JOBS_INDEX, job, f"{time.time():.3f}")
-        pipe.set(JobKeys(job).spec, spec_json)
-        pipe.delete(JobKeys(job).desired, JobKeys(job).status, JobKeys(job).commands)
-        pipe.hset(JobKeys(job).desired, mapping={"generators": generators, "trainers": trainers})
-        status = {"state": "submitted", "submitted_at": time.time(), "version": version}
-        pipe.set(JobKeys(job).status, json.dumps(status))
-        pipe.execute()
+    def create(self, job: str, spec_json: str, generators: int, trainers: int, version: int = 0) -> str:
+        """Record a submitted job (replacing what an ended job of the same name left) with its Ray
+        submission id, before Ray is called, so that the id is never unknown; returns it. `version`: the
+        one it resumes from (resume_version), shown until its trainer reports. Atomic with the check that
+        the name is free: NameTaken when the job is active or a driver holds its run lease."""
+        keys = JobKeys(job)
+        n = self.r.hincrby(SUBMISSIONS, job, 1)  # never reset (not even by rm): Ray keeps old ids
+        sid = submission_id(job, n)
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(keys.status, keys.lease)
+                raw = pipe.get(keys.status)
+                state = json.loads(raw).get("state") if raw else None
+                if state in ACTIVE_STATES or pipe.exists(keys.lease):
+                    raise NameTaken(state, held=bool(pipe.exists(keys.lease)))
+                pipe.multi()
+                pipe.hset(JOBS_INDEX, job, f"{time.time():.3f}")
+                pipe.set(keys.spec, spec_json)
+                pipe.delete(keys.desired, keys.status, keys.commands)
+                pipe.hset(keys.desired, mapping={"generators": generators, "trainers": trainers})
+                status = {"state": "submitted", "submitted_at": time.time(), "version": version}
+                pipe.set(keys.status, json.dumps({**status, "ray_job_id": sid}))
+                pipe.set(keys.submission, sid)
+                pipe.execute()
+            except redis.WatchError:
+                raise NameTaken("changed", held=False) from None
+        return sid
+
+    def settle(
+        self, job: str, decide: Callable[[dict[str, Any], bytes | None], dict | None]
+    ) -> dict[str, Any]:
+        """End a submission whose driver is gone, atomically: `decide(status, lease)` runs while the job's
+        status, run lease and submission are watched (it may ask Ray); the fields it returns are merged
+        into the status, and the lease and the current submission are deleted with it, so no driver can
+        start for that submission later. Nothing is written when it returns None, or when a driver
+        changed any of them meanwhile (it took the lease, reported). Returns the status."""
+        keys = JobKeys(job)
+        with self.r.pipeline() as pipe:
+            try:
+                pipe.watch(keys.status, keys.lease, keys.submission)
+                raw = pipe.get(keys.status)
+                st = json.loads(raw) if raw else {}
+                fields = decide(st, pipe.get(keys.lease))
+                if fields is None:
+                    return st
+                st = {**st, **fields, "updated_at": time.time()}
+                pipe.multi()
+                pipe.set(keys.status, json.dumps(st))
+                pipe.delete(keys.lease, keys.submission)
+                pipe.execute()
+                return st
+            except redis.WatchError:
+                return self.status(job)
 
     def names(self) -> list[str]:
         return sorted(n.decode() for n in self.r.hkeys(JOBS_INDEX))
@@ -117,6 +179,25 @@ class JobStore:
 
     def active(self, job: str) -> bool:
         return self.status(job).get("state") in ACTIVE_STATES
+
+
+def load_job_spec(store: JobStore, job: str) -> jobspec.JobSpec:
+    """The spec the control plane stored for `job`; JobSpecError (never a default spec) when the name
+    is invalid, there is none, it does not parse or validate, or it names another job."""
+    if why := check_name(job):
+        raise jobspec.JobSpecError(f"job name {job!r}: {why}")
+    raw = store.spec_json(job)
+    if raw is None:
+        raise jobspec.JobSpecError(
+            f"job {job!r}: no spec stored for it in the cluster's Redis (not submitted?)"
+        )
+    try:
+        spec = jobspec.from_dict(msgspec.json.decode(raw))
+    except (msgspec.DecodeError, jobspec.JobSpecError) as e:
+        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is invalid: {e}") from None
+    if spec.name != job:
+        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is job {spec.name!r}'s")
+    return spec
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> dict[str, Any] | None:

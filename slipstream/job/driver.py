@@ -40,8 +40,9 @@ from jobspec.spec import check_context, check_name
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
-from slipstream.cluster.job_store import NO_POOLS, JobStore, resume_fields, resume_version
+from slipstream.cluster.job_store import NO_POOLS, JobStore, load_job_spec, resume_fields, resume_version
 from slipstream.job.generators import GeneratorPool
+from slipstream.job.lease import LeaseRefused, RunLease, exit_now
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
@@ -421,25 +422,6 @@ def final_status(driver: JobDriver, result: dict | None = None, error: BaseExcep
     return final
 
 
-def load_job_spec(store: JobStore, job: str) -> JobSpec:
-    """The spec the control plane stored for `job`; JobSpecError (never a default spec) when the name
-    is invalid, there is none, it does not parse or validate, or it names another job."""
-    if why := check_name(job):
-        raise jobspec.JobSpecError(f"job name {job!r}: {why}")
-    raw = store.spec_json(job)
-    if raw is None:
-        raise jobspec.JobSpecError(
-            f"job {job!r}: no spec stored for it in the cluster's Redis (not submitted?)"
-        )
-    try:
-        spec = jobspec.from_dict(msgspec.json.decode(raw))
-    except (msgspec.DecodeError, jobspec.JobSpecError) as e:
-        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is invalid: {e}") from None
-    if spec.name != job:
-        raise jobspec.JobSpecError(f"job {job!r}: its stored spec is job {spec.name!r}'s")
-    return spec
-
-
 def _raise_stop(signum, frame):
     raise _Stop(f"signal {signum}")
 
@@ -496,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m slipstream.job.driver", description=__doc__.splitlines()[0])
     p.add_argument("--home", required=True, help="the cluster's state directory")
     p.add_argument("--job", required=True)
+    p.add_argument("--submission", help="the Ray submission id it runs as (default: the job's current)")
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # The job's own Redis user (its keys only), not the control plane's: cluster_state.job_redis_url.
@@ -508,6 +491,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"slipstream.job.driver: job {args.job!r} has no Redis credentials: {e}", file=sys.stderr)
         return 1
     store = JobStore(connect(redis_url))
+    lease = RunLease(store.r, args.job, args.submission)
+    try:  # before any of the job's keys is read or written: one driver per job name, ever
+        store.update_status(args.job, driver=lease.take())
+    except (LeaseRefused, redis.RedisError) as e:
+        print(f"slipstream.job.driver: {e}", file=sys.stderr)
+        return 1
+    lease.keep(on_lost=exit_now)
+    try:
+        return _main(args, store, redis_url, lease)
+    finally:
+        lease.release()
+
+
+def _main(args: argparse.Namespace, store: JobStore, redis_url: str, lease: RunLease) -> int:
     try:
         spec = load_job_spec(store, args.job)
     except jobspec.JobSpecError as e:  # never run a job on defaults: fail it, loudly
@@ -566,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # PNG plots (the steps' and the evaluations'); logs and swallows any failure
         write_report_logged(driver.records + driver.progress.evals, out)
+        lease.release()  # before the final state: once the job shows ended, its name is free
         driver.report(phase=None, **(final or {"state": "failed", "error": "the driver was interrupted"}))
         ray.shutdown()
     return code
