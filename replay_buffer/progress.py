@@ -10,7 +10,7 @@ before the stream carried `kind` decode as steps, and keys no field names are ig
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -83,8 +83,8 @@ class StepRecord(msgspec.Struct, tag="step", tag_field="kind"):
     """Colocated sync schedule: engines that took it back."""
 
     # --- the job's set-up ---------------------------------------------------------------------------
-    placement: Literal["colocated", "disaggregated"] | UnsetType = UNSET
-    """Whether engines share the trainer's GPUs."""
+    placement: str | UnsetType = UNSET
+    """Where the engines run: "colocated" (on the trainer's GPUs) or "disaggregated"."""
     schedule: str | None | UnsetType = UNSET
     """Colocated jobs' schedule ("sync" or "async"); None when disaggregated."""
     bus_backend: str | UnsetType = UNSET
@@ -179,9 +179,10 @@ class StepRecord(msgspec.Struct, tag="step", tag_field="kind"):
     """Loss of the batch's first optimizer step."""
     loss_last: float | UnsetType = UNSET
     """Loss of the batch's last optimizer step."""
-    prox_source: Literal["current", "engine", "recompute"] | UnsetType = UNSET
-    """Where pi_prox came from: each forward pass's own (one optimizer step), the engines' logprobs (the
-    batch fully on-policy), or a forward pass before the first update."""
+    prox_source: str | UnsetType = UNSET
+    """Where pi_prox came from: "current", each forward pass's own (one optimizer step); "engine", the
+    engines' logprobs (the batch fully on-policy); "recompute", a forward pass before the first update.
+    (Strings, not Literals: a reader never fails on a value a newer trainer writes.)"""
 
     # --- derived by the reader (slipstream/job/progress.py), never written ------------------------
     tokens_per_s: float | UnsetType = UNSET
