@@ -84,3 +84,9 @@ def test_the_trainers_computed_names_are_step_record_fields():
     )
     assert {f"finish_{r}" for r in FINISH_REASONS} | {"len_stale_p90", "turns_mean"} <= names
     assert names <= STEP_FIELDS, names - STEP_FIELDS
+
+
+def test_trackings_identity_keys_are_step_record_fields():
+    from slipstream.job.tracking import _NOT_SCALARS
+
+    assert set(_NOT_SCALARS) <= STEP_FIELDS
