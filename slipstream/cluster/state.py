@@ -250,8 +250,19 @@ def event(home: Path, message: str) -> None:
 
 
 def connect_host(host: str) -> str:
-    """The address a local client dials for a service bound to `host`."""
-    return "127.0.0.1" if host in ("", "0.0.0.0") else host
+    """The address clients dial for a service bound to `host`. Bound to every interface (0.0.0.0), this
+    host's address on its default route (no packet is sent): the URLs handed to jobs (Redis's among them)
+    must work from their actors on other nodes too; 127.0.0.1 where there is no such route."""
+    if host not in ("", "0.0.0.0"):
+        return host
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def cluster_info(home: Path, state: ClusterState, sec: dict[str, str]) -> ClusterInfo:

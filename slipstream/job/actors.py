@@ -64,6 +64,18 @@ def _setup_process(
     logging.getLogger(__name__).info("%s: pid %d, metrics on %s:%d", name, os.getpid(), host, port)
 
 
+def require_model(path: str, who: str) -> None:
+    """Fail naming the node when `path` (an absolute model directory) is not on this one: every node that
+    runs an engine, a rollout worker (the tokenizer) or a trainer rank reads the model from disk at the
+    same path, and transformers would take a missing directory for a hub repo id and say that instead."""
+    if os.path.isabs(path) and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{who}: model.path {path} does not exist on node {ray.util.get_node_ip_address()}: every node "
+            "that runs the job's engines, rollout workers or trainer ranks needs the model at the same path "
+            "(a shared file system or a copy; docs/multinode.md)"
+        )
+
+
 def node_address() -> str:
     """Where this actor's servers (a built-in engine, the metrics endpoint) listen: 127.0.0.1 while the
     Ray cluster is one node, so that nothing leaves loopback (Ray reports a host's external IP as its
@@ -116,6 +128,7 @@ class EngineActor:
         from generator_fleet.engine import EngineServer
 
         _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
+        require_model(options.model_path, f"engine-{index}")
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.lora = options.lora
         if options.host == "127.0.0.1":  # the job's own engines: reachable from the trainer's node too
@@ -187,6 +200,7 @@ class SGLangEngineActor:
         from generator_fleet.launch import SGLangServer, write_untrained_adapter
 
         _setup_process(job, f"engine-{index}", redis_url, 1)
+        require_model(model_path, f"engine-{index}")
         self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
         initial = None
@@ -272,6 +286,7 @@ class RolloutActor:
         from generator_fleet.rollout import RolloutWorker
 
         _setup_process(config, f"rollout-{index}", redis_url, 1)
+        require_model(config.model.path, f"rollout-{index}")
         self.worker = RolloutWorker(config, redis_url, engine_urls, api_key, worker_id=index)
 
     async def run(self) -> dict:
@@ -330,6 +345,7 @@ class TrainerActor:
         from trainer.trainer import Trainer
 
         _setup_process(config, f"trainer-{rank}", redis_url, config.trainer.torch_threads)
+        require_model(config.model.path, f"trainer-{rank}")
         self.trainer = Trainer(config, redis_url, engine_urls, api_key, rank, world_size)
         self._store = None
         """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""

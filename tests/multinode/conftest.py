@@ -1,11 +1,13 @@
 """Two nodes in network namespaces and one Slipstream cluster across them, shared by the module: node A runs
 `slipstream cluster up --host <A's address>`; node B joins with the `ray start --address ...` line that
-`cluster up` printed, offering the custom resource `node_b`. Skipped where namespaces cannot be made."""
+`cluster up` printed, offering the custom resource `node_b`, its Ray blind to one directory node A has
+(`Cluster.private`). Skipped where namespaces cannot be made."""
 
 from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -26,6 +28,9 @@ class Cluster:
 
     def __init__(self, a: Node, b: Node, home: Path, up_output: str) -> None:
         self.a, self.b, self.home, self.up_output = a, b, home, up_output
+        self.private = home / "private"
+        """A directory that node A's processes read and node B's Ray does not see (a tmpfs over it in a
+        mount namespace of its own)."""
 
     @property
     def secrets(self) -> dict[str, str]:
@@ -77,7 +82,10 @@ def cluster():
             start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", joined.group(1)]
             start += ["--resources", json.dumps({NODE_B_RESOURCE: NODE_B_UNITS})]
             start += ["--temp-dir", str(home / "ray-b"), "--disable-usage-stats"]
-            b.run(start, env={**ENV, **c.ray_env}, timeout_s=180)
+            # node B's Ray sees an empty tmpfs over HOME/private: a directory only node A has
+            c.private.mkdir()
+            hide = f"mount -t tmpfs none {shlex.quote(str(c.private))} && exec {shlex.join(start)}"
+            b.run(["unshare", "-m", "--propagation", "private", "sh", "-c", hide], {**ENV, **c.ray_env}, 180)
             yield c
         finally:
             # the cluster's own way down first (it stops jobs and services by pid); whatever is left in

@@ -29,9 +29,9 @@ def unavailable() -> str | None:
     """Why namespaces cannot be made here (a skip reason), or None."""
     if os.geteuid() != 0:
         return "network namespaces need root (ip netns add)"
-    for tool in ("ip", "ss"):
+    for tool, package in (("ip", "iproute2"), ("ss", "iproute2"), ("unshare", "util-linux")):
         if shutil.which(tool) is None:
-            return f"`{tool}` (iproute2) is not installed"
+            return f"`{tool}` ({package}) is not installed"
     probe = f"ssprobe{os.getpid()}"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:

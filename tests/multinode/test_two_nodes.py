@@ -6,6 +6,7 @@ engines and rollout workers run on B (`generators.resources`) and whose trainer 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -161,3 +162,40 @@ buffer: {{max_staleness: 1}}
     assert books["consumed"] == 2 * books["steps"] and books["steps"] >= v0 + 2
     log = (cluster.home / "jobs" / name / "logs" / "driver.log").read_text()
     assert "Traceback" not in log, log[-4000:]
+
+
+def test_a_node_without_the_model_fails_the_job_naming_the_path_and_the_node(
+    cluster, tiny_model_dir, tmp_path
+):
+    """The model is in a directory only node A has: the engine on node B cannot load it, and the job fails
+    at once saying where, instead of transformers taking the missing directory for a hub repo id."""
+    model = cluster.private / "model"
+    shutil.copytree(tiny_model_dir, model)
+    name = "blind"
+    spec = tmp_path / "blind.yaml"
+    spec.write_text(
+        f"""
+name: {name}
+model: {{path: {model}}}
+rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
+generators: {{num_engines: 1, num_workers: 1, resources: {{{NODE_B_RESOURCE}: 1}}}}
+trainer: {{resources: {{"node:{cluster.a.address}": 0.01}}}}
+algorithm: {{groups_per_step: 2, total_steps: 3, lr: 1.0e-3}}
+"""
+    )
+    assert f"submitted job {name}" in cluster.cli("submit", str(spec))
+    st = _wait(cluster, name, "the job's end", lambda s: s.get("state") in ENDED, ended_ok=True)
+    assert st["state"] == "failed", st
+    assert f"model.path {model} does not exist on node {cluster.b.address}" in st["error"], st["error"]
+
+
+def test_a_cluster_on_every_interface_hands_jobs_an_address_other_nodes_reach(cluster):
+    """`cluster up --host 0.0.0.0`: the URLs jobs get (Redis's) name the host's address on its default
+    route, not 127.0.0.1, which an actor on another node would dial on itself."""
+    code = "import json; from slipstream.cluster.state import connect_host; print(json.dumps(connect_host('0.0.0.0')))"
+    assert cluster.python(cluster.a, code) == "127.0.0.1"  # no default route: nothing better to say
+    cluster.a.run(["ip", "route", "add", "default", "dev", "eth0"])
+    try:
+        assert cluster.python(cluster.a, code) == cluster.a.address
+    finally:
+        cluster.a.run(["ip", "route", "del", "default", "dev", "eth0"])
