@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 
 import pytest
-from conftest import NODE_B_RESOURCE, Cluster
+from conftest import ENV, NODE_B_RESOURCE, Cluster
 from netns import Listener, Node
 
 pytestmark = pytest.mark.slow
@@ -199,3 +200,28 @@ def test_a_cluster_on_every_interface_hands_jobs_an_address_other_nodes_reach(cl
         assert cluster.python(cluster.a, code) == cluster.a.address
     finally:
         cluster.a.run(["ip", "route", "del", "default", "dev", "eth0"])
+
+
+def test_resources_no_node_offers_fail_the_job_at_start_and_bad_ones_at_submit(
+    cluster, tiny_model_dir, tmp_path
+):
+    spec = tmp_path / "nowhere.yaml"
+    text = f"""
+name: nowhere
+model: {{path: {tiny_model_dir}}}
+generators: {{resources: {{node_c: 1}}}}
+algorithm: {{total_steps: 3}}
+"""
+    spec.write_text(text.replace("node_c: 1", "CPU: 1"))
+    refused = cluster.a.run(
+        [sys.executable, "-m", "slipstream.cli", "submit", str(spec), "--home", str(cluster.home)],
+        env=ENV,
+        check=False,
+    )
+    assert refused.returncode == 1 and "$.generators.resources.CPU" in refused.stderr, refused
+    spec.write_text(text)
+    assert "submitted job nowhere" in cluster.cli("submit", str(spec))
+    st = _wait(cluster, "nowhere", "the job's end", lambda s: s.get("state") in ENDED, ended_ok=True)
+    assert (
+        st["state"] == "failed" and "generators.resources: no node of the Ray cluster has" in st["error"]
+    ), st
