@@ -42,8 +42,9 @@ def test_job_evaluates_version_zero_and_the_last(tmp_path, tiny_model_dir):
     assert kinds[0] == ("eval", 0) and kinds[-1] == ("eval", 3)
     assert [v for k, v in kinds if k == "step"] == [1, 2, 3]
     assert format_progress(seen[0], 3).startswith("eval  version    0  accuracy ")
-    # the steps' records hold no evaluation, and the buffer only the rollouts' groups
-    assert all("kind" not in p for p in result.progress)
+    # the steps' records hold no evaluation (each is a step's, tagged so), and the buffer only the rollouts'
+    # groups
+    assert all(p["kind"] == "step" for p in result.progress)
     st = result.buffer
     assert st["consumed"] == 3 * 2
     assert st["produced"] == st["consumed"] + st["dropped_stale"] + st["unread"]
