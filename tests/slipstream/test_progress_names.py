@@ -90,3 +90,14 @@ def test_trackings_identity_keys_are_step_record_fields():
     from slipstream.job.tracking import _NOT_SCALARS
 
     assert set(_NOT_SCALARS) <= STEP_FIELDS
+
+
+def test_slipstream_status_reads_record_fields_the_driver_copies():
+    from slipstream.cli.jobs import render_status
+
+    src = inspect.getsource(render_status)
+    names = {a or b for a, b in re.findall(r"""st\.get\(['"](\w+)['"]|st\[['"](\w+)['"]\]""", src)}
+    assert {"staleness_mean", "memory_peak_gib"} <= names
+    driver_own = {"version", "run_id", "attempt", "samples_per_s", "elapsed_s"}  # set by the driver itself
+    record_names = (names & STEP_FIELDS) - driver_own
+    assert record_names <= set(STATUS_FIELDS), record_names - set(STATUS_FIELDS)
