@@ -165,7 +165,9 @@ def test_a_control_api_killed_mid_submit_leaves_one_driver_per_name_and_no_stuck
         post = threading.Thread(target=_submit_until_killed, args=(info, spec, str(tmp_path)))
         post.start()
         time.sleep(rng.uniform(i, i + 1) * 0.3)  # somewhere in the submit: checks, record, files, Ray
-        os.kill(cluster_state.read_state(home).pids["api"], signal.SIGKILL)
+        api = psutil.Process(cluster_state.read_state(home).pids["api"])
+        api.send_signal(signal.SIGKILL)
+        api.wait(30)  # gone, its port closed, before a new one starts
         post.join()
         cluster.up(home, start_prometheus=False)  # a new control API; it reconciles the jobs at its start
         try:
