@@ -34,7 +34,11 @@ def add_parser(sub) -> None:
     home_help = "state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)"
     u = csub.add_parser("up", help="start the cluster's services (those already running are left alone)")
     u.add_argument("--home", help=home_help)
-    u.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: accept other nodes)")
+    u.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind: for other nodes, this host's address they dial (0.0.0.0: every interface)",
+    )
     for name in ("redis", "ray", "dashboard", "api", "prometheus"):
         u.add_argument(f"--{name}-port", type=int, default=0, help="0: remembered, else a free port")
     u.add_argument(
