@@ -95,7 +95,9 @@ def test_a_new_run_starts_from_empty_state_and_keeps_the_control_records(buf, re
     second = buf.begin_run(resume=False)
     assert second["run_id"] != first["run_id"] and second["attempt"] == 1
     leftovers = [k.decode() for k in redis_client.scan_iter(match=f"slipstream:{job_id}:*")]
-    control = {f"slipstream:{job_id}:{n}" for n in ("spec", "desired", "status", "run")}
+    control = {
+        f"slipstream:{job_id}:{n}" for n in ("spec", "desired", "status", "run", "submission", "lease")
+    }
     assert set(leftovers) <= control  # every per-run key is gone; the control records are not
     assert store.status(job_id)["state"] == "submitted" and store.desired(job_id)["trainers"] == 1
     assert buf.version() == 0 and buf.clock() is None
