@@ -195,13 +195,15 @@ def failure_line(f: dict) -> str:
     ago = time.time() - f.get("at", time.time())
     line = f"{f.get('who')}: {what}" + (f" ({times} in a row)" if times > 1 else "")
     line += f" at version {f.get('version')}, {ago:.0f} s ago: {f.get('cause') or '-'}"
-    if f.get("action") == "restarted":
+    action = f.get("action") or ""
+    if action.startswith("restarted"):
         line += f"; restarted ({f.get('kind', '').replace('_', ' ')} restart {f.get('restarts')}"
         if f.get("budget") is not None:
             line += f"; {max(0, f['budget'] - times + 1)} more allowed for a repeat"
         line += ")"
         if f.get("resumed_at") is not None:
             line += f", resumed at version {f['resumed_at']}"
+        line += action.removeprefix("restarted")  # what became of an engine's replacement: "; ..."
     else:
         line += f"; {f.get('action')}"
     if f.get("fix"):

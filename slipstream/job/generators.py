@@ -45,6 +45,9 @@ registry every generator_fleet.rollout.ENGINE_REFRESH_S = 2 s)."""
 LAPSED_S = 10.0
 """An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
 is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
+PLACEMENT_WAIT_S = 15.0
+"""How long an engine's replacement may take to start before the status (`failure.action`) and the log say
+it waits for a node with room for it."""
 EARLY_DEATH_S = 20.0
 CRASH_LOOP = 3
 """CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
@@ -207,6 +210,8 @@ class GeneratorPool:
         self._next_worker = 0
         self._lapsed_since: dict[str, float] = {}
         self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
+        self._starting_since: dict[int, float] = {}  # engine index -> when its replacement was launched
+        self._waiting: set[int] = set()  # replacements said to wait for room on a node
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
         self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
@@ -321,6 +326,7 @@ class GeneratorPool:
             self.engines = self.engines[:n]
             self.engine_watch = self.engine_watch[:n]
             self._starting = {i: u for i, u in self._starting.items() if i < n}
+            self._waiting = {i for i in self._waiting if i < n}
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
             self._get(
@@ -381,6 +387,9 @@ class GeneratorPool:
             else:
                 failed[i] = (f"died ({outcome(ref)})", error_of(ref))
         now = time.monotonic()
+        for i in sorted(self._starting):
+            if i not in self._waiting and now - self._starting_since.get(i, now) >= PLACEMENT_WAIT_S:
+                self._say_waiting(i, now - self._starting_since[i])
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
             reg = EngineRegistry(self.r, self.job)
@@ -418,6 +427,33 @@ class GeneratorPool:
         self._next_engine += 1
         self.engines[i], self.engine_watch[i] = new, new.start.remote()
         self._starting[i] = url
+        self._starting_since[i] = time.monotonic()
+        self._waiting.discard(i)
+
+    def _say_waiting(self, i: int, waited_s: float) -> None:
+        """Engine i's replacement has not started after `waited_s`: no node has room for it (its node was
+        lost, the others are full). Ray keeps it queued and starts it when a node with room joins."""
+        import ray
+
+        g = self.spec.generators
+        needs = {
+            k: v for k, v in {"CPU": g.cpus_per_engine, "GPU": g.gpus_per_engine, **g.resources}.items() if v
+        }
+        free = {k: round(ray.available_resources().get(k, 0), 2) for k in needs}
+        self._waiting.add(i)
+        self._note(
+            f"restarted; the replacement has not started after {waited_s:.0f} s, waiting for a node with room "
+            f"(it needs {needs or 'nothing'}, the cluster has {free or 'nothing'} free): Ray starts it when "
+            f"one joins, and the job goes on with {len(self.engines) - len(self._starting)} engines",
+            self._starting[i],
+        )
+
+    def _note(self, action: str, url: str) -> None:
+        """The newest failure, an engine's, gets `action` (what became of its replacement), in the status."""
+        log.warning("engine %s: %s", url, action)
+        if (latest := self.restarts.latest) is not None and latest.kind == "engines":
+            latest.action = action
+            self.restarts.report(latest)
 
     def replacing(self, i: int) -> bool:
         """Engine i is a replacement still starting."""
@@ -427,11 +463,15 @@ class GeneratorPool:
         import ray
 
         old_url = self._starting.pop(i)
+        waited, waiting = time.monotonic() - self._starting_since.pop(i, time.monotonic()), i in self._waiting
+        self._waiting.discard(i)
         try:
             new_url = ray.get(ref)
         except Exception as e:
             failed[i] = (f"(a replacement) did not start: {died(e)}", e)
             return
+        if waiting:
+            self._note(f"restarted; the replacement started after waiting {waited:.0f} s for room", old_url)
         self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
         self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
         log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)

@@ -85,7 +85,8 @@ class Failure(msgspec.Struct, kw_only=True):
     restarts: int
     """Replacements of this kind so far (this one included when it was restarted)."""
     action: str
-    """`restarted`, or `failed the job`."""
+    """`restarted`, or `failed the job`; an engine's `restarted; ...` goes on to say that its replacement waits
+    for a node with room, and then after how long it started."""
     fix: str = ""
     """The spec keys to change (deterministic classes), or ""."""
     budget: int | None = None
@@ -295,7 +296,7 @@ class Restarts(dict):
                 f"({budget[0]}: {budget[1]})"
             )
             log.error("%s: %s", kind, message)
-            self._report(failure)
+            self.report(failure)
             raise GiveUp(message, failure)
         if self[kind] + 1 > self.policy.max_restarts:
             message = (
@@ -304,7 +305,7 @@ class Restarts(dict):
                 + (f" ({cls.replace('_', ' ')}: {failure.fix})" if failure.fix else "")
             )
             log.error("%s", message)
-            self._report(failure)
+            self.report(failure)
             raise GiveUp(message, failure)
         self[kind] += 1
         failure.restarts, failure.action = self[kind], "restarted"
@@ -321,10 +322,11 @@ class Restarts(dict):
             self.policy.max_restarts,
             left,
         )
-        self._report(failure)
+        self.report(failure)
         return failure
 
-    def _report(self, failure: Failure) -> None:
+    def report(self, failure: Failure) -> None:
+        """Hand `failure` (new, or with a new `action`) to `on_failure`: the status."""
         if self.on_failure is not None:
             self.on_failure(failure)
 
