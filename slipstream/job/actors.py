@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from urllib.parse import urlparse
 
 import msgspec
 import ray
@@ -59,7 +60,7 @@ def _setup_process(
     root.handlers[:] = [fh, sh]
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the state changes
     gpu_metrics.register()  # this process's GPUs, if it has any
-    host = node_address()
+    host = node_address(redis_url)
     port = serve_metrics(redis_url, job.name, name, host)
     logging.getLogger(__name__).info("%s: pid %d, metrics on %s:%d", name, os.getpid(), host, port)
 
@@ -76,14 +77,19 @@ def require_model(path: str, who: str) -> None:
         )
 
 
-def node_address() -> str:
-    """Where this actor's servers (a built-in engine, the metrics endpoint) listen: 127.0.0.1 while the
-    Ray cluster is one node, so that nothing leaves loopback (Ray reports a host's external IP as its
-    node's address even for a cluster on 127.0.0.1); across nodes, this node's address in the cluster
-    (the one its raylet registered, which the other nodes reach), never every interface. Outside Ray
-    (a component run on its own), 127.0.0.1."""
-    if not ray.is_initialized() or len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+def node_address(redis_url: str) -> str:
+    """Where this actor's servers (a built-in engine, the metrics endpoint) listen: 127.0.0.1 on a Ray
+    cluster of one node whose job dials Redis on loopback, so that nothing leaves it (Ray reports a host's
+    external IP as its node's address even for a cluster on 127.0.0.1); on a cluster other nodes can join
+    (its Redis on a routable address: `cluster up --host`) or have joined, this node's address in the
+    cluster (the one its raylet registered, which the other nodes reach), never every interface, so that a
+    node that joins after the job started reaches what runs here. Outside Ray, 127.0.0.1."""
+    if not ray.is_initialized():
         return "127.0.0.1"
+    head = urlparse(redis_url).hostname or "127.0.0.1"
+    if head.startswith("127.") or head in ("localhost", "::1"):
+        if len([n for n in ray.nodes() if n.get("Alive")]) == 1:
+            return "127.0.0.1"
     return ray.util.get_node_ip_address()
 
 
@@ -132,7 +138,7 @@ class EngineActor:
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.lora = options.lora
         if options.host == "127.0.0.1":  # the job's own engines: reachable from the trainer's node too
-            options = msgspec.structs.replace(options, host=node_address())
+            options = msgspec.structs.replace(options, host=node_address(redis_url))
         self.server = EngineServer(options, api_key=api_key)
 
     def start(self) -> str:

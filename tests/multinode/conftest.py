@@ -28,6 +28,7 @@ class Cluster:
 
     def __init__(self, a: Node, b: Node, home: Path, up_output: str) -> None:
         self.a, self.b, self.home, self.up_output = a, b, home, up_output
+        self.joins = 0
         self.private = home / "private"
         """A directory that node A's processes read and node B's Ray does not see (a tmpfs over it in a
         mount namespace of its own)."""
@@ -40,6 +41,22 @@ class Cluster:
     def ray_env(self) -> dict[str, str]:
         """What a process needs to join this Ray (read when `ray` is imported)."""
         return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.secrets["ray_auth_token"]}
+
+    def join(self, node: Node, resources: dict[str, float], num_cpus: int | None = None, hide: bool = False):
+        """`node` joins this cluster's Ray with the `ray start --address ...` line that `cluster up` printed,
+        offering `resources` (and `num_cpus` CPUs, else what Ray counts); `hide`: its Ray runs in a mount
+        namespace of its own with an empty tmpfs over `private`."""
+        joined = re.search(r"ray start --address (\S+)", self.up_output)
+        assert joined, f"`cluster up` printed no `ray start --address` line:\n{self.up_output}"
+        self.joins += 1
+        start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", joined.group(1)]
+        start += ["--resources", json.dumps(resources), "--disable-usage-stats"]
+        start += ["--temp-dir", str(self.home / f"ray-{node.name}-{self.joins}")]
+        start += ["--num-cpus", str(num_cpus)] if num_cpus is not None else []
+        cmd = shlex.join(start)
+        if hide:
+            cmd = f"mount -t tmpfs none {shlex.quote(str(self.private))} && exec {cmd}"
+        node.run(["unshare", "-m", "--propagation", "private", "sh", "-c", cmd], {**ENV, **self.ray_env}, 180)
 
     def python(self, node: Node, code: str, timeout_s: float = 120.0, env: dict | None = None):
         """Run `code` with this repository's Python in `node`; what its last stdout line says, as JSON."""
@@ -76,16 +93,10 @@ def cluster():
             up += ["--host", a.address, "--no-prometheus"]
             out = a.run(up, env=ENV, timeout_s=180).stdout
             c = Cluster(a, b, home, out)
-            # node B joins exactly as `cluster up` told the operator to
-            joined = re.search(r"ray start --address (\S+)", out)
-            assert joined, f"`cluster up --host {a.address}` printed no `ray start --address` line:\n{out}"
-            start = [sys.executable, "-m", "ray.scripts.scripts", "start", "--address", joined.group(1)]
-            start += ["--resources", json.dumps({NODE_B_RESOURCE: NODE_B_UNITS})]
-            start += ["--temp-dir", str(home / "ray-b"), "--disable-usage-stats"]
-            # node B's Ray sees an empty tmpfs over HOME/private: a directory only node A has
+            # node B joins exactly as `cluster up` told the operator to; its Ray sees an empty tmpfs over
+            # HOME/private: a directory only node A has
             c.private.mkdir()
-            hide = f"mount -t tmpfs none {shlex.quote(str(c.private))} && exec {shlex.join(start)}"
-            b.run(["unshare", "-m", "--propagation", "private", "sh", "-c", hide], {**ENV, **c.ray_env}, 180)
+            c.join(b, {NODE_B_RESOURCE: NODE_B_UNITS}, hide=True)
             yield c
         finally:
             # the cluster's own way down first (it stops jobs and services by pid); whatever is left in

@@ -110,9 +110,10 @@ class Node(NamedTuple):
         out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
 
-    def kill_all(self) -> None:
-        """SIGTERM every process in the namespace, SIGKILL what is left after KILL_GRACE_S."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+    def kill_all(self, hard: bool = False) -> None:
+        """SIGTERM every process in the namespace, SIGKILL what is left after KILL_GRACE_S; `hard`: SIGKILL
+        at once (a node that fails, with no chance to say so)."""
+        for sig in (signal.SIGKILL,) if hard else (signal.SIGTERM, signal.SIGKILL):
             for pid in self.pids():
                 try:
                     os.kill(pid, sig)
