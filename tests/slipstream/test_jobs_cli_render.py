@@ -53,6 +53,26 @@ def test_status_shows_the_last_failure_its_repeats_and_the_restarts_left():
     assert "(3 in a row)" in text and "failed the job" in text
 
 
+def test_status_says_that_an_engine_replacement_waits_for_a_node_with_room():
+    import time
+
+    failure = {
+        "kind": "engines",
+        "who": "engine http://10.0.0.2:4000",
+        "error_class": "other",
+        "cause": "the actor's node was terminated expectedly: received SIGTERM",
+        "times": 1,
+        "version": 9,
+        "at": time.time() - 20,
+        "restarts": 1,
+        "action": "restarted; the replacement has not started after 15 s, waiting for a node with room",
+    }
+    text = " ".join(
+        _text({"name": "j", "state": "running", "restarts": {"engines": 1}, "failure": failure}).split()
+    )
+    assert "restarted (engines restart 1); the replacement has not started after 15 s" in text, text
+
+
 def test_status_shows_the_policy_recipe_metrics_and_the_run():
     st = {
         "name": "j",
