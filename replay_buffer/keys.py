@@ -167,7 +167,7 @@ class JobKeys(msgspec.Struct, frozen=True):
         """Hash replica -> host:port where that process serves its Prometheus metrics."""
         return self._k(METRICS_TARGETS)
 
-    # Control records (slipstream/cluster/job_store.py): they outlive runs.
+    # Control records (slipstream/job/store.py): they outlive runs.
     @property
     def spec(self) -> str:
         """The resolved job spec as submitted (JSON)."""
@@ -190,7 +190,7 @@ class JobKeys(msgspec.Struct, frozen=True):
 
     @property
     def submission(self) -> str:
-        """The job's current Ray submission id (slipstream/cluster/job_store.py `submission_id`): written
+        """The job's current Ray submission id (slipstream/job/store.py `submission_id`): written
         with the record before Ray is called; only a driver started for it may take the run lease."""
         return self._k("submission")
 
@@ -201,7 +201,7 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("lease")
 
     def per_run(self) -> list[str]:
-        """Every key a run writes (not the control records of slipstream/cluster/job_store.py): a new run of the same
+        """Every key a run writes (not the control records of slipstream/job/store.py): a new run of the same
         job name deletes them all. `inflight:<worker>` lists are found through the `workers` zset."""
         return [
             self.groups, self.dead_letter, self.version, self.started, self.trained, self.commits,

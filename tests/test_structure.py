@@ -7,7 +7,8 @@ module over MAX_LINES lines without a reason written at its top.
     trainer/                                          contracts only; trainer and fleet never each other
     jobspec/                                          composes the components' config sections
     model_zoo/                                        model recipes: the one package above trainer + fleet
-    slipstream/                                       the control plane (cli/, job/, cluster/)
+    slipstream/                                       the control plane: job/ (one job's runtime) below
+                                                      cluster/ (the control API, the store's users) below cli/
 """
 
 import ast
@@ -88,6 +89,25 @@ def test_packages_import_only_what_they_may():
         for m, deps in _graph().items()
         for dep in sorted(deps)
         if (a := m.split(".")[0]) != (b := dep.split(".")[0]) and b not in ALLOWED[a]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+FLOORS_WITHIN = {  # inside the control plane: the job runtime below the cluster and the command line
+    "slipstream.job": {"slipstream.cluster", "slipstream.cli"},
+    "slipstream.cluster": {"slipstream.cli"},
+}
+"""Sub-package -> the sub-packages of its package it must not import."""
+
+
+def test_the_job_runtime_never_imports_the_cluster_or_the_command_line():
+    wrong = [
+        f"{m} imports {dep}"
+        for m, deps in _graph().items()
+        for low, above in FLOORS_WITHIN.items()
+        if m == low or m.startswith(low + ".")
+        for dep in sorted(deps)
+        if any(dep == a or dep.startswith(a + ".") for a in above)
     ]
     assert not wrong, "\n".join(wrong)
 

@@ -58,7 +58,7 @@ def _buffer_stats(args) -> int:
             return 2
         url = url_file.read_text().strip()
     if url is None:  # a job of the cluster
-        from slipstream.cluster.job_store import JobStore
+        from slipstream.job.store import JobStore
 
         try:
             info = cluster_state.load_info(args.home)

@@ -1,6 +1,6 @@
 """Job operations of the control plane (what the control API serves): submit a job as a Ray job running
 slipstream/job/driver.py, list and inspect jobs, read their logs, scale their pools, stop them, ask for a
-checkpoint. State lives in the cluster's Redis (slipstream/cluster/job_store.py); the driver acts on it.
+checkpoint. State lives in the cluster's Redis (slipstream/job/store.py); the driver acts on it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,12 @@ from jobspec.spec import eval_task
 from replay_buffer import ReplayBuffer
 from replay_buffer.redis_server import delete_job_user, job_user, set_job_user
 from slipstream.cluster.job_paths import output_dir_note, path_problem, purge_job_dir, resolve_spec_paths
-from slipstream.cluster.job_store import (
+from slipstream.cluster.reconcile import DriverReconciler
+from slipstream.cluster.state import ClusterInfo, write_job_redis_url
+from slipstream.job import lease
+from slipstream.job.prepare import project_pythonpath
+from slipstream.job.progress import ProgressReader
+from slipstream.job.store import (
     ACTIVE_STATES,
     JobStore,
     NameTaken,
@@ -36,10 +41,6 @@ from slipstream.cluster.job_store import (
     latest_checkpoint,
     resume_version,
 )
-from slipstream.cluster.reconcile import DriverReconciler
-from slipstream.cluster.state import ClusterInfo, project_pythonpath, write_job_redis_url
-from slipstream.job import lease
-from slipstream.job.progress import ProgressReader
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,15 @@ class JobControl(DriverReconciler):
         """Submit the job's driver to Ray as submission `sid` (Ray refuses an id twice)."""
         # Ray runs the entrypoint through a shell: every part is quoted (the name is also validated).
         entry = shlex.join(
-            [sys.executable, "-m", "slipstream.job.driver", "--home", str(self.home), "--job", spec.name]
+            [
+                sys.executable,
+                "-m",
+                "slipstream.cluster.job_entry",
+                "--home",
+                str(self.home),
+                "--job",
+                spec.name,
+            ]
             + ["--submission", sid]
         )
         env = {

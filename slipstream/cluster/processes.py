@@ -15,12 +15,12 @@ from pathlib import Path
 
 from slipstream.cluster.state import (
     POLL_S,
-    REPO_ROOT,
     STARTUP_TIMEOUT_S,
     STOP_TIMEOUT_S,
     ClusterState,
     connect_host,
 )
+from slipstream.job.prepare import REPO_ROOT
 
 log = logging.getLogger(__name__)
 

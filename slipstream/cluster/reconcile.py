@@ -11,8 +11,8 @@ import json
 import logging
 from typing import Any
 
-from slipstream.cluster.job_store import ACTIVE_STATES, NO_POOLS, resume_fields
 from slipstream.job import lease
+from slipstream.job.store import ACTIVE_STATES, NO_POOLS, resume_fields
 
 log = logging.getLogger("slipstream.cluster.control")
 

@@ -38,7 +38,6 @@ from slipstream.cluster.state import (
     RAY_DISCOVERY_FILE,
     RAY_SIDE_PORTS,
     RAY_TEMP_PARENT_PREFIX,
-    REPO_ROOT,
     SERVICES,
     ClusterInfo,
     ClusterState,
@@ -47,7 +46,6 @@ from slipstream.cluster.state import (
     event,
     load_secrets,
     private_dir,
-    project_pythonpath,
     ray_env,
     ray_node_env,
     ray_temp_dir,
@@ -55,6 +53,7 @@ from slipstream.cluster.state import (
     resolve_home,
     write_state,
 )
+from slipstream.job.prepare import REPO_ROOT, project_pythonpath
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +417,7 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
     if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
         return {}
     from slipstream.cluster.control import JobControl
-    from slipstream.cluster.job_store import ACTIVE_STATES
+    from slipstream.job.store import ACTIVE_STATES
 
     info = cluster_info(home, state, load_secrets(home, create=False))
     control = JobControl(info)
@@ -466,7 +465,7 @@ def active_jobs(home: Path, state: ClusterState) -> dict[str, dict]:
     if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
         return {}
     from slipstream.cluster.control import JobControl
-    from slipstream.cluster.job_store import ACTIVE_STATES
+    from slipstream.job.store import ACTIVE_STATES
 
     control = JobControl(cluster_info(home, state, load_secrets(home, create=False)))
     try:

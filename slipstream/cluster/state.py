@@ -28,15 +28,6 @@ import msgspec
 log = logging.getLogger(__name__)
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def project_pythonpath() -> str:
-    """PYTHONPATH for processes Ray starts: the project first, then this process's own entries
-    (packages installed with `pip --target`, as on the GPU machine, live only there)."""
-    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
-
-
 SERVICES = ("redis", "ray", "prometheus", "api")
 """Start order; `down` stops them in reverse."""
 RAY_TEMP_DIR_MAX_CHARS = 40

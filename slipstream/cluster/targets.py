@@ -22,7 +22,7 @@ import redis
 from prometheus_client import Gauge
 
 from replay_buffer.keys import METRICS_TARGETS_PATTERN, JobKeys, job_of_metrics_targets
-from slipstream.cluster.job_store import ENDED_STATES
+from slipstream.job.store import ENDED_STATES
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ import jobspec
 from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
-from slipstream.cluster.job_store import JobStore
 from slipstream.job import driver as driver_mod
 from slipstream.job.prepare import init_local_ray
+from slipstream.job.store import JobStore
 
 log = logging.getLogger("slipstream.job.faults")
 

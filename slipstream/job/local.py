@@ -20,9 +20,9 @@ from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
-from slipstream.cluster.job_store import JobStore
 from slipstream.job.driver import JobDriver
 from slipstream.job.prepare import init_local_ray, reset_run_state, resolve_paths
+from slipstream.job.store import JobStore
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,16 @@ import shutil
 from pathlib import Path
 
 from jobspec import JobSpec
-from slipstream.cluster.state import project_pythonpath
 
 log = logging.getLogger("slipstream.job.prepare")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def project_pythonpath() -> str:
+    """PYTHONPATH for processes Ray starts: the project first, then this process's own entries
+    (packages installed with `pip --target`, as on the GPU machine, live only there)."""
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def resolve_paths(spec: JobSpec) -> JobSpec:

@@ -147,7 +147,7 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
     """Ask the job to stop (JobStore.request_stop, what `slipstream stop` does) once Prometheus holds
     MIN_SCRAPES successful scrapes of each of its three replicas. A fixed step count made the trainer's
     life a few seconds long, and a loaded box scraped it too rarely for a rate()."""
-    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.store import JobStore
 
     while not stop.wait(0.5):
         try:

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from replay_buffer import ReplayBuffer, Sample, make_group
-from slipstream.cluster.job_store import JobStore
 from slipstream.job.progress import ProgressReader
+from slipstream.job.store import JobStore
 
 
 def _group(job, versions, prompt="p"):

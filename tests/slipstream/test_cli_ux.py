@@ -137,9 +137,9 @@ def test_slipstream_run_prints_each_step_once(redis_server, tmp_path, caplog, ca
     """`slipstream run` prints every progress record as its line (format_progress); the driver's own log
     line of that step must not print it a second time (the cluster's driver.log keeps it at INFO)."""
     import jobspec
-    from slipstream.cluster.job_store import JobStore
     from slipstream.job.driver import JobDriver
     from slipstream.job.progress import format_progress
+    from slipstream.job.store import JobStore
 
     spec = jobspec.loads(f"name: once\noutput_dir: {tmp_path}\nalgorithm: {{total_steps: 10}}\n")
     r = redis_server.client()
@@ -300,7 +300,7 @@ buffer: {{max_staleness: 1}}
 
 @pytest.mark.slow
 def test_rm_purge_deletes_only_the_jobs_own_directory_under_home(info, client, tmp_path, capsys):
-    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.store import JobStore
 
     store = JobStore(redis.Redis.from_url(info.redis_url))
     own = Path(info.home) / "jobs" / "ended"

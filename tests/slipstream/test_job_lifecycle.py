@@ -121,7 +121,7 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
 
 
 def _latest(out_dir: Path) -> Path | None:
-    from slipstream.cluster.job_store import latest_checkpoint
+    from slipstream.job.store import latest_checkpoint
 
     ck = latest_checkpoint(out_dir / "checkpoints")
     return Path(ck["path"]) if ck else None

@@ -25,8 +25,8 @@ from replay_buffer.keys import JobKeys
 from slipstream.cli.jobs import ApiError
 from slipstream.cluster import services as cluster
 from slipstream.cluster import state as cluster_state
-from slipstream.cluster.job_store import ACTIVE_STATES, JobStore, NameTaken
 from slipstream.job.lease import LeaseRefused, RunLease
+from slipstream.job.store import ACTIVE_STATES, JobStore, NameTaken
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
@@ -95,7 +95,7 @@ def test_a_second_driver_process_exits_at_once_without_touching_the_keys(tmp_pat
         admin = redis.Redis.from_url(server.admin_url)
         before = {k: admin.dump(k) for k in admin.keys("slipstream:twice:*")}
         run = subprocess.run(
-            [sys.executable, "-m", "slipstream.job.driver", "--home", str(tmp_path), "--job", name]
+            [sys.executable, "-m", "slipstream.cluster.job_entry", "--home", str(tmp_path), "--job", name]
             + ["--submission", sid],
             env=ENV, capture_output=True, text=True, timeout=300,
         )  # fmt: skip
@@ -123,7 +123,7 @@ class DriverCensus:
         found: dict[str, list[int]] = {}
         for p in psutil.process_iter(["cmdline", "status", "pid"]):
             argv = p.info["cmdline"] or []
-            if "slipstream.job.driver" in argv and self.home in argv and p.info["status"] != "zombie":
+            if "slipstream.cluster.job_entry" in argv and self.home in argv and p.info["status"] != "zombie":
                 found.setdefault(argv[argv.index("--job") + 1], []).append(p.info["pid"])
         return found
 

@@ -433,7 +433,7 @@ def test_two_processes_building_one_model_build_it_once_and_read_it_whole(tmp_pa
 
 def _driver(info, job: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slipstream.job.driver", "--home", info.home, "--job", job],
+        [sys.executable, "-m", "slipstream.cluster.job_entry", "--home", info.home, "--job", job],
         env=ENV, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
 
@@ -496,11 +496,11 @@ def test_a_job_stopped_before_its_driver_starts_ends_stopped_without_ray(info, t
 HUNG_CONNECT = """
 import sys, time
 import ray, redis
-from slipstream.cluster.job_store import JobStore
-from slipstream.job import driver
+from slipstream.job.store import JobStore
+from slipstream.cluster import job_entry
 ray.init = lambda **kw: time.sleep(600)
-driver.RAY_CONNECT_GRACE_S = 1.0
-driver._connect_ray(JobStore(redis.Redis.from_url(sys.argv[1])), sys.argv[2])
+job_entry.RAY_CONNECT_GRACE_S = 1.0
+job_entry._connect_ray(JobStore(redis.Redis.from_url(sys.argv[1])), sys.argv[2])
 """
 
 

@@ -169,8 +169,8 @@ def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
 ):
     """The driver's own path: records in a real Redis progress stream, read by JobDriver.read_progress
     (no pools started), land in TensorBoard as train/* and eval/* (evaluations were once dropped)."""
-    from slipstream.cluster.job_store import JobStore
     from slipstream.job.driver import JobDriver
+    from slipstream.job.store import JobStore
 
     spec = jobspec.from_dict({"name": job_id, "output_dir": str(tmp_path)})
     store = JobStore(redis_client)

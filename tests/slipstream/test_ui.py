@@ -109,7 +109,7 @@ def test_progress_route_requires_the_token() -> None:
 
 def test_job_control_progress_reads_the_stream(redis_client, job_id) -> None:
     from replay_buffer.keys import JobKeys
-    from slipstream.cluster.job_store import JobStore
+    from slipstream.job.store import JobStore
 
     ctl = JobControl.__new__(JobControl)  # Redis only: no cluster, no Ray
     ctl.r, ctl.store = redis_client, JobStore(redis_client)
