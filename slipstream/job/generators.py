@@ -33,6 +33,7 @@ from typing import NamedTuple
 from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
+from slipstream.job import supervise
 from slipstream.job.placement import Colocation, engine_spec, require_resources
 from slipstream.job.supervise import STOP_TIMEOUT_S, Restarts, died, error_of, kill, outcome, wait_all
 from weight_bus.registry import EngineRegistry, engines_key, joining_key
@@ -387,9 +388,13 @@ class GeneratorPool:
             else:
                 failed[i] = (f"died ({outcome(ref)})", error_of(ref))
         now = time.monotonic()
-        for i in sorted(self._starting):
-            if i not in self._waiting and now - self._starting_since.get(i, now) >= PLACEMENT_WAIT_S:
-                self._say_waiting(i, now - self._starting_since[i])
+        for i in sorted(self._starting):  # Ray keeps a replacement no node has room for queued: say so
+            if i not in self._waiting and (waited := now - self._starting_since[i]) >= PLACEMENT_WAIT_S:
+                self._waiting.add(i)
+                running = len(self.engines) - len(self._starting)
+                self._note(
+                    supervise.waiting_for_room(self.spec.generators, waited, running), self._starting[i]
+                )
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
             reg = EngineRegistry(self.r, self.job)
@@ -429,24 +434,6 @@ class GeneratorPool:
         self._starting[i] = url
         self._starting_since[i] = time.monotonic()
         self._waiting.discard(i)
-
-    def _say_waiting(self, i: int, waited_s: float) -> None:
-        """Engine i's replacement has not started after `waited_s`: no node has room for it (its node was
-        lost, the others are full). Ray keeps it queued and starts it when a node with room joins."""
-        import ray
-
-        g = self.spec.generators
-        needs = {
-            k: v for k, v in {"CPU": g.cpus_per_engine, "GPU": g.gpus_per_engine, **g.resources}.items() if v
-        }
-        free = {k: round(ray.available_resources().get(k, 0), 2) for k in needs}
-        self._waiting.add(i)
-        self._note(
-            f"restarted; the replacement has not started after {waited_s:.0f} s, waiting for a node with room "
-            f"(it needs {needs or 'nothing'}, the cluster has {free or 'nothing'} free): Ray starts it when "
-            f"one joins, and the job goes on with {len(self.engines) - len(self._starting)} engines",
-            self._starting[i],
-        )
 
     def _note(self, action: str, url: str) -> None:
         """The newest failure, an engine's, gets `action` (what became of its replacement), in the status."""
