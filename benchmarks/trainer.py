@@ -367,7 +367,7 @@ def _profile_summary(prof, cuda: bool, top: int = 25) -> dict:
 
 
 def worker(rank: int, world: int, port: int, args) -> dict | None:
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
     from trainer.flops import peak_flops
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -388,7 +388,7 @@ def worker(rank: int, world: int, port: int, args) -> dict | None:
         backend = "nccl" if device.type == "cuda" else "gloo"
         kw = {"device_id": device} if device.type == "cuda" else {}
         torch.distributed.init_process_group(backend, init_method="env://", **kw)
-    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), device)
+    pool = RankGroup(DistInfo(rank, world, "127.0.0.1", port), device)
     if args.peak_tflops:
         args.peak_flops = args.peak_tflops * 1e12
     else:

@@ -199,7 +199,7 @@ class Evaluator:
 
     async def run(self) -> dict:
         """Evaluate until stopped; returns {"evaluations": versions evaluated, "failed": failures}."""
-        from generator_fleet.rollout import EnginePool, adapter_name
+        from generator_fleet.rollout import EngineRouter, adapter_name
         from generator_fleet.tasks import build_reward
         from models.tokenizers import load_tokenizer
         from replay_buffer.client import connect_async
@@ -209,7 +209,7 @@ class Evaluator:
         task, self.problems = eval_set(cfg)
         self.reward = build_reward(cfg.reward, task)
         self.workflow = agent_workflow(cfg, self.tokenizer, self.reward)
-        self.engines = EnginePool(self.engine_urls, self.api_key, adapter_name(cfg.model))
+        self.engines = EngineRouter(self.engine_urls, self.api_key, adapter_name(cfg.model))
         self.redis = connect_async(self.redis_url)
         follow = asyncio.create_task(self._follow_registry())
         ev = cfg.eval

@@ -44,7 +44,7 @@ def adapter_name(model) -> str | None:
     return model.lora.name if model.lora is not None else None
 
 
-class EnginePool:
+class EngineRouter:
     """Routes each request to the live engine with the fewest outstanding requests. Membership follows
     the engine registry (`update`); a removed engine keeps its client until its in-flight calls end."""
 
@@ -103,7 +103,7 @@ class RolloutWorker:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.task = training_task(build_task(cfg.dataset), cfg.eval)
         self.workflow = build_workflow(cfg, self.tokenizer, self.task)
-        self.engines = EnginePool(self.engine_urls, self.api_key, adapter_name(cfg.model))
+        self.engines = EngineRouter(self.engine_urls, self.api_key, adapter_name(cfg.model))
         r = connect_async(self.redis_url)
         # Unique per process: a restarted worker must not inherit (or release) a dead one's reservations.
         name = f"{socket.gethostname()}-{os.getpid()}-{self.worker_id}"

@@ -129,6 +129,8 @@ async def memory_async(r: aioredis.Redis) -> tuple[int, int] | None:
         return None
 
 
+# Long: the consumer's whole contract on one connection (take, commit, reclaim, dead-letter, trim, the run
+#   clock); each method is short
 class ReplayBuffer:
     """Consumer side (sync, trainer rank 0) plus job-state helpers shared by the driver, CLI and tests."""
 

@@ -172,3 +172,40 @@ def test_each_package_says_what_it_owns_and_what_it_may_import():
         assert named == ALLOWED[pkg], (
             f"{pkg}: docstring says {sorted(named)}, the rule {sorted(ALLOWED[pkg])}"
         )
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 80
+"""A class or function longer than this says why in a `# Long: <reason>` comment right above it."""
+
+
+def _long_without_reason(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    out = []
+    for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if isinstance(node, ast.ClassDef):
+            limit = MAX_CLASS_LINES
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            limit = MAX_FUNCTION_LINES
+        else:
+            continue
+        length = node.end_lineno - node.lineno + 1
+        if length <= limit:
+            continue
+        above = min([node.lineno] + [d.lineno for d in node.decorator_list]) - 2  # 0-based line above
+        comments = []
+        while above >= 0 and lines[above].strip().startswith("#"):
+            comments.append(lines[above])
+            above -= 1
+        if not any("# Long:" in c for c in comments):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {length} lines")
+    return out
+
+
+def test_long_classes_and_functions_say_why():
+    wrong = [
+        w for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py")) for w in _long_without_reason(p)
+    ]
+    assert not wrong, (
+        f"classes over {MAX_CLASS_LINES} or functions over {MAX_FUNCTION_LINES} lines without a '# Long:' "
+        "reason right above them:\n" + "\n".join(wrong)
+    )

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainer import metrics
 from trainer.fingerprint import config_differences
-from trainer.learner import peft_name
+from trainer.lora import peft_name
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +143,18 @@ def save(
     shards and the state file (the fault tests inject a full disk there)."""
     path = Path(path)
     tmp = partial_dir(path)
-    pool = learner.pool
+    ranks = learner.ranks
     t0 = time.monotonic()
     try:
-        if pool.is_main and tmp.exists():
+        if ranks.is_main and tmp.exists():
             shutil.rmtree(tmp)  # a save of this step that was killed before it could clean up
-        pool.barrier()
+        ranks.barrier()
         dcp.save(_app_state(learner), checkpoint_id=str(tmp))
-        pool.barrier()
-        if pool.is_main:
+        ranks.barrier()
+        if ranks.is_main:
             if before_complete is not None:
                 before_complete()
-            state = {**trainer_state, "world_size": pool.world_size, "lr_step": learner.lr_step}
+            state = {**trainer_state, "world_size": ranks.world_size, "lr_step": learner.lr_step}
             lora = learner.model_spec.lora
             if lora is not None:
                 state["lora"] = lora_meta(lora)
@@ -175,7 +175,7 @@ def save(
                 "directory was removed",
             ) from e
         raise
-    if pool.is_main:
+    if ranks.is_main:
         for old in path.parent.glob(".step-*.partial"):  # saves killed outright (kill -9, a lost node)
             shutil.rmtree(old, ignore_errors=True)
         if keep:
@@ -187,7 +187,7 @@ def save(
         log.info(
             "checkpoint %s written by %d ranks (%d bytes, %.1f s)",
             path,
-            pool.world_size,
+            ranks.world_size,
             size,
             time.monotonic() - t0,
         )
@@ -201,7 +201,7 @@ def save(
                 learner.model_spec.path,
                 learner.base_fingerprint["weights"],
             )
-    pool.barrier()
+    ranks.barrier()
     return path
 
 
@@ -295,7 +295,7 @@ def load(learner, path: str | Path) -> dict:
         "resumed from %s (written by %d ranks, now %d) at LR schedule step %d",
         path,
         state["world_size"],
-        learner.pool.world_size,
+        learner.ranks.world_size,
         learner.lr_step,
     )
     if learner.model_spec.lora is not None:
@@ -380,8 +380,8 @@ def export_hf(
     full = get_model_state_dict(
         learner.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if not learner.pool.is_main:
-        learner.pool.barrier()
+    if not learner.ranks.is_main:
+        learner.ranks.barrier()
         return None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -411,5 +411,5 @@ def export_hf(
             )
     _write_hf(learner, full, path, tokenizer, dtype)
     log.info("exported HF model (%s) to %s", dtype, path)
-    learner.pool.barrier()
+    learner.ranks.barrier()
     return path

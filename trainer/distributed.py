@@ -87,7 +87,7 @@ def transport_on(addr: str):
             os.environ.pop(n, None)
 
 
-class Pool:
+class RankGroup:
     """This rank's handles: the default group (collectives of the model) and a gloo group for objects."""
 
     def __init__(self, info: DistInfo, device: torch.device, store: dist.Store | None = None) -> None:

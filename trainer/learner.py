@@ -38,9 +38,10 @@ from trainer.advantages import whiten
 from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
 from trainer.critic import Critic, gae_targets
-from trainer.distributed import Pool, full_tensor, grad_norm_clip, shard
+from trainer.distributed import RankGroup, full_tensor, grad_norm_clip, shard
 from trainer.fingerprint import base_fingerprint
 from trainer.logprobs import packed_logprobs
+from trainer.lora import peft_name, wrap_lora
 from trainer.losses import (
     LOG_RATIO_CLAMP,
     behav_kl,
@@ -61,25 +62,7 @@ SUM_STATS = tuple(
 MAX_STATS = ("is_weight_max", "ratio_max", "ratio_neg_min")
 
 
-ADAPTER = "default"
-"""PEFT's in-model adapter name (dropped from the saved names)."""
-
-
-def wrap_lora(model: nn.Module, lora) -> nn.Module:
-    """The HF model wrapped by PEFT with the job's adapter (models.config.LoraSpec): the base frozen, only
-    lora_A/lora_B trainable; B starts at zero so the adapted model equals the base."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = lora.peft_config()
-    cfg.pop("peft_type")
-    return get_peft_model(model, LoraConfig(**cfg), adapter_name=ADAPTER)
-
-
-def peft_name(name: str) -> str:
-    """A PeftModel parameter's name as PEFT saves it (the adapter name dropped)."""
-    return name.replace(f".{ADAPTER}.", ".")
-
-
+# Long: one rank's models and optimizer steps; the loss terms, packing and sharding live in their own modules
 class Learner:
     """The policy (and reference, critic) of one rank and their optimizers, configured by the job's
     `model`, `algorithm` and `trainer` sections."""
@@ -89,7 +72,7 @@ class Learner:
         model: ModelSpec,
         algorithm: AlgorithmSpec,
         trainer: TrainerSpec,
-        pool: Pool,
+        ranks: RankGroup,
         response_budget: int | None = None,
     ) -> None:
         """response_budget: TrainerConfig.response_budget, seq-mean-token-sum-norm's constant when
@@ -97,10 +80,10 @@ class Learner:
         self.model_spec, self.algorithm, self.trainer = model, algorithm, trainer
         self.loss_agg = loss_aggregation(algorithm, response_budget) if response_budget else None
         self.response_budget = response_budget or 0
-        self.pool = pool
-        self.device = pool.device
+        self.ranks = ranks
+        self.device = ranks.device
         tr = trainer
-        self.fsdp = tr.fsdp and pool.enabled
+        self.fsdp = tr.fsdp and ranks.enabled
         self.bf16 = self.device.type == "cuda" and tr.mixed_precision == "bf16"
         self.fp32_head = bool(tr.fp32_lm_head) and self.bf16
         """trainer.fp32_lm_head on bf16 compute: the LM head's matmul in fp32 (trainer/logprobs.py)."""
@@ -142,7 +125,7 @@ class Learner:
                 layers=layers,
                 # One rank has nothing to free by resharding; with CPU offload the gathered copy is
                 # what offloading avoids keeping.
-                reshard_after_forward=self.pool.world_size > 1 or self.offload,
+                reshard_after_forward=self.ranks.world_size > 1 or self.offload,
             )
         else:
             model.to(self.device)
@@ -153,6 +136,8 @@ class Learner:
             model.train()
         return model
 
+    # Long: the models in load order (policy, adapter, optimizer, reference, critic, memory plan) and the one
+    #   log line that says what was built
     def setup(self, plan_memory: bool = True) -> None:
         """plan_memory False (a colocated trainer, whose engine shares the GPU): the memory settings as given,
         nulls at their CPU defaults, instead of planned against the device's free memory."""
@@ -172,7 +157,7 @@ class Learner:
         if lora is not None:
             self.base_fingerprint = base_fingerprint(model)
             model = wrap_lora(model, lora)  # before sharding: the adapter's params are sharded with the base
-        world = self.pool.world_size if self.fsdp else 1
+        world = self.ranks.world_size if self.fsdp else 1
         extra = (alg.kl_coef > 0) * 0.25 + (alg.advantage == "gae")  # a reference's fp32 weights, a critic
         static = memory.static_bytes(model, world) * (1 + extra)
         given = tr.offload_optimizer if plan_memory else bool(tr.offload_optimizer)
@@ -208,8 +193,8 @@ class Learner:
         log.info(
             "learner rank %d/%d on %s: fsdp %s, bf16 %s, fp32 LM head %s, activation checkpointing %s, "
             "cpu offload %s, ref %s, critic %s",
-            self.pool.rank,
-            self.pool.world_size,
+            self.ranks.rank,
+            self.ranks.world_size,
             self.device,
             self.fsdp,
             self.bf16,
@@ -219,7 +204,7 @@ class Learner:
             self.ref is not None,
             self.critic is not None,
         )
-        if self.pool.is_main:
+        if self.ranks.is_main:
             log.info(
                 "policy loss %s (clip [1-%g, 1+%g], dual clip %s, aggregation %s), truncated IS %s-level cap %g, "
                 "masked IS %s, KL %s x %g; lr %g %s schedule, %d warmup steps, floor %g x lr; "
@@ -270,8 +255,8 @@ class Learner:
         generated at different temperatures are planned apart (each temperature's micro-batches after
         the previous one's, on every rank)."""
         per_rank = None
-        if self.pool.is_main:
-            per_rank = [[] for _ in range(self.pool.world_size)]
+        if self.ranks.is_main:
+            per_rank = [[] for _ in range(self.ranks.world_size)]
             count = self.algorithm.ppo_minibatches
             for k, part in enumerate(split_minibatches([len(s) for s in samples], count)):
                 mini = [samples[i] for i in part]
@@ -282,14 +267,16 @@ class Learner:
                 for temperature in dict.fromkeys(s.temperature for s in mini):  # first-seen order
                     idx = [i for i, s in enumerate(mini) if s.temperature == temperature]
                     plan = plan_step(
-                        [len(mini[i]) for i in idx], self.pool.world_size, self.memory_plan.micro_batch_tokens
+                        [len(mini[i]) for i in idx],
+                        self.ranks.world_size,
+                        self.memory_plan.micro_batch_tokens,
                     )
                     for rank, mbs in zip(per_rank, plan, strict=True):
                         for mb in mbs:
                             packed = pack([mini[idx[j]] for j in mb])
                             packed.minibatch = k
                             rank.append(packed)
-        return self.pool.scatter(per_rank)
+        return self.ranks.scatter(per_rank)
 
     def _prox(self, mbs: list[MicroBatch], on_policy: bool, head) -> tuple[str, list[torch.Tensor] | None]:
         """(prox_source, pi_prox logprobs per micro-batch; None = each forward pass's own, detached)."""
@@ -308,6 +295,8 @@ class Learner:
             self.model.train()
         return "recompute", out
 
+    # Long: a batch's optimizer steps in order (advantages, pi_prox, epochs x mini-batches x micro-batches,
+    #   stats)
     def train_step(self, micro_batches: list[MicroBatch], on_policy: bool = False) -> dict[str, float]:
         """Every optimizer step of one batch over this rank's micro-batches (a collective: every rank
         calls it with micro-batches of the same mini-batches, from `distribute`): advantages (GAE) and
@@ -317,7 +306,7 @@ class Learner:
         per optimizer step (loss, pg_loss, kl_ref, value_loss) as their mean over the batch's optimizer
         steps, token fractions over every pass; per-step values in `update_stats`."""
         alg = self.algorithm
-        world = self.pool.world_size if self.fsdp else 1
+        world = self.ranks.world_size if self.fsdp else 1
         mbs = [mb.to(self.device) for mb in micro_batches]
         returns = self._gae(mbs) if self.critic is not None else None
         acc = {k: torch.zeros((), device=self.device, dtype=torch.float64) for k in SUM_STATS + MAX_STATS}
@@ -343,7 +332,7 @@ class Learner:
                 # dtype) and "reduce" once after the last, instead of a copy-in + fp32 add per micro-batch.
                 # With more ranks that would hold a whole fp32 gradient per rank, so they reduce-scatter
                 # every micro-batch.
-                defer_sync = self.fsdp and self.pool.world_size == 1 and len(members) > 1
+                defer_sync = self.fsdp and self.ranks.world_size == 1 and len(members) > 1
                 for pos, i in enumerate(members):
                     mb = mbs[i]
                     if defer_sync:
@@ -371,7 +360,7 @@ class Learner:
                 u += 1
         stats = self._reduce(acc, per_update, grad_norms, lrs)
         stats["prox_source"] = prox_source
-        if prox_source != self._prox_source and self.pool.is_main:  # rank 0 logs, every rank remembers
+        if prox_source != self._prox_source and self.ranks.is_main:  # rank 0 logs, every rank remembers
             log.info(
                 "pi_prox from %s (%d optimizer steps per batch%s)",
                 {"current": "each step's own forward pass", "engine": "the engines' logprobs"}.get(
@@ -386,9 +375,9 @@ class Learner:
         stats["flops"] = self._flops(micro_batches, prox_source == "recompute")
         peak = torch.tensor([float(memory.peak_bytes(self.device))], dtype=torch.float64, device=self.device)
         stats["memory_peak_gib"] = (
-            float(self.pool.all_reduce(peak, torch.distributed.ReduceOp.MAX)[0]) / memory.GIB
+            float(self.ranks.all_reduce(peak, torch.distributed.ReduceOp.MAX)[0]) / memory.GIB
         )
-        if self.updates > 1 and self.pool.is_main:
+        if self.updates > 1 and self.ranks.is_main:
             log.debug(
                 "%d optimizer steps (pi_prox %s): loss %s, clip fraction %s",
                 self.updates,
@@ -496,7 +485,7 @@ class Learner:
             sums += torch.tensor([adv[m].sum(), adv[m].square().sum(), m.sum()], dtype=torch.float64)
             advs.append(adv)
             out.append((v, ret.to(self.device)))
-        sums = self.pool.all_reduce(sums.to(self.device)).cpu()
+        sums = self.ranks.all_reduce(sums.to(self.device)).cpu()
         for mb, adv in zip(mbs, advs, strict=True):
             white = whiten(adv, float(sums[0]), float(sums[1]), float(sums[2]))
             mb.advantages = (white * (mb.loss_mask.cpu() > 0)).to(self.device)
@@ -513,8 +502,8 @@ class Learner:
         n_sum = len(SUM_STATS)
         sums = torch.cat([torch.stack([acc[k] for k in SUM_STATS]), per_update.reshape(-1)])
         maxes = torch.stack([acc[k] for k in MAX_STATS])
-        self.pool.all_reduce(sums)
-        self.pool.all_reduce(maxes, torch.distributed.ReduceOp.MAX)
+        self.ranks.all_reduce(sums)
+        self.ranks.all_reduce(maxes, torch.distributed.ReduceOp.MAX)
         s = dict(zip(SUM_STATS, sums[:n_sum].tolist(), strict=True))
         upd = sums[n_sum:].reshape(3, self.updates).tolist()
         mx = dict(zip(MAX_STATS, maxes.tolist(), strict=True))
@@ -567,7 +556,7 @@ class Learner:
             total += flops.step_flops(self.config, seq_lens, logit_tokens, passes=epochs)
         if self.critic is not None:
             total += flops.step_flops(self.critic.config, seq_lens, 0, passes=1 + 3 * epochs)
-        return float(self.pool.all_reduce(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
+        return float(self.ranks.all_reduce(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
 
     # --- weights out ---------------------------------------------------------------------------------
     def parameters_unsharded(self) -> bool:

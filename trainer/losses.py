@@ -125,6 +125,8 @@ def seq_sum(
     return sums[ids].view_as(values)
 
 
+# Long: every policy loss (PPO, decoupled PPO, GSPO, dual clip, truncated and masked IS) as one set of terms,
+#   so they combine
 def policy_loss_terms(
     logprobs: torch.Tensor,
     prox_logprobs: torch.Tensor,

@@ -307,11 +307,11 @@ def plan_learner(ln, capacity: int | None = None) -> MemoryPlan:
     capacity = device_capacity(ln.device) if capacity is None else capacity
     if capacity:
         box = torch.tensor([float(capacity)], dtype=torch.float64, device=ln.device)
-        capacity = int(ln.pool.all_reduce(box, dist.ReduceOp.MIN).item())
+        capacity = int(ln.ranks.all_reduce(box, dist.ReduceOp.MIN).item())
     if not capacity:
         result = unplanned(tr.micro_batch_tokens, tr.activation_checkpointing, ln.offload)
     else:
-        world = ln.pool.world_size if ln.fsdp else 1
+        world = ln.ranks.world_size if ln.fsdp else 1
         models = [m for m in (ln.model, ln.ref, ln.critic) if m is not None]
         static = 0 if ln.offload else sum(static_bytes(m, world) for m in models)
         head = (tr.logprob_chunk_tokens, tr.compile, ln.fp32_head)
@@ -346,6 +346,6 @@ def plan_learner(ln, capacity: int | None = None) -> MemoryPlan:
     metrics.MEMORY_PLAN.labels("static").set(result.static)
     metrics.MEMORY_PLAN.labels("per_token").set(result.per_token)
     metrics.MICRO_BATCH_TOKENS.set(result.micro_batch_tokens)
-    if ln.pool.is_main:
+    if ln.ranks.is_main:
         log.info("memory plan: %s", result.describe())
     return result

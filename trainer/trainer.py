@@ -15,6 +15,7 @@ whether there is a step (the group leaves the loop together), then sends each ra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ from replay_buffer.progress import StepRecord, append_progress
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
 from trainer.config import TrainerConfig
-from trainer.distributed import DistInfo, Pool, host_store
+from trainer.distributed import DistInfo, RankGroup, host_store
 from trainer.faults import Faults
 from trainer.flops import peak_flops
 from trainer.learner import Learner
@@ -87,6 +88,8 @@ def length_stats(prefix: str, lengths: list[int]) -> dict[str, float | None]:
     return {f"{prefix}_mean": sum(xs) / len(xs), f"{prefix}_p50": q(0.5), f"{prefix}_p90": q(0.9)}
 
 
+# Long: the step loop and what it owns (buffer, bus, checkpoints, records); one step's parts are methods of a
+#   screen each
 class Trainer:
     """One trainer rank. Rank 0 also holds the replay buffer consumer and the weight bus."""
 
@@ -130,7 +133,7 @@ class Trainer:
         self.handoff: MemoryHandoff | None = None
         """Rank 0 of a colocated job on the sync schedule: the engines' memory released for each step."""
         if rank == 0 and cfg.schedule == "sync":
-            self.handoff = MemoryHandoff(self.bus.client, self.bus.pool)
+            self.handoff = MemoryHandoff(self.bus.client, self.bus.calls)
         self.learner: Learner | None = None
         self.tokenizer = None
         self._stop = False
@@ -175,12 +178,12 @@ class Trainer:
             store = host_store("127.0.0.1", 1)
             master = ("127.0.0.1", store.port)
         addr, port = master or ("127.0.0.1", 0)
-        self.pool = Pool(DistInfo(self.rank, self.world_size, addr, port), self.device, store)
+        self.ranks = RankGroup(DistInfo(self.rank, self.world_size, addr, port), self.device, store)
         self.learner = Learner(
             self.config.model,
             self.config.algorithm,
             tr,
-            self.pool,
+            self.ranks,
             response_budget=self.config.response_budget,
         )
         self.learner.setup(plan_memory=self.config.schedule is None)  # a colocated engine shares the GPU
@@ -299,7 +302,7 @@ class Trainer:
         named = self.learner.adapter_tensors() if lora else self.learner.full_parameters()
         persistent = not lora and self.learner.parameters_unsharded()
         if self.per_rank:  # every rank to the engines on its device; stats on rank 0
-            return self.bus.publish(named, version, persistent=persistent, ranks=self.pool)
+            return self.bus.publish(named, version, persistent=persistent, ranks=self.ranks)
         if self.is_main:  # drains the iterator even when it fails
             return self.bus.publish(named, version, persistent=persistent)
         for _ in named:
@@ -311,7 +314,7 @@ class Trainer:
         Ends with a checkpoint (if checkpoint_every, or stopped by `stop(checkpoint=True)`) and the HF
         export (if export_hf). `checkpoint`/`checkpoint_version` name the newest checkpoint of this pool
         (written or resumed from), "" / None if there is none."""
-        cfg, alg, tr = self.config, self.config.algorithm, self.config.trainer
+        tr = self.config.trainer
         version = self.buffer.version() if self.is_main else 0
         # elapsed_s is the run's clock: a pool after a rescale or restart continues it
         t_start = time.monotonic() - (self.buffer.start_clock() if self.is_main else 0.0)
@@ -321,74 +324,95 @@ class Trainer:
         self.pool_id = uuid.uuid4().hex[:8]
         while True:
             t0 = time.monotonic()
-            while True:  # rank 0 decides, every rank learns: a step, an idle publish, or the end
-                entries = self._take(version) if self.is_main else None
-                sync = entries is IDLE_SYNC
-                ckpt = False
-                if not sync:
-                    ckpt, self._checkpoint_requested = self._checkpoint_requested, False
-                # fully on-policy: every token was sampled with the weights about to be trained
-                on_policy = (
-                    not sync and bool(entries) and all(e.group.min_version == version for e in entries)
-                )
-                if entries and not sync and self.handoff is not None:
-                    self._release()  # before any rank trains: the device is the trainer's for the step
-                header = self.pool.broadcast(
-                    {"version": version, "sync": sync, "checkpoint": ckpt, "on_policy": on_policy}
-                    if entries
-                    else None
-                )
-                if header is None or not header["sync"]:
-                    break
-                self._idle_publish(header["version"])
+            header, entries = self._next_batch(version)
             if header is None:
                 break
-            version = header["version"]
-            t_data = time.monotonic()
-            groups = [e.group for e in entries] if self.is_main else None
-            samples = (
-                build_samples(groups, alg.advantage, *loss_aggregation(alg, cfg.response_budget))
-                if self.is_main
-                else None
-            )
-            try:
-                if self.is_main:
-                    self.faults.step(version + 1)
-                stats = self.learner.train_step(
-                    self.learner.distribute(samples), on_policy=header["on_policy"]
-                )
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t_step = time.monotonic()
-                if self.is_main:
-                    self.buffer.commit(entries, version, cfg.buffer.max_staleness)
-                t_commit = time.monotonic()
-                # every bus.update_every versions, and the last one, so engines end on the final policy
-                due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
-                if due and self.handoff is not None:
-                    self.handoff.resume_weights()  # resident again before they are written
-                pub = self.publish(version + 1) if due else None
-            finally:
-                if self.handoff is not None:
-                    self.handoff.finish()  # kv_cache + cuda_graph back: the engines generate again
-            t_pub = time.monotonic()
-            version += 1
-            if self.is_main:
-                self.buffer.set_version(version)
-                self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit)
+            version = self._step(header, entries, t0, t_start)
             if (tr.checkpoint_every and version % tr.checkpoint_every == 0) or header["checkpoint"]:
                 last_checkpoint = (version, self.checkpoint(version))
+        return self._finish(version, last_checkpoint, t_start)
+
+    def _next_batch(self, version: int) -> tuple[dict | None, list | None]:
+        """Rank 0 decides, every rank learns: the next step's header (version, checkpoint asked,
+        on-policy) and, on rank 0, its entries; idle publishes on the way; (None, None) at the end."""
+        while True:
+            entries = self._take(version) if self.is_main else None
+            sync = entries is IDLE_SYNC
+            ckpt = False
+            if not sync:
+                ckpt, self._checkpoint_requested = self._checkpoint_requested, False
+            # fully on-policy: every token was sampled with the weights about to be trained
+            on_policy = not sync and bool(entries) and all(e.group.min_version == version for e in entries)
+            if entries and not sync and self.handoff is not None:
+                self._release()  # before any rank trains: the device is the trainer's for the step
+            header = self.ranks.broadcast(
+                {"version": version, "sync": sync, "checkpoint": ckpt, "on_policy": on_policy}
+                if entries
+                else None
+            )
+            if header is None:
+                return None, None
+            if not header["sync"]:
+                return header, entries
+            self._idle_publish(header["version"])
+
+    @contextlib.contextmanager
+    def _engines_back(self):
+        """Around a colocated sync step: whatever happens in it, the engines get their KV cache and CUDA
+        graphs back at its end and generate again (a no-op without the handoff)."""
+        try:
+            yield
+        finally:
+            if self.handoff is not None:
+                self.handoff.finish()
+
+    def _step(self, header: dict, entries: list | None, t0: float, t_start: float) -> int:
+        """One step on every rank: train, commit (rank 0), publish when due, record; the new version."""
+        cfg, alg = self.config, self.config.algorithm
+        version = header["version"]
+        t_data = time.monotonic()
+        groups = [e.group for e in entries] if self.is_main else None
+        samples = (
+            build_samples(groups, alg.advantage, *loss_aggregation(alg, cfg.response_budget))
+            if self.is_main
+            else None
+        )
+        with self._engines_back():
+            if self.is_main:
+                self.faults.step(version + 1)
+            stats = self.learner.train_step(self.learner.distribute(samples), on_policy=header["on_policy"])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t_step = time.monotonic()
+            if self.is_main:
+                self.buffer.commit(entries, version, cfg.buffer.max_staleness)
+            t_commit = time.monotonic()
+            # every bus.update_every versions, and the last one, so engines end on the final policy
+            due = update_due(version + 1, cfg.bus.update_every, alg.total_steps)
+            if due and self.handoff is not None:
+                self.handoff.resume_weights()  # resident again before they are written
+            pub = self.publish(version + 1) if due else None
+        t_pub = time.monotonic()
+        version += 1
+        if self.is_main:
+            self.buffer.set_version(version)
+            self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit)
+        return version
+
+    def _finish(self, version: int, last_checkpoint: tuple[int, Path] | None, t_start: float) -> dict:
+        """The pool's end on every rank: the final checkpoint (when due), the buffer trimmed, the export."""
+        tr = self.config.trainer
         # ranks that ran no step learn where rank 0 is, whether the pool restarts, and whether a stop
         # asked for a checkpoint (each rank writes its shards)
         stop_ckpt = self._stop and self._stop_checkpoint
-        version, restart, stop_ckpt = self.pool.broadcast((version, self._restart, stop_ckpt))
+        version, restart, stop_ckpt = self.ranks.broadcast((version, self._restart, stop_ckpt))
         due = tr.checkpoint_every or restart or stop_ckpt
         if due and version > 0 and (last_checkpoint is None or last_checkpoint[0] != version):
             last_checkpoint = (version, self.checkpoint(version))
         if self.is_main:
             self.buffer.trim()
         export = tr.export_hf and not restart
-        final_model = self.save(Path(cfg.output_dir) / "final_model") if export else None
+        final_model = self.save(Path(self.config.output_dir) / "final_model") if export else None
         return {
             "version": version,
             "elapsed_s": time.monotonic() - t_start,
@@ -488,4 +512,4 @@ class Trainer:
         if self.bus is not None:
             self.bus.close()
         if self.learner is not None:
-            self.pool.close()
+            self.ranks.close()

@@ -157,10 +157,11 @@ class WeightBus:
             cuda = backend == "nccl" or (backend == IPC and torch.cuda.is_available())
             device = torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu"
         self.client = EngineClient(api_key, timeout_s)
-        self.pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bus-http")
+        self.calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="bus-http")
+        """Threads for the bus's HTTP calls to engines in parallel (pause, update, continue, probes)."""
         self.members = Membership(
             self.client,
-            self.pool,
+            self.calls,
             engine_urls,
             backend=backend,
             master_address=master_address,
@@ -175,7 +176,7 @@ class WeightBus:
         self.transfer = (IpcTransfer if backend == IPC else Transfer)(
             self.members,
             self.client,
-            self.pool,
+            self.calls,
             bucket_bytes=bucket_bytes,
             pause_mode=pause_mode,
             device=torch.device(device),
@@ -249,4 +250,4 @@ class WeightBus:
             self.members.close()
             self.rank_handoff.close()
         self.client.close()
-        self.pool.shutdown(wait=False)
+        self.calls.shutdown(wait=False)

@@ -58,8 +58,8 @@ class MemoryHandoff:
     engines are released (only those are resumed). The seconds of the last release and of the last
     resume (weights and the rest together) are kept for the step's progress record."""
 
-    def __init__(self, client: EngineClient, pool: ThreadPoolExecutor) -> None:
-        self.client, self.pool = client, pool
+    def __init__(self, client: EngineClient, calls: ThreadPoolExecutor) -> None:
+        self.client, self.calls = client, calls
         self.released: list[str] = []
         """Engines released and not yet fully resumed."""
         self.weights_back = False
@@ -72,7 +72,7 @@ class MemoryHandoff:
 
     def _each(self, urls: list[str], call, what: str) -> list[str]:
         """`call(url)` on every engine at once; the engines where it succeeded (failures logged)."""
-        futures = {url: self.pool.submit(call, url) for url in urls}
+        futures = {url: self.calls.submit(call, url) for url in urls}
         ok = []
         for url, fut in futures.items():
             try:

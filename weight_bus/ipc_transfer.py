@@ -356,7 +356,7 @@ class IpcTransfer(Transfer):
 
         b.times[0] = time.perf_counter()
         b.calls = {
-            e.url: self.pool.submit(self.replace_adapter, e, load, version) for e in self.members.engines
+            e.url: self.calls.submit(self.replace_adapter, e, load, version) for e in self.members.engines
         }
         b.work = None
 

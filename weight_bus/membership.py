@@ -144,7 +144,7 @@ class Membership:
     def __init__(
         self,
         client: EngineClient,
-        pool: ThreadPoolExecutor,
+        calls: ThreadPoolExecutor,
         engine_urls: list[str],
         backend: str,
         master_address: str,
@@ -154,7 +154,7 @@ class Membership:
         registry: Registry | None,
         rejoin_after_s: float,
     ) -> None:
-        self.client, self.pool = client, pool
+        self.client, self.calls = client, calls
         self.engine_urls = list(engine_urls)
         self.backend = backend
         self.master_address = master_address
@@ -200,7 +200,7 @@ class Membership:
 
     def probe(self, urls: list[str]) -> dict[str, dict | BaseException]:
         """Server info of each engine, or why it could not be had (in parallel, bounded)."""
-        futures = {u: self.pool.submit(self.info, u) for u in urls}
+        futures = {u: self.calls.submit(self.info, u) for u in urls}
         out: dict[str, dict | BaseException] = {}
         for u, f in futures.items():
             try:
@@ -408,7 +408,7 @@ class Membership:
     def close(self) -> None:
         """Leave the group on every side (engines keep serving) and release the connections."""
         self.leave_group()
-        list(self.pool.map(self.leave_on_engine, self.engines))
+        list(self.calls.map(self.leave_on_engine, self.engines))
         for e in self.engines:
             e.close()
         self.engines = []

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 class Ranks(Protocol):
-    """The trainer ranks' object collective (trainer.distributed.Pool)."""
+    """The trainer ranks' object collective (trainer.distributed.RankGroup)."""
 
     rank: int
     world_size: int
@@ -85,12 +85,12 @@ class RankHandoff:
             bus = self.bus
             t = bus.transfer
             members = Membership(
-                bus.client, bus.pool, [], backend=IPC, master_address="127.0.0.1",
+                bus.client, bus.calls, [], backend=IPC, master_address="127.0.0.1",
                 group_name=bus.members.group_name, timeout_s=t.timeout_s, dtype=None, registry=None,
                 rejoin_after_s=bus.members.rejoin_after_s,
             )  # fmt: skip
             self.local = IpcTransfer(
-                members, bus.client, bus.pool, bucket_bytes=t.bucket_bytes, pause_mode=t.pause_mode,
+                members, bus.client, bus.calls, bucket_bytes=t.bucket_bytes, pause_mode=t.pause_mode,
                 device=t.device, max_inflight=t.max_inflight, repair_in_stream=False,
             )  # fmt: skip
         return self.local
@@ -149,6 +149,7 @@ class RankHandoff:
             _set_local(local, [(e.url, e.info) for e in local.members.engines if e.url not in lost])
         return go, paused
 
+    # Long: one update's phases in order, every rank through the same collectives at the same points
     def publish(
         self, it: Iterator[tuple[str, torch.Tensor]], version: int, persistent: bool, ranks: Ranks
     ) -> PublishStats | None:
@@ -241,7 +242,7 @@ class RankHandoff:
                 log.warning("engine %s dropped from the weight update (per-rank handoff)", url)
         dropped = m.drop(lost)
         for url in {e.url for e in paused} - set(m.urls) - m.parked:
-            bus.pool.submit(bus.client.continue_generation, url)
+            bus.calls.submit(bus.client.continue_generation, url)
         failed = bus.transfer._on_all([] if folded else m.engines, bus.client.continue_generation)
         for url, err in failed.items():
             log.warning("engine %s: continue failed: %s", url, err)

@@ -336,7 +336,7 @@ def _recover(tr, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
                 errors[url] = err
     dropped = tr.drop_lost(errors, failure)
     unfinished = [e for e in m.engines if e.url in errors]
-    list(tr.pool.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
+    list(tr.calls.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it
     parked = m.drop([e.url for e in unfinished], park=True)
     if parked:
         log.warning("engines %s parked (paused) until the next update resends the whole model", parked)

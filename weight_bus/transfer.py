@@ -130,6 +130,8 @@ def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: flo
     metrics.ENGINES.set(len(stats.engines))
 
 
+# Long: one update and its recovery share the members, the in-flight ring and the timeline; split by phase
+#   into methods
 class Transfer:
     """Publishes one version at a time to the engines of `members` (the caller serializes updates)."""
 
@@ -137,7 +139,7 @@ class Transfer:
         self,
         members: Membership,
         client: EngineClient,
-        pool: ThreadPoolExecutor,
+        calls: ThreadPoolExecutor,
         bucket_bytes: int,
         pause_mode: str,
         device: torch.device,
@@ -153,7 +155,7 @@ class Transfer:
         `stream`: once the trainer's tensors are known (after the first update) and every engine is a
         built-in one, send each update as one call per engine (weight_bus/stream.py); `stage`: streamed
         engines receive into a staging arena while they generate and swap at the end."""
-        self.members, self.client, self.pool = members, client, pool
+        self.members, self.client, self.calls = members, client, calls
         self.lora = lora
         self.lora_dir = lora_dir
         self.bucket_bytes = bucket_bytes
@@ -182,9 +184,11 @@ class Transfer:
 
     def _on_all(self, engines: list[Member], fn, *args) -> dict[str, BaseException]:
         """Call fn(url, *args) for every engine in parallel; returns the failures by URL."""
-        futures = {e.url: self.pool.submit(fn, e.url, *args) for e in engines}
+        futures = {e.url: self.calls.submit(fn, e.url, *args) for e in engines}
         return {u: f.exception() for u, f in futures.items() if f.exception() is not None}
 
+    # Long: one update in order (membership, bucket 0, pause, transfer, continue, stats); every failure path
+    #   ends in the same clean-up
     def publish(
         self, it: Iterator[tuple[str, torch.Tensor]], version: int, persistent: bool = False
     ) -> PublishStats:
@@ -247,7 +251,7 @@ class Transfer:
             # Engines dropped meanwhile are continued too (one that timed out may still be alive), but not
             # waited for: they may not answer at all.
             for url in {e.url for e in paused} - set(m.urls) - m.parked:
-                self.pool.submit(self.client.continue_generation, url)
+                self.calls.submit(self.client.continue_generation, url)
             failed = self._on_all([] if fold else m.engines, self.client.continue_generation)
             for url, err in failed.items():
                 log.warning("engine %s: continue failed: %s", url, err)
@@ -452,7 +456,7 @@ class Transfer:
         def load(url: str) -> dict:
             return self.client.load_lora_adapter(url, self.lora.name, str(path))
 
-        calls = {e.url: self.pool.submit(self.replace_adapter, e, load, version) for e in m.engines}
+        calls = {e.url: self.calls.submit(self.replace_adapter, e, load, version) for e in m.engines}
         wait(calls.values(), timeout=3 * self.timeout_s + self.grace)
         errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
         errors = {u: e for u, e in errors.items() if e is not None}
@@ -582,7 +586,7 @@ class Transfer:
         dropped = self.drop_lost(errors, failure)
         if not self.repair_in_stream and confirmed > 0 and m.engines:
             survivors = list(m.engines)
-            list(self.pool.map(m.leave_on_engine, survivors))  # abort their stuck receives
+            list(self.calls.map(m.leave_on_engine, survivors))  # abort their stuck receives
             parked = m.drop([e.url for e in survivors], park=True)
             log.warning("engines %s parked (paused) until the next update resends the whole model", parked)
             return dropped + parked

@@ -30,7 +30,7 @@ def available() -> bool:
 
 
 if triton is not None:
-
+    # Long: one Triton kernel: splitting it would cost a launch and registers per decode step
     @triton.jit
     def _decode_stage1(
         Q,  # [B, H, D]

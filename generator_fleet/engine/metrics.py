@@ -30,6 +30,7 @@ class _SchedulerCollector(Collector):
         self.model_name = model_name
         self.waiting_at_gate = waiting_at_gate
 
+    # Long: one sample per SGLang metric name, in the order SGLang's /metrics lists them
     def collect(self) -> Iterator[Metric]:
         snap = self.runner.snapshot()
         stats: RunnerStats = self.runner.stats
@@ -118,6 +119,7 @@ class _SchedulerCollector(Collector):
 class EngineMetrics:
     """One engine's registry; the server observes request latencies, pauses and weight updates."""
 
+    # Long: the declarations of every SGLang-named metric, one statement each
     def __init__(
         self, runner: Runner, model_name: str, waiting_at_gate: Callable[[], int] = lambda: 0
     ) -> None:

@@ -62,6 +62,8 @@ def load_model(path: str, device: torch.device, dtype: torch.dtype, load_format:
     raise ValueError(f"load_format {load_format!r}: expected auto or dummy")
 
 
+# Long: the scheduler's state and its admission, pause and finishing; prefill/decode steps and weight
+#   operations are mixins of their own
 class Runner(RunnerWeights, RunnerSteps):
     """Owns the model, the KV cache, the request queue and the generation thread."""
 
@@ -85,6 +87,7 @@ class Runner(RunnerWeights, RunnerSteps):
             max_loras=o.max_loras,
         )
 
+    # Long: the scheduler's state declared in one place, each field with what it guards
     def __init__(
         self,
         model_path: str,

@@ -104,6 +104,7 @@ def resolve_sampling(sp: SamplingParamsIn, prompt_len: int, runner: Runner) -> S
     return params
 
 
+# Long: a table of SGLang's launch flags and what each becomes
 def expand(body: GenerateReqIn, runner: Runner, max_requests: int) -> tuple[list[Item], bool]:
     """Turn a /generate body into runner requests in response order; returns (items, is_batch).
     `max_requests`: most requests (prompts x n) one call may make."""

@@ -102,6 +102,7 @@ def receive_and_load(state: EngineState, body: UpdateWeightsFromDistributed, t1:
     return named
 
 
+# Long: one streamed update on the engine, in order, with its error branches sharing one clean-up
 def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: float) -> dict:
     """A whole streamed update (`body.stream`, one call), in the weight thread: every bucket received back
     to back (weight_bus.receiver.receive_stream), arena buckets straight into the weights, named ones

@@ -267,6 +267,7 @@ def _apply_landlock(workdir: str, python_dirs: tuple) -> int:
     return abi
 
 
+# Long: the syscall filter as one list of rules
 def _apply_seccomp() -> bool:
     import ctypes
 

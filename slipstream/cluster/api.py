@@ -73,6 +73,7 @@ class StopRequest(BaseModel):
     )
 
 
+# Long: the control API's routes, declared together as FastAPI has them
 def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.body_timeout_s) -> FastAPI:
     """`control`: a slipstream.cluster.control.JobControl (None: only /healthz answers, for tests of auth).
     The token is checked on the request's head, before any of its body is read (BearerGuard); the

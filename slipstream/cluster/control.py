@@ -60,6 +60,8 @@ class ControlError(Exception):
         self.status = status
 
 
+# Long: every job command against the store and Ray (submit, stop, scale, rm, logs); reconciling with Ray is a
+#   mixin of its own
 class JobControl(DriverReconciler):
     def __init__(
         self,

@@ -276,6 +276,7 @@ def _owner_only(fn):
     return wrapper
 
 
+# Long: the cluster's services started in order, each undone if a later one fails
 @_owner_only
 def up(
     home: str | Path | None = None,

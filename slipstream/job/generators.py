@@ -18,6 +18,9 @@ workers, and their supervision.
   most MAX_EVAL_RESTARTS times, then evaluation stops with an error in the log: it never fails the job).
 
 `generators_only` runs the pool alone, filling a job's buffer with no trainer consuming it.
+
+Long module: the pool's three kinds of actors (engines, rollout workers, the evaluator) share its
+supervision and scaling; their start, replacement and stop are one lifecycle, kept together.
 """
 
 from __future__ import annotations
@@ -181,6 +184,7 @@ def stop_actors(engine_actors: list, actors: list) -> None:
             pass
 
 
+# Long: engines, rollout workers and the evaluator scaled and supervised as one pool; each step is a method
 class GeneratorPool:
     """A job's engines and rollout workers on Ray. `between` is called while the pool waits on its actors
     (the driver reads progress there); `restarts` is the job's replacement budget, shared with its other

@@ -52,6 +52,7 @@ def _plot_lines(ax, progress: list[dict], x: str, ys: list[tuple[str, str]]) -> 
     return drawn
 
 
+# Long: one figure per panel, in the order the report shows them
 def write_report(progress: list[dict], out_dir: Path) -> list[Path]:
     """Writes report_reward.png, report_staleness.png, report_throughput.png and report_lengths.png (the
     response lengths of trained and of stale-dropped samples) into `out_dir`, and report_eval.png when

@@ -14,7 +14,7 @@ import torch
 
 import jobspec
 from trainer import checkpoint
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, RankGroup
 from trainer.faults import Faults
 from trainer.learner import Learner
 
@@ -22,7 +22,7 @@ from trainer.learner import Learner
 @pytest.fixture(scope="module")
 def learner(tiny_model_dir):
     spec = jobspec.from_dict({"model": {"path": str(tiny_model_dir)}, "trainer": {"fsdp": False}})
-    pool = Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
+    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
     ln = Learner(spec.model, spec.algorithm, spec.trainer, pool, response_budget=16)
     ln.setup()
     return ln

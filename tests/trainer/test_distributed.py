@@ -78,10 +78,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     torch.set_num_threads(1)
     from trainer import checkpoint
     from trainer.batch import build_samples
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
     from trainer.learner import Learner
 
-    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
+    pool = RankGroup(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
     vocab = None
 
     def run(first_step: int, resume_path: str | None, tag: str) -> None:

@@ -18,12 +18,12 @@ def _worker(rank: int, world: int, addr: str, port: int, out: str) -> None:
 
     import torch
 
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
 
     # The parent's test environment must not decide the interface: the pool does.
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         os.environ.pop(name, None)
-    pool = Pool(
+    pool = RankGroup(
         DistInfo(rank=rank, world_size=world, master_addr=addr, master_port=port), torch.device("cpu")
     )
     total = pool.all_reduce(torch.ones(1))  # the transport carries data: both ranks are connected

@@ -269,9 +269,9 @@ def _fsdp_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
     """Rank `rank` of an FSDP2 gloo group: the bf16-sharded model's fp32-head logprobs and gathered grads."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
-    from trainer.distributed import DistInfo, Pool, full_tensor, shard
+    from trainer.distributed import DistInfo, RankGroup, full_tensor, shard
 
-    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
+    pool = RankGroup(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
     model = _trainer_model(path, bf16_params=False).train()  # fp32 master weights, bf16 compute
     shard(model, mixed_precision=True, reshard_after_forward=True)
     mb = _grad_batch(model.config.vocab_size)

@@ -18,9 +18,9 @@ def _worker(rank: int, port: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from trainer.distributed import DistInfo, Pool, full_tensor
+    from trainer.distributed import DistInfo, RankGroup, full_tensor
 
-    pool = Pool(DistInfo(rank, 1, "127.0.0.1", port), torch.device("cpu"))
+    pool = RankGroup(DistInfo(rank, 1, "127.0.0.1", port), torch.device("cpu"))
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3, bias=False))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for layer in model:

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import jobspec
 from models.config import LoraSpec
-from trainer.learner import wrap_lora
+from trainer.lora import wrap_lora
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 

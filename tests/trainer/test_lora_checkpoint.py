@@ -59,7 +59,7 @@ def _step(learner, spec, step: int, vocab: int) -> dict:
     from trainer.batch import build_samples, loss_aggregation
 
     samples = None
-    if learner.pool.is_main:
+    if learner.ranks.is_main:
         alg = spec.algorithm
         agg = loss_aggregation(alg, spec.trainer_config().response_budget)
         samples = build_samples(_groups(step, vocab), alg.advantage, *agg)
@@ -70,9 +70,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     from trainer import checkpoint
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
 
-    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
+    pool = RankGroup(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
     spec = _spec(model_dir, world)
     learner = _learner(spec, pool)
     vocab = learner.config.vocab_size
@@ -206,9 +206,9 @@ def test_adapter_and_merged_exports_give_the_trainers_logits(runs, tiny_model_di
 
 
 def _local(spec):
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
 
-    return _learner(spec, Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu")))
+    return _learner(spec, RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu")))
 
 
 @pytest.fixture(scope="module")

@@ -168,10 +168,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
 
     from trainer import checkpoint
     from trainer.batch import build_samples, loss_aggregation
-    from trainer.distributed import DistInfo, Pool
+    from trainer.distributed import DistInfo, RankGroup
     from trainer.learner import Learner
 
-    pool = Pool(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
+    pool = RankGroup(DistInfo(rank, world, "127.0.0.1", port), torch.device("cpu"))
     behaviour = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     data = [_groups(step, behaviour) for step in range(STEPS)] if pool.is_main else None
     if pool.is_main:  # behav_kl of step 0, where the trainer's policy is still the behaviour model

@@ -11,7 +11,7 @@ import torch
 
 import jobspec
 from trainer import memory
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, RankGroup
 from trainer.learner import Learner
 from trainer.logprobs import packed_logprobs
 from trainer.packing import pack
@@ -27,7 +27,7 @@ def _learner(model_dir, **trainer) -> Learner:
             "trainer": {"fsdp": False, "logprob_chunk_tokens": 16} | trainer,
         }
     )
-    pool = Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
+    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
     ln = Learner(spec.model, spec.algorithm, spec.trainer, pool, response_budget=spec.response_budget)
     ln.setup()
     return ln

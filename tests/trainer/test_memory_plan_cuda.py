@@ -10,7 +10,7 @@ import torch
 
 import jobspec
 from trainer import memory
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, RankGroup
 from trainer.learner import Learner
 
 pytestmark = [
@@ -47,7 +47,7 @@ def test_a_1_5b_model_plans_and_trains_within_an_h100(shape_dir):
             "trainer": {"device": "cuda"},
         }
     )
-    pool = Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cuda", 0))
+    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cuda", 0))
     ln = Learner(spec.model, spec.algorithm, spec.trainer, pool, response_budget=spec.response_budget)
     ln.setup()
     plan = ln.memory_plan

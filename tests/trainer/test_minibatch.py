@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 import jobspec
 from replay_buffer import Sample, make_group
 from trainer.batch import build_samples, loss_aggregation
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, RankGroup
 from trainer.learner import Learner
 from trainer.packing import split_minibatches
 
@@ -41,7 +41,7 @@ def _spec(model_dir, **algorithm):
 
 
 def _learner(spec) -> Learner:
-    pool = Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
+    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
     ln = Learner(
         spec.model, spec.algorithm, spec.trainer, pool, response_budget=spec.trainer_config().response_budget
     )

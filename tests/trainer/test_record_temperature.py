@@ -13,7 +13,7 @@ import jobspec
 from replay_buffer import Sample, make_group
 from replay_buffer.schema import decode, encode
 from trainer.batch import build_samples
-from trainer.distributed import DistInfo, Pool
+from trainer.distributed import DistInfo, RankGroup
 from trainer.learner import Learner
 
 
@@ -29,7 +29,10 @@ def learner(tiny_model_dir):
         }
     )
     ln = Learner(
-        spec.model, spec.algorithm, spec.trainer, Pool(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu"))
+        spec.model,
+        spec.algorithm,
+        spec.trainer,
+        RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cpu")),
     )
     ln.setup()
     return ln

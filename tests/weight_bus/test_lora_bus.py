@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 
 from generator_fleet.engine import EngineServer
 from models.config import LoraSpec
-from trainer.learner import peft_name, wrap_lora
+from trainer.lora import peft_name, wrap_lora
 from weight_bus import WeightBus
 
 LORA = LoraSpec(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], name="policy")

@@ -1,5 +1,5 @@
 """The per-rank colocated handoff on CPU with real processes: two trainer ranks in a gloo group (the
-trainer's own Pool), each with its own bus, and two built-in engine processes; every rank hands the
+trainer's own RankGroup), each with its own bus, and two built-in engine processes; every rank hands the
 weights to its own engine (engine j to rank j mod 2 on CPU), rank 0 pauses and continues them. The ranks
 publish different tensors here, so each engine must hold exactly its own rank's tensors, bit for bit,
 and the version, after a ring update (several buckets, paused) and a direct one (one call, folded)."""
@@ -30,9 +30,9 @@ def rank_tensors(model_dir, rank: int, step: int) -> dict[str, torch.Tensor]:
 
 def rank_main(rank: int, port: int, urls: list[str], model_dir, out, go) -> None:
     try:
-        from trainer.distributed import DistInfo, Pool
+        from trainer.distributed import DistInfo, RankGroup
 
-        pool = Pool(DistInfo(rank, 2, "127.0.0.1", port), torch.device("cpu"))
+        pool = RankGroup(DistInfo(rank, 2, "127.0.0.1", port), torch.device("cpu"))
         bus = WeightBus(urls if rank == 0 else [], api_key=KEY, backend="ipc", bucket_bytes=4096)
         bus.connect()
         stats = []

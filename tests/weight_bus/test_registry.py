@@ -9,7 +9,7 @@ from registry_helpers import live
 
 import jobspec
 from generator_fleet.engine import EngineServer
-from generator_fleet.rollout import EnginePool, RolloutWorker
+from generator_fleet.rollout import EngineRouter, RolloutWorker
 from weight_bus.registry import EngineRegistration, EngineRegistry, engines_key
 
 KEY = "reg-key"
@@ -46,13 +46,13 @@ def test_joining_engine_is_hidden_until_promoted_and_demoted_one_rejoins(redis_s
     assert registry.joining() == [] and live(redis_server, job_id) == []
 
 
-def test_pool_follows_membership_and_balances():
-    pool = EnginePool(["http://a:1"], None)
-    pool.outstanding["http://a:1"] = 3
-    pool.update(["http://a:1", "http://b:2"])
-    assert pool.pick() == "http://b:2"  # fewest outstanding
-    pool.update(["http://b:2"])
-    assert pool.pick(exclude={"http://b:2"}) == "http://b:2" and "http://a:1" in pool.clients
+def test_router_follows_membership_and_balances():
+    router = EngineRouter(["http://a:1"], None)
+    router.outstanding["http://a:1"] = 3
+    router.update(["http://a:1", "http://b:2"])
+    assert router.pick() == "http://b:2"  # fewest outstanding
+    router.update(["http://b:2"])
+    assert router.pick(exclude={"http://b:2"}) == "http://b:2" and "http://a:1" in router.clients
 
 
 def test_worker_routes_to_joined_engine_and_retries_a_dead_one(redis_server, tiny_model_dir, job_id):
@@ -63,7 +63,7 @@ def test_worker_routes_to_joined_engine_and_retries_a_dead_one(redis_server, tin
         worker = RolloutWorker(spec.rollout_config(), redis_server.url, [first.url], KEY)
 
         async def scenario():
-            worker.engines = EnginePool([first.url], KEY)
+            worker.engines = EngineRouter([first.url], KEY)
             worker.redis = aioredis.Redis.from_url(redis_server.url)
             reg = EngineRegistration(redis_server.client(), job_id, second.url, lease_s=60)
             follow = asyncio.create_task(worker._follow_registry())
