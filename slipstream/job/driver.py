@@ -388,6 +388,18 @@ def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool, fail
     }
 
 
+def _signal_in(error: BaseException | None) -> BaseException | None:
+    """The Stop or KeyboardInterrupt behind `error`, when a signal is what it came from (SIGTERM inside
+    Ray's C++ code surfaces as a SystemError whose context is the Stop its handler raised); else `error`."""
+    seen, e = set(), error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (Stop, KeyboardInterrupt)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return error
+
+
 def final_status(driver: JobDriver, result: dict | None = None, error: BaseException | None = None) -> dict:
     """The job's final status fields, logged: succeeded or stopped (the trainer's `result`), stopped or
     interrupted (a signal: `error` is Stop or KeyboardInterrupt), or failed (`error`, in one line), each
@@ -398,7 +410,7 @@ def final_status(driver: JobDriver, result: dict | None = None, error: BaseExcep
         final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
         final.update(_checkpoint_note(driver, result, stopped))
         log.info("job %s %s at version %d: %s", job, final["state"], result["version"], final["note"])
-    elif isinstance(error, (Stop, KeyboardInterrupt)):
+    elif isinstance(error := _signal_in(error), (Stop, KeyboardInterrupt)):
         want = store.desired(job)
         final = {"state": "stopped" if want["stop"] else "interrupted"}
         final.update(_checkpoint_note(driver, None, want["stop"]))
