@@ -9,14 +9,8 @@ OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEP
 ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
 RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 LOG=$OUT/steps.log
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  echo "== $name rc=$? ($(date +%T))" | tee -a "$LOG"
-}
+. "$(dirname "$0")/lib.sh"
 avs() {  # shape label, phase args...
   local shape=$1; shift
   python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no-learning --steps "$RUN_STEPS" \

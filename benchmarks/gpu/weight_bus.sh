@@ -5,14 +5,8 @@
 set -u
 OUT=${OUT:-/tmp/weight-bus-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-tests one two three}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 LOG=$OUT/steps.log
-step() {
-  local name=$1 limit=$2; shift 2
-  echo "== $name ($(date +%T), limit ${limit}s): $*" | tee -a "$LOG"
-  timeout "$limit" "$@" >>"$LOG" 2>&1
-  echo "== $name rc=$? ($(date +%T))" | tee -a "$LOG"
-}
+. "$(dirname "$0")/lib.sh"
 BENCH="python benchmarks/weight_bus.py --device-kind $KIND --out-dir $OUT"
 nvidia-smi topo -m >>"$LOG" 2>&1
 for s in $STEPS; do
