@@ -11,18 +11,20 @@ RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
 mkdir -p "$OUT"
 LOG=$OUT/steps.log
 . "$(dirname "$0")/lib.sh"
-avs() {  # shape label, phase args...
-  local shape=$1; shift
-  python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no-learning --steps "$RUN_STEPS" \
-    --warmup "$WARMUP" --model-shape "qwen2.5-$shape-shape" --label "$shape" --out-dir "$OUT" "$@"
-}
+AVS=(python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no-learning --steps "$RUN_STEPS"
+     --warmup "$WARMUP" --out-dir "$OUT")
 nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
 for s in $STEPS; do
   case $s in
     memory) step memory "${T_MEMORY:-240}" python -m pytest -q -s -m gpu -p no:cacheprovider tests/trainer/test_memory_plan_cuda.py ;;
-    sync-*) step "$s" "${T_PHASE:-280}" avs "${s#sync-}" --phase staleness --staleness 0 --append ;;
-    async-*) step "$s" "${T_PHASE:-280}" avs "${s#async-}" --phase staleness --staleness "$ASYNC" --append ;;
-    bounds-*) step "$s" "${T_PHASE:-280}" avs "${s#bounds-}" --phase bounds --append ;;
+    sync-*|async-*|bounds-*)
+      shape=${s#*-}
+      case $s in
+        sync-*) phase=(--phase staleness --staleness 0) ;;
+        async-*) phase=(--phase staleness --staleness "$ASYNC") ;;
+        bounds-*) phase=(--phase bounds) ;;
+      esac
+      step "$s" "${T_PHASE:-280}" "${AVS[@]}" --model-shape "qwen2.5-$shape-shape" --label "$shape" "${phase[@]}" --append ;;
   esac
 done
 grep -h "^async_vs_sync \|samples/s\|GiB usable\|peak \|passed\|failed\|rc=\|ERROR" "$LOG" | tail -40
