@@ -46,6 +46,13 @@ def add_parser(sub) -> None:
         help="Redis memory limit, e.g. 4gb (default: the last one, else 2gb); at the limit writes fail "
         "with a clear error, nothing is evicted",
     )
+    u.add_argument(
+        "--input-root",
+        action="append",
+        metavar="DIR",
+        help="submitted jobs may read their inputs (model, dataset, checkpoint to resume from) only here or "
+        "in their own directory (repeatable; default: $SLIPSTREAM_HOME, the project, the temp directory)",
+    )
     u.add_argument("--num-cpus", type=int)
     u.add_argument("--num-gpus", type=int)
     u.add_argument("--no-prometheus", action="store_true")
@@ -180,6 +187,7 @@ def main(args: argparse.Namespace) -> int:
                 if args.tool_modules is None
                 else [m.strip() for m in args.tool_modules.split(",") if m.strip()],
                 redis_maxmemory=args.redis_maxmemory,
+                input_roots=args.input_root,
             )
             _print_up(info, before, args)
             return 0

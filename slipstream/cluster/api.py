@@ -190,13 +190,20 @@ def main(argv: list[str] | None = None) -> None:
         metavar="MOD[,MOD...]",
         help="jobs' custom tools may come only from these modules ('': builtin tools only; default: any)",
     )
+    p.add_argument(
+        "--input-root",
+        action="append",
+        metavar="DIR",
+        help="jobs' input paths must lie here or in their own directory (repeatable; default: HOME, the "
+        "project, the temp directory)",
+    )
     add_limit_arguments(p, LIMITS)
     args = p.parse_args(argv)
     limits = limits_from_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     info = cluster_state.load_info(args.home)
     tool_modules = None if args.tool_modules is None else [m for m in args.tool_modules.split(",") if m]
-    control = JobControl(info, tool_modules=tool_modules)
+    control = JobControl(info, tool_modules=tool_modules, input_roots=args.input_root)
     try:  # after a cluster restart, jobs that were running have no driver any more: mark them
         if marked := control.reconcile():
             log.warning("jobs whose driver is gone, marked: %s", ", ".join(marked))
@@ -212,6 +219,7 @@ def main(argv: list[str] | None = None) -> None:
             "reverse proxy in front of it (README: Security)",
             args.host,
         )
+    log.info("job inputs from: %s", ", ".join(args.input_root or ["HOME, the project, the temp directory"]))
     log.info(
         "custom tools from: %s",
         "any module" if tool_modules is None else ", ".join(tool_modules) or "nowhere (builtin tools only)",

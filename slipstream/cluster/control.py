@@ -68,10 +68,14 @@ class JobControl(DriverReconciler):
         info: ClusterInfo,
         tool_modules: list[str] | None = None,
         redis_timeout_s: float = REDIS_TIMEOUT_S,
+        input_roots: list[str] | None = None,
     ) -> None:
-        """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any)."""
+        """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any).
+        `input_roots`: the directories a job's input paths must lie in, besides its own (None: HOME, the
+        project and the temp directory: job_paths.default_input_roots)."""
         self.info = info
         self.tool_modules = tool_modules
+        self.input_roots = input_roots
         self.home = Path(info.home)
         self.redis_timeout_s = redis_timeout_s
         # One retry, on a broken connection only (a restarted Redis leaves the pooled socket dead); a
@@ -164,7 +168,7 @@ class JobControl(DriverReconciler):
             )
         note = output_dir_note(spec, self.home)
         try:
-            spec = resolve_spec_paths(spec, self.home, cwd)
+            spec = resolve_spec_paths(spec, self.home, cwd, self.input_roots)
             jobspec.check_context(spec)  # once its model exists; the driver checks again after building it
         except jobspec.JobSpecError as e:
             raise ControlError(422, str(e)) from None

@@ -1,6 +1,7 @@
 """Where a submitted job's files go: relative paths of its spec resolved against the submitter's
-directory, its outputs contained in its own directory HOME/jobs/NAME, and that directory's purge (`rm
---purge`), which follows no link out of it.
+directory, its outputs contained in its own directory HOME/jobs/NAME, its inputs (model, dataset,
+checkpoint to resume from) in the operator's input roots, and that directory's purge (`rm --purge`), which
+follows no link out of it.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -29,13 +31,55 @@ def output_dir_note(spec: jobspec.JobSpec, home: Path) -> str | None:
     )
 
 
-def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jobspec.JobSpec:
+def default_input_roots(home: Path) -> list[str]:
+    """Where a submitted job may read from when `cluster up` names no `--input-root`: the cluster's HOME
+    (which holds every job's directory), the project (its examples and the demo model under runs/) and
+    the system temp directory."""
+    from slipstream.job.prepare import REPO_ROOT
+
+    return [str(Path(p).resolve()) for p in (home, REPO_ROOT, tempfile.gettempdir())]
+
+
+def input_paths(spec: jobspec.JobSpec) -> dict[str, str | None]:
+    """The paths a job reads from (or builds its model into), by key; `latest` is no path."""
+    ev = spec.eval.dataset if spec.eval is not None else None
+    resume = spec.trainer.resume_from
+    return {
+        "$.model.path": spec.model.path,
+        "$.dataset.path": spec.dataset.path,
+        "$.eval.dataset.path": ev.path if ev is not None else None,
+        "$.algorithm.ref_model_path": spec.algorithm.ref_model_path,
+        "$.algorithm.critic_model_path": spec.algorithm.critic_model_path,
+        "$.trainer.resume_from": None if resume == "latest" else resume,
+    }
+
+
+def check_input_roots(spec: jobspec.JobSpec, job_dir: Path, roots: list[str]) -> None:
+    """Each input path of a resolved spec, its symlinks resolved, must lie in the job's own directory or
+    one of `roots` (resolved too): a submitted job reads nothing else of the cluster user's files, e.g.
+    `dataset.path: /etc/shadow`. Raises JobSpecError naming the key."""
+    allowed = [job_dir, *(Path(r).resolve() for r in roots)]
+    for key, p in input_paths(spec).items():
+        if p is None:
+            continue
+        real = Path(os.path.realpath(p))  # resolve_paths resolved it already; a link is never trusted
+        if not any(real.is_relative_to(root) for root in allowed):
+            raise jobspec.JobSpecError(
+                f"invalid job spec: {real} is outside the input roots "
+                f"[{', '.join(str(r) for r in allowed)}]: a submitted job reads only there (the operator "
+                f"adds roots with `slipstream cluster up --input-root PATH`) - at `{key}`"
+            )
+
+
+def resolve_spec_paths(
+    spec: jobspec.JobSpec, home: Path, cwd: str | None, input_roots: list[str] | None = None
+) -> jobspec.JobSpec:
     """Relative paths in a submitted spec by jobspec.resolve_paths' rule, against the submitter's
     working directory (`cwd`, same filesystem as the cluster). Outputs are contained: output_dir is
     the job's own directory HOME/jobs/NAME (a relative one is replaced by it, and the submit answer says
     so: output_dir_note; an absolute one, normalised with symlinks resolved, must lie inside it), and so
-    must checkpoint_dir; so no two jobs share one and no job writes outside HOME. Raises JobSpecError
-    naming the key."""
+    must checkpoint_dir; so no two jobs share one and no job writes outside HOME. Inputs must lie in the
+    job's directory or `input_roots` (None: default_input_roots). Raises JobSpecError naming the key."""
     job_dir = (home / "jobs" / spec.name).resolve()
     if not Path(spec.output_dir).is_absolute():
         spec = msgspec.structs.replace(spec, output_dir=str(job_dir))
@@ -46,6 +90,7 @@ def resolve_spec_paths(spec: jobspec.JobSpec, home: Path, cwd: str | None) -> jo
                 f"invalid job spec: {p} is outside the job's directory {job_dir}: a submitted job writes "
                 f"only under its own directory (leave it unset, or give a path inside it) - at `{key}`"
             )
+    check_input_roots(s, job_dir, default_input_roots(home) if input_roots is None else input_roots)
     return s
 
 

@@ -220,6 +220,8 @@ def _start_api(home: Path, state: ClusterState, info: ClusterInfo) -> int:
     cmd += ["--port", str(state.ports["api"])]
     if state.tool_modules is not None:
         cmd += ["--tool-modules", ",".join(state.tool_modules)]
+    for root in state.input_roots or []:
+        cmd += ["--input-root", root]
     env = {
         **os.environ,
         "PYTHONPATH": project_pythonpath(),
@@ -293,13 +295,16 @@ def up(
     start_prometheus: bool = True,
     tool_modules: list[str] | None = None,
     redis_maxmemory: str | None = None,
+    input_roots: list[str] | None = None,
 ) -> ClusterInfo:
     """Start whatever of the cluster at HOME is not running; services already running are left alone.
 
     A port of 0 takes the one remembered in cluster.json, else a free one (then remembered). If a service
     fails to start, the services this call started are stopped again and the error carries its log's end.
     `tool_modules`: the modules jobs' custom tools may come from ([]: builtin tools only; None: any);
-    `redis_maxmemory` (e.g. "4gb"; None: the remembered one, else 2gb) applies when Redis (re)starts."""
+    `redis_maxmemory` (e.g. "4gb"; None: the remembered one, else 2gb) applies when Redis (re)starts.
+    `input_roots`: the directories jobs' input paths must lie in besides their own (None: HOME, the
+    project, the temp directory)."""
     home = resolve_home(home)
     private_dir(home, home)
     for d in ("redis", "prometheus/targets", "logs", "jobs"):
@@ -348,6 +353,9 @@ def up(
         else str(ray_temp_dir(home)),
         services=services,
         tool_modules=tool_modules,
+        input_roots=None
+        if input_roots is None
+        else [str(Path(r).expanduser().resolve()) for r in input_roots],
         pids={s: pid for s, pid in (old.pids if old else {}).items() if s in running},
         redis_maxmemory=redis_maxmemory or (old.redis_maxmemory if old else ""),
     )

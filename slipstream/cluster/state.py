@@ -89,6 +89,9 @@ class ClusterState(msgspec.Struct):
     updated: str = ""
     tool_modules: list[str] | None = None
     """The modules jobs' custom tools may come from ([]: builtin tools only; None: any): the API enforces it."""
+    input_roots: list[str] | None = None
+    """The directories jobs' input paths must lie in besides their own (`--input-root`; None: HOME, the
+    project, the temp directory): the API enforces it at submit."""
     redis_maxmemory: str = ""
     """Redis' memory limit (`--redis-maxmemory`; "" = redis_server.DEFAULT_MAXMEMORY), kept for the next `up`."""
 
