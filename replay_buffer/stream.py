@@ -97,14 +97,17 @@ def is_oom(e: redis.RedisError) -> bool:
     return isinstance(e, redis.exceptions.OutOfMemoryError) or "used memory > 'maxmemory'" in str(e)
 
 
-def full_error(e: redis.RedisError, job: str, mem: tuple[int, int] | None) -> RedisFullError:
-    """The clear error for an OOM reply (and one more count of `slipstream_buffer_redis_oom_total`)."""
+def full_error(
+    e: redis.RedisError, job: str, mem: tuple[int, int] | None, cannot: str = "add to its buffer"
+) -> RedisFullError:
+    """The clear error for an OOM reply (and one more count of `slipstream_buffer_redis_oom_total`);
+    `cannot`: what the job cannot do now (the buffer's writers add to it; the driver records its state)."""
     metrics.REDIS_OOM.inc()
     used = f" (used {mem[0]} of maxmemory {mem[1]} bytes)" if mem else ""
-    log.error("job %s: Redis is full%s: a buffer write was refused", job, used)
+    log.error("job %s: Redis is full%s: a write was refused (the job cannot %s)", job, used, cannot)
     return RedisFullError(
         f"Redis is full{used}: it refuses writes at its memory limit instead of evicting, so nothing "
-        f"stored was lost, but job {job!r} cannot add to its buffer. Raise the limit (`slipstream cluster "
+        f"stored was lost, but job {job!r} cannot {cannot}. Raise the limit (`slipstream cluster "
         "down`, then `slipstream cluster up --redis-maxmemory SIZE`) or free memory (end other jobs, let "
         f"the trainer drain the buffer). Redis said: {e}"
     )
@@ -114,7 +117,7 @@ def _memory_of(info: dict) -> tuple[int, int]:
     return int(info["used_memory"]), int(info.get("maxmemory", 0))
 
 
-def _memory(r: redis.Redis) -> tuple[int, int] | None:
+def memory(r: redis.Redis) -> tuple[int, int] | None:
     """(used_memory, maxmemory) in bytes, or None when this user may not read INFO (or Redis is gone)."""
     try:
         return _memory_of(r.info("memory"))
@@ -291,7 +294,7 @@ class ReplayBuffer:
             entry_id, _ = pipe.execute()
         except redis.ResponseError as e:
             if is_oom(e):
-                raise full_error(e, self.keys.job, _memory(self.r)) from e
+                raise full_error(e, self.keys.job, memory(self.r)) from e
             raise
         return as_str(entry_id)
 
@@ -486,7 +489,7 @@ class ReplayBuffer:
             )
         except redis.ResponseError as e:
             if is_oom(e):
-                raise full_error(e, self.keys.job, _memory(self.r)) from e
+                raise full_error(e, self.keys.job, memory(self.r)) from e
             raise
         if not applied:
             # the usual cause: Redis stalled past the socket timeout, the client sent the commit again and
@@ -521,7 +524,7 @@ class ReplayBuffer:
         metrics.DEPTH.set(depth)
         metrics.PENDING.set(info["pending"])
         metrics.OLDEST_AGE.set(self.oldest_age_s())
-        if mem := _memory(self.r):
+        if mem := memory(self.r):
             metrics.REDIS_USED_MEMORY.set(mem[0])
             metrics.REDIS_MAXMEMORY.set(mem[1])
         return removed

@@ -32,12 +32,13 @@ from jobspec.spec import check_context
 from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
+from replay_buffer.stream import full_error, is_oom, memory
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
 from slipstream.job.store import JobStore, resume_version
-from slipstream.job.supervise import POLL_S, GiveUp, Restarts
+from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool, checkpoint_dir
 
@@ -107,6 +108,12 @@ class JobDriver:
             log.error("job %s failed: %s", self.job, e)
             self.report("stopping", phase="failed; stopping every process", error=str(e))
             raise
+        except redis.RedisError as e:
+            # e.g. the command poll's pipeline at maxmemory: the documented "Redis is full" error, with
+            # the memory used and the fix, rather than redis-py's bare OutOfMemoryError
+            if is_oom(e):
+                raise full_error(e, self.job, memory(self.r), "record its state or read its commands") from e
+            raise
 
     def _run(self) -> dict:
         desired = self.store.desired(self.job)
@@ -121,6 +128,7 @@ class JobDriver:
                 self.report()
             self.generators.check_evaluator()
             self.read_progress(block_ms=int(POLL_S * 1000))
+            record_disk_free({"output": Path(self.spec.output_dir), "checkpoints": checkpoint_dir(self.spec)})
             want = self.store.desired(self.job)
             if want["stop"] and (not stopping or (want["stop_checkpoint"] and not stop_checkpoint)):
                 self.stop(want, again=stopping)

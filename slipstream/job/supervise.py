@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from jobspec.supervision import SupervisionSpec
 
@@ -62,6 +62,27 @@ RESTARTS = Counter(
     "and error class (out_of_memory, disk_full, other)",
     ["kind", "error_class"],
 )
+DISK_FREE = Gauge(
+    "slipstream_job_disk_free_bytes",
+    "Free bytes on the disk of the job's output and checkpoint directories (job driver, every poll), by dir "
+    "(output, checkpoints)",
+    ["dir"],
+)
+
+
+def record_disk_free(dirs: dict[str, Path]) -> None:
+    """slipstream_job_disk_free_bytes{dir} for each of `dirs` (label -> path), as the driver's host sees
+    it: a directory not made yet (checkpoints before the first) counts the disk of its nearest existing
+    parent, where it will be made. One that cannot be read keeps its last value: a metric never fails a job."""
+    for label, d in dirs.items():
+        for p in (d, *d.parents):
+            try:
+                if p.exists():
+                    DISK_FREE.labels(dir=label).set(shutil.disk_usage(p).free)
+                    break
+            except OSError as e:
+                log.debug("free space of %s: %s", p, e)
+                break
 
 
 class Failure(msgspec.Struct, kw_only=True):
