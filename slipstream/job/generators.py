@@ -216,6 +216,7 @@ class GeneratorPool:
         self._lapsed_since: dict[str, float] = {}
         self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
         self._starting_since: dict[int, float] = {}  # engine index -> when its replacement was launched
+        self._failures: dict[int, supervise.Failure] = {}  # engine index -> the failure it replaces
         self._waiting: set[int] = set()  # replacements said to wait for room on a node
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
@@ -331,6 +332,7 @@ class GeneratorPool:
             self.engines = self.engines[:n]
             self.engine_watch = self.engine_watch[:n]
             self._starting = {i: u for i, u in self._starting.items() if i < n}
+            self._failures = {i: f for i, f in self._failures.items() if i < n}
             self._waiting = {i for i in self._waiting if i < n}
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
@@ -397,7 +399,7 @@ class GeneratorPool:
                 self._waiting.add(i)
                 running = len(self.engines) - len(self._starting)
                 self._note(
-                    supervise.waiting_for_room(self.spec.generators, waited, running), self._starting[i]
+                    supervise.waiting_for_room(self.spec.generators, waited, running), self._starting[i], i
                 )
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
@@ -418,7 +420,7 @@ class GeneratorPool:
         the loop goes on meanwhile (a start takes seconds, more on a loaded host) and `_started` takes the
         new engine in when its start() answers."""
         old, url = self.engines[i], self.engine_urls[i]
-        self.restarts.count("engines", why, error, f"engine {url}")
+        self._failures[i] = self.restarts.count("engines", why, error, f"engine {url}")
         log.warning("engine %s %s; replacing it (its requests are retried on the other engines)", url, why)
         kill(old)
         for key in (engines_key(self.job), joining_key(self.job)):
@@ -439,12 +441,14 @@ class GeneratorPool:
         self._starting_since[i] = time.monotonic()
         self._waiting.discard(i)
 
-    def _note(self, action: str, url: str) -> None:
-        """The newest failure, an engine's, gets `action` (what became of its replacement), in the status."""
+    def _note(self, action: str, url: str, i: int) -> None:
+        """Engine i's failure gets `action` (what became of its replacement) and is shown in the status
+        again, whatever failed since (a node's rollout workers die with its engine)."""
         log.warning("engine %s: %s", url, action)
-        if (latest := self.restarts.latest) is not None and latest.kind == "engines":
-            latest.action = action
-            self.restarts.report(latest)
+        if (failure := self._failures.get(i)) is not None:
+            failure.action = action
+            self.restarts.latest = failure
+            self.restarts.report(failure)
 
     def replacing(self, i: int) -> bool:
         """Engine i is a replacement still starting."""
@@ -462,7 +466,10 @@ class GeneratorPool:
             failed[i] = (f"(a replacement) did not start: {died(e)}", e)
             return
         if waiting:
-            self._note(f"restarted; the replacement started after waiting {waited:.0f} s for room", old_url)
+            self._note(
+                f"restarted; the replacement started after waiting {waited:.0f} s for room", old_url, i
+            )
+        self._failures.pop(i, None)
         self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
         self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
         log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)
