@@ -53,13 +53,15 @@ def _fill(admin: redis.Redis) -> None:
 
 class _Pools:
     """The driver's two pools, started and quiet (no Ray): the trainer pool's check fills Redis, as a
-    buffer nobody drains would, and ends the job after a few polls if nothing failed."""
+    buffer nobody drains would, reports a replacement from its second poll on, and ends the job after 20
+    polls if nothing failed."""
 
     def __init__(self, admin: redis.Redis) -> None:
         self.admin, self.polls = admin, 0
+        # one engine and one rank, as the job's record wants: the driver has nothing to scale
         self.engines, self.ranks, self.workers, self.evaluator, self.scalable, self.size = (
-            [],
-            [],
+            [None],
+            [None],
             [],
             None,
             False,
@@ -67,10 +69,11 @@ class _Pools:
         )
 
     def check(self):
+        """Keeps Redis full (a refused write can free its query buffer) and says a process was replaced,
+        so the driver records its state on that poll, as it does after any restart."""
         self.polls += 1
-        if self.polls == 1:
-            _fill(self.admin)
-        return ({"version": 0} if self.polls > 20 else None), False
+        _fill(self.admin)
+        return ({"version": 0} if self.polls > 20 else None), self.polls >= 2
 
     def check_workers(self) -> bool:
         return False
