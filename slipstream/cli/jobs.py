@@ -248,6 +248,8 @@ def render_status(st: dict):
         rows.insert(
             2, ("eval", f"version {ev.get('version', '-')}: {scores} ({_fmt(ev.get('duration_s'), '.1f')} s)")
         )
+    for url, note in (st.get("waiting") or {}).items():  # engine replacements no node has room for yet
+        rows.append(("waiting", f"engine {url}: {note}"))
     if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
         rows.insert(0, ("phase", st["phase"]))
     if st.get("stale_s") is not None:  # the API could not reach Redis: its last answer, and how old

@@ -217,6 +217,8 @@ class GeneratorPool:
         self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
         self._starting_since: dict[int, float] = {}  # engine index -> when its replacement was launched
         self._failures: dict[int, supervise.Failure] = {}  # engine index -> the failure it replaces
+        self.waiting_notes: dict[str, str] = {}
+        """Replaced engine's URL -> what its replacement waits for (a node with room), while it waits."""
         self._waiting: set[int] = set()  # replacements said to wait for room on a node
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
@@ -398,9 +400,9 @@ class GeneratorPool:
             if i not in self._waiting and (waited := now - self._starting_since[i]) >= PLACEMENT_WAIT_S:
                 self._waiting.add(i)
                 running = len(self.engines) - len(self._starting)
-                self._note(
-                    supervise.waiting_for_room(self.spec.generators, waited, running), self._starting[i], i
-                )
+                note = supervise.waiting_for_room(self.spec.generators, waited, running)
+                self.waiting_notes[self._starting[i]] = note
+                self._note(note, self._starting[i], i)
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
             reg = EngineRegistry(self.r, self.job)
@@ -458,6 +460,7 @@ class GeneratorPool:
         import ray
 
         old_url = self._starting.pop(i)
+        self.waiting_notes.pop(old_url, None)
         waited, waiting = time.monotonic() - self._starting_since.pop(i, time.monotonic()), i in self._waiting
         self._waiting.discard(i)
         try:
