@@ -12,12 +12,11 @@ and the books balance at the end: produced = consumed + dropped + unread + pendi
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 from conftest import NODE_B_RESOURCE, NODE_B_UNITS, Cluster
-from test_two_nodes import ENDED, JOB_TIMEOUT_S, _books, _pids_named, _status, _wait
+from test_two_nodes import JOB_TIMEOUT_S, _pids_named, _status, _wait, stop_with_balanced_books
 
 pytestmark = pytest.mark.slow
 
@@ -147,13 +146,4 @@ buffer: {{max_staleness: 1}}
     log = (cluster.home / "jobs" / name / "logs" / "driver.log").read_text()
     assert "removed 1 rollout workers (they finished their groups" in log, log[-3000:]
 
-    cluster.cli("stop", name)
-    st = _wait(cluster, name, "the stop", lambda s: s.get("state") in ENDED, ended_ok=True)
-    assert st["state"] == "stopped", st
-    books = _books(cluster, name)
-    print(f"stopped at version {st['version']}: {books}; status: {json.dumps(st.get('failure'))}")
-    assert books["duplicates"] == 0 and books["dead_letter"] == 0
-    assert (
-        books["produced"] == books["consumed"] + books["dropped_stale"] + books["unread"] + books["pending"]
-    )
-    assert books["consumed"] == 2 * books["steps"]
+    stop_with_balanced_books(cluster, name)
