@@ -30,3 +30,13 @@ def is_local(url: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def default_route_address() -> str | None:
+    """This machine's address on its default route (a UDP connect: no packet is sent); None without one."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return None

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
-import socket
 import sys
 from pathlib import Path
 
+from common.net import default_route_address
 from slipstream.cluster.services import down, status, up
 from slipstream.cluster.state import (
     JOB_STOP_TIMEOUT_S,
@@ -84,16 +84,6 @@ def add_parser(sub) -> None:
     )
 
 
-def _this_host_ip() -> str:
-    """This machine's address on its default route (no packet is sent), for `ray start --address`."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "<this host's IP>"
-
-
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -134,7 +124,7 @@ def _print_up(info: ClusterInfo, before: dict[str, bool], args) -> None:
         print("More nodes: this head listens on loopback only; to add nodes, `slipstream cluster down`,")
         print("  then `slipstream cluster up --host 0.0.0.0` (or this host's IP)")
     else:
-        ip = info.host if info.host != "0.0.0.0" else _this_host_ip()
+        ip = info.host if info.host != "0.0.0.0" else (default_route_address() or "<this host's IP>")
         print("Connect more nodes (same Ray and Python versions):")
         print(
             f"  RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<ray_auth_token from {secrets_file}> ray start --address {ip}:{port}"

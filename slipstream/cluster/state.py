@@ -249,14 +249,9 @@ def connect_host(host: str) -> str:
     must work from their actors on other nodes too; 127.0.0.1 where there is no such route."""
     if host not in ("", "0.0.0.0"):
         return host
-    import socket
+    from common.net import default_route_address
 
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
+    return default_route_address() or "127.0.0.1"
 
 
 def cluster_info(home: Path, state: ClusterState, sec: dict[str, str]) -> ClusterInfo:
