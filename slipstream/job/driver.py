@@ -283,7 +283,7 @@ class JobDriver:
             "restarts": self.restarts,
             **({"failure": msgspec.to_builtins(self.restarts.latest)} if self.restarts.latest else {}),
             # engine replacements no node has room for yet, whatever failed since (old URL -> what it waits on)
-            "waiting": dict(getattr(self.generators, "waiting_notes", {})),
+            "waiting": self.generators.waiting_notes,
             # the run's clock and the run's own rate (its records: samples trained ÷ their elapsed_s)
             "elapsed_s": self._clock(),
             "samples_per_s": self.last.get("samples_per_s", 0.0),

@@ -217,9 +217,7 @@ class GeneratorPool:
         self._starting: dict[int, str] = {}  # engine index -> the URL of the engine it replaces
         self._starting_since: dict[int, float] = {}  # engine index -> when its replacement was launched
         self._failures: dict[int, supervise.Failure] = {}  # engine index -> the failure it replaces
-        self.waiting_notes: dict[str, str] = {}
-        """Replaced engine's URL -> what its replacement waits for (a node with room), while it waits."""
-        self._waiting: set[int] = set()  # replacements said to wait for room on a node
+        self._waiting: dict[int, str] = {}  # replacements said to wait for room on a node -> that note
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
         self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
@@ -335,7 +333,7 @@ class GeneratorPool:
             self.engine_watch = self.engine_watch[:n]
             self._starting = {i: u for i, u in self._starting.items() if i < n}
             self._failures = {i: f for i, f in self._failures.items() if i < n}
-            self._waiting = {i for i in self._waiting if i < n}
+            self._waiting = {i: w for i, w in self._waiting.items() if i < n}
             gone_urls = self.engine_urls[n:]
             self.engine_urls = self.engine_urls[:n]
             self._get(
@@ -398,10 +396,9 @@ class GeneratorPool:
         now = time.monotonic()
         for i in sorted(self._starting):  # Ray keeps a replacement no node has room for queued: say so
             if i not in self._waiting and (waited := now - self._starting_since[i]) >= PLACEMENT_WAIT_S:
-                self._waiting.add(i)
                 running = len(self.engines) - len(self._starting)
                 note = supervise.waiting_for_room(self.spec.generators, waited, running)
-                self.waiting_notes[self._starting[i]] = note
+                self._waiting[i] = note
                 self._note(note, self._starting[i], i)
         if now >= self._next_registry_check:
             self._next_registry_check = now + 1.0
@@ -441,7 +438,7 @@ class GeneratorPool:
         self.engines[i], self.engine_watch[i] = new, new.start.remote()
         self._starting[i] = url
         self._starting_since[i] = time.monotonic()
-        self._waiting.discard(i)
+        self._waiting.pop(i, None)
 
     def _note(self, action: str, url: str, i: int) -> None:
         """Engine i's failure gets `action` (what became of its replacement) and is shown in the status
@@ -452,6 +449,11 @@ class GeneratorPool:
             self.restarts.latest = failure
             self.restarts.report(failure)
 
+    @property
+    def waiting_notes(self) -> dict[str, str]:
+        """Replaced engine's URL -> what its replacement waits for (a node with room), while it waits."""
+        return {self._starting[i]: note for i, note in self._waiting.items() if i in self._starting}
+
     def replacing(self, i: int) -> bool:
         """Engine i is a replacement still starting."""
         return i in self._starting
@@ -460,9 +462,8 @@ class GeneratorPool:
         import ray
 
         old_url = self._starting.pop(i)
-        self.waiting_notes.pop(old_url, None)
         waited, waiting = time.monotonic() - self._starting_since.pop(i, time.monotonic()), i in self._waiting
-        self._waiting.discard(i)
+        self._waiting.pop(i, None)
         try:
             new_url = ray.get(ref)
         except Exception as e:

@@ -75,6 +75,8 @@ class _Pools:
         _fill(self.admin)
         return ({"version": 0} if self.polls > 20 else None), self.polls >= 2
 
+    waiting_notes: dict[str, str] = {}  # no engine replacement waits here
+
     def check_workers(self) -> bool:
         return False
 
