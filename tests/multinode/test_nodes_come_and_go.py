@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import NODE_B_RESOURCE, NODE_B_UNITS, Cluster
+from multinode_cluster import NODE_B_RESOURCE, NODE_B_UNITS, Cluster
 from test_two_nodes import JOB_TIMEOUT_S, _pids_named, _status, _wait, stop_with_balanced_books
 
 pytestmark = pytest.mark.slow

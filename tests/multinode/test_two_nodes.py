@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ENV, NODE_B_RESOURCE, Cluster
+from multinode_cluster import ENV, NODE_B_RESOURCE, Cluster
 from netns import Listener, Node
 
 pytestmark = pytest.mark.slow
