@@ -395,50 +395,60 @@ EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 """The source tree's example specs: a model is never built in here."""
 
 
+INPUT_PATH_KEYS = (
+    "model.path",
+    "dataset.path",
+    "eval.dataset.path",
+    "algorithm.ref_model_path",
+    "algorithm.critic_model_path",
+    "trainer.resume_from",
+)
+"""The spec's keys naming a path a job reads from (or builds its model into), the one list of them:
+resolve_paths makes each absolute, and a submitted job's must lie in the cluster's input roots
+(slipstream/cluster/job_paths.py input_paths)."""
+
+
+def input_paths(spec: JobSpec) -> dict[str, str | None]:
+    """Each of INPUT_PATH_KEYS -> its path in `spec`; None where it is unset (or its section is), and for
+    `trainer.resume_from: latest`, which is no path."""
+    out: dict[str, str | None] = {}
+    for key in INPUT_PATH_KEYS:
+        value = spec
+        for part in key.split("."):
+            value = getattr(value, part) if value is not None else None
+        out[key] = None if key == "trainer.resume_from" and value == "latest" else value
+    return out
+
+
+def _with_path(section, parts: list[str], value: str):
+    """`section` with the path at `parts` (its key, split) replaced by `value`."""
+    if len(parts) == 1:
+        return msgspec.structs.replace(section, **{parts[0]: value})
+    inner = getattr(section, parts[0])
+    return msgspec.structs.replace(section, **{parts[0]: _with_path(inner, parts[1:], value)})
+
+
 def resolve_paths(spec: JobSpec, base: str | Path) -> JobSpec:
     """The one rule for relative paths, in `run`, `validate` and `submit` alike: relative to `base`, the
-    working directory of the command (not the spec file's directory). Resolves model.path,
-    dataset.path, the reference and critic models, trainer.resume_from (unless `latest`) and
-    output_dir; a relative trainer.checkpoint_dir is under output_dir. Refuses a model.build target
-    inside the source tree's examples/."""
+    working directory of the command (not the spec file's directory). Resolves each input path
+    (INPUT_PATH_KEYS: model.path, dataset.path, eval.dataset.path, the reference and critic models,
+    trainer.resume_from unless `latest`) and output_dir; a relative trainer.checkpoint_dir is under
+    output_dir. Refuses a model.build target inside the source tree's examples/."""
     base = Path(base)
-
-    def rel(p: str | None) -> str | None:
-        return None if p is None else str((base / p).resolve())
-
     s = spec
-    out = rel(s.output_dir)
+    for key, p in input_paths(spec).items():
+        if p is not None:
+            s = _with_path(s, key.split("."), str((base / p).resolve()))
+    out = str((base / s.output_dir).resolve())
     tr = s.trainer
-    tr = msgspec.structs.replace(
-        tr,
-        checkpoint_dir=None if tr.checkpoint_dir is None else str((Path(out) / tr.checkpoint_dir).resolve()),
-        resume_from=tr.resume_from if tr.resume_from in (None, "latest") else rel(tr.resume_from),
-    )
-    model = msgspec.structs.replace(s.model, path=rel(s.model.path))
-    if model.build is not None and Path(model.path).is_relative_to(EXAMPLES_DIR):
+    if tr.checkpoint_dir is not None:
+        s = _with_path(s, ["trainer", "checkpoint_dir"], str((Path(out) / tr.checkpoint_dir).resolve()))
+    if s.model.build is not None and Path(s.model.path).is_relative_to(EXAMPLES_DIR):
         raise JobSpecError(
-            f"invalid job spec: model.build would write into the source tree's examples/ ({model.path}); "
+            f"invalid job spec: model.build would write into the source tree's examples/ ({s.model.path}); "
             "run from the project root or give model.path under runs/ - at `$.model.path`"
         )
-    alg = msgspec.structs.replace(
-        s.algorithm,
-        ref_model_path=rel(s.algorithm.ref_model_path),
-        critic_model_path=rel(s.algorithm.critic_model_path),
-    )
-    ev = s.eval
-    if ev is not None and ev.dataset is not None:
-        ev = msgspec.structs.replace(
-            ev, dataset=msgspec.structs.replace(ev.dataset, path=rel(ev.dataset.path))
-        )
-    return msgspec.structs.replace(
-        s,
-        model=model,
-        eval=ev,
-        dataset=msgspec.structs.replace(s.dataset, path=rel(s.dataset.path)),
-        algorithm=alg,
-        trainer=tr,
-        output_dir=out,
-    )
+    return msgspec.structs.replace(s, output_dir=out)
 
 
 def to_json(spec: JobSpec) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import msgspec
 
 import jobspec
+from jobspec.spec import input_paths as input_paths_of
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +42,9 @@ def default_input_roots(home: Path) -> list[str]:
 
 
 def input_paths(spec: jobspec.JobSpec) -> dict[str, str | None]:
-    """The paths a job reads from (or builds its model into), by key; `latest` is no path."""
-    ev = spec.eval.dataset if spec.eval is not None else None
-    resume = spec.trainer.resume_from
-    return {
-        "$.model.path": spec.model.path,
-        "$.dataset.path": spec.dataset.path,
-        "$.eval.dataset.path": ev.path if ev is not None else None,
-        "$.algorithm.ref_model_path": spec.algorithm.ref_model_path,
-        "$.algorithm.critic_model_path": spec.algorithm.critic_model_path,
-        "$.trainer.resume_from": None if resume == "latest" else resume,
-    }
+    """The paths a job reads from (or builds its model into), by key (`$.model.path`): the spec's input
+    keys (jobspec.spec.INPUT_PATH_KEYS); `latest` is no path."""
+    return {f"$.{key}": p for key, p in input_paths_of(spec).items()}
 
 
 def check_input_roots(spec: jobspec.JobSpec, job_dir: Path, roots: list[str]) -> None:

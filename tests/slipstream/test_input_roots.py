@@ -101,3 +101,26 @@ def test_cluster_up_keeps_the_input_roots_for_the_api(tmp_path, monkeypatch):
     services._start_api(tmp_path, state, info)
     cmd = seen["cmd"]
     assert cmd[cmd.index("--input-root") :][:4] == ["--input-root", "/data", "--input-root", "/models"]
+
+
+def test_the_input_keys_are_listed_once_and_both_resolve_and_check_them(tmp_path):
+    """jobspec.resolve_paths makes each input key absolute, and job_paths.input_paths (the input-roots
+    check) names exactly the same keys: one list (jobspec.spec.INPUT_PATH_KEYS) behind both."""
+    from jobspec.spec import INPUT_PATH_KEYS
+    from slipstream.cluster.job_paths import input_paths
+
+    spec = jobspec.loads(
+        "name: a\nmodel: {path: m}\ndataset: {name: jsonl, path: d.jsonl}\n"
+        "eval: {heldout: 0, dataset: {name: jsonl, path: e.jsonl}}\n"
+        "algorithm: {kl_coef: 0.1, ref_model_path: r}\ntrainer: {resume_from: ck}"
+    )
+    resolved = jobspec.resolve_paths(spec, tmp_path)
+    paths = input_paths(resolved)
+    assert list(paths) == [f"$.{k}" for k in INPUT_PATH_KEYS]
+    for key, p in paths.items():
+        if p is not None:
+            assert Path(p).is_absolute() and Path(p).is_relative_to(tmp_path.resolve()), (key, p)
+    assert paths["$.eval.dataset.path"] == str((tmp_path / "e.jsonl").resolve())
+    assert paths["$.trainer.resume_from"] == str((tmp_path / "ck").resolve())
+    latest = jobspec.resolve_paths(jobspec.loads("name: a\ntrainer: {resume_from: latest}"), tmp_path)
+    assert latest.trainer.resume_from == "latest" and input_paths(latest)["$.trainer.resume_from"] is None
