@@ -5,6 +5,7 @@ lists the trainer's own modules dispatch on. Free of torch: a job spec loads wit
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
@@ -211,6 +212,13 @@ class TrainerSpec(Spec):
             raise bad("export_merged", "the merged model is part of the HF export: needs export_hf: true")
         if self.fp32_lm_head and self.mixed_precision == "fp32":
             raise bad("fp32_lm_head", "mixed_precision fp32 computes the LM head in fp32 already")
+
+
+def checkpoint_dir(output_dir: str | Path, configured: str | None = None) -> Path:
+    """Where a job's checkpoints go: `trainer.checkpoint_dir` (`configured`) if set, else
+    <output_dir>/checkpoints. The one place that derives it: the trainer writes there, and the job driver
+    and the control plane look there (slipstream/job/store.py job_checkpoint_dir)."""
+    return Path(configured or Path(output_dir) / "checkpoints")
 
 
 class TrainerConfig(msgspec.Struct, kw_only=True):

@@ -30,7 +30,7 @@ from replay_buffer.client import connect
 from replay_buffer.progress import StepRecord, append_progress
 from trainer import checkpoint, metrics
 from trainer.batch import build_samples, loss_aggregation
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, checkpoint_dir
 from trainer.distributed import DistInfo, RankGroup, host_store
 from trainer.faults import Faults
 from trainer.flops import peak_flops
@@ -149,7 +149,7 @@ class Trainer:
         self._next_sync_check = 0.0
         self.run_info: dict = {}
         """Rank 0: the job's run (run_id, attempt: ReplayBuffer.begin_run), stamped on records and checkpoints."""
-        self.checkpoint_dir = Path(cfg.trainer.checkpoint_dir or Path(cfg.output_dir) / "checkpoints")
+        self.checkpoint_dir = checkpoint_dir(cfg.output_dir, cfg.trainer.checkpoint_dir)
         self.faults = Faults.from_env()
         """The fault tests' injected failures (trainer/faults.py); none in production."""
 

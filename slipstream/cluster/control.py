@@ -37,7 +37,7 @@ from slipstream.job.store import (
     ACTIVE_STATES,
     JobStore,
     NameTaken,
-    checkpoint_dir,
+    job_checkpoint_dir,
     latest_checkpoint,
     resume_version,
 )
@@ -415,7 +415,7 @@ class JobControl(DriverReconciler):
         says what happens (or that the job has ended already: nothing to do)."""
         st = self._job(name, reconcile=True)
         state = st.get("state")
-        ck_dir = checkpoint_dir(json.loads(self.store.spec_json(name) or "{}"))
+        ck_dir = job_checkpoint_dir(json.loads(self.store.spec_json(name) or "{}"))
         latest = latest_checkpoint(ck_dir)
         on_disk = (
             f"the latest checkpoint is at version {latest['version']}: {latest['path']}"

@@ -37,10 +37,10 @@ from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
-from slipstream.job.store import JobStore, resume_version
+from slipstream.job.store import JobStore, job_checkpoint_dir, resume_version
 from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free
 from slipstream.job.tracking import Tracker
-from slipstream.job.trainers import TrainerPool, checkpoint_dir
+from slipstream.job.trainers import TrainerPool
 
 log = logging.getLogger("slipstream.job.driver")
 
@@ -128,7 +128,9 @@ class JobDriver:
                 self.report()
             self.generators.check_evaluator()
             self.read_progress(block_ms=int(POLL_S * 1000))
-            record_disk_free({"output": Path(self.spec.output_dir), "checkpoints": checkpoint_dir(self.spec)})
+            record_disk_free(
+                {"output": Path(self.spec.output_dir), "checkpoints": job_checkpoint_dir(self.spec)}
+            )
             want = self.store.desired(self.job)
             if want["stop"] and (not stopping or (want["stop_checkpoint"] and not stop_checkpoint)):
                 self.stop(want, again=stopping)
@@ -236,7 +238,7 @@ class JobDriver:
         if self.run_info["attempt"] == 1:
             for name in RUN_FILES:
                 (Path(self.spec.output_dir) / name).unlink(missing_ok=True)
-            ckpts = checkpoint_dir(self.spec)
+            ckpts = job_checkpoint_dir(self.spec)
             if self.spec.trainer.resume_from is None and any(ckpts.glob("step-*")):
                 # an earlier run's checkpoints: kept, but apart (this run's `latest`, its restarts and
                 # keep_checkpoints' pruning see only its own)
@@ -371,7 +373,7 @@ def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool, fail
         ck = {"path": result["checkpoint"], "version": result.get("checkpoint_version")}
         note = f"checkpoint at version {ck['version']}: {ck['path']}"
     else:
-        ck = latest_checkpoint(checkpoint_dir(driver.spec))
+        ck = latest_checkpoint(job_checkpoint_dir(driver.spec))
         if result is not None and stopped and result["version"] > 0:
             why = "no checkpoint written at the stop (stop --no-checkpoint)"
         elif result is not None:

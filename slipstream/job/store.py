@@ -18,6 +18,7 @@ import redis
 import jobspec
 from jobspec.spec import check_name
 from replay_buffer.keys import JOBS_INDEX, KEY_PREFIX, JobKeys
+from trainer.config import checkpoint_dir
 
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
 """A job in one of these holds resources; a new job of the same name is refused until it ends."""
@@ -220,7 +221,7 @@ def resume_version(spec: dict[str, Any]) -> int:
     src = (spec.get("trainer") or {}).get("resume_from")
     if not src:
         return 0
-    path = checkpoint_dir(spec) if src == "latest" else Path(src)
+    path = job_checkpoint_dir(spec) if src == "latest" else Path(src)
     if ck := latest_checkpoint(path):
         return ck["version"]
     try:
@@ -236,7 +237,7 @@ NO_POOLS = {"generators": 0, "rollout_workers": 0, "trainers": 0}
 def resume_fields(spec: dict[str, Any]) -> dict[str, Any]:
     """The status fields of a job that ended without its driver's report: `checkpoint` (path, "" if
     none), `checkpoint_version` and `note`, one line on what a resubmission starts from."""
-    ck = latest_checkpoint(checkpoint_dir(spec))
+    ck = latest_checkpoint(job_checkpoint_dir(spec))
     note = (
         f"latest checkpoint at version {ck['version']}: {ck['path']} "
         "(resume: submit with trainer.resume_from: latest)"
@@ -250,7 +251,10 @@ def resume_fields(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def checkpoint_dir(spec: dict[str, Any]) -> Path:
-    """Where a job's checkpoints go, from its resolved spec (as stored at submit)."""
-    tr = spec.get("trainer") or {}
-    return Path(tr.get("checkpoint_dir") or Path(spec.get("output_dir", ".")) / "checkpoints")
+def job_checkpoint_dir(spec: jobspec.JobSpec | dict[str, Any]) -> Path:
+    """Where a job's checkpoints go, from its spec (a JobSpec, or the resolved spec as stored at submit),
+    by the trainer's own rule (trainer.config.checkpoint_dir)."""
+    if isinstance(spec, dict):
+        tr = spec.get("trainer") or {}
+        return checkpoint_dir(spec.get("output_dir", "."), tr.get("checkpoint_dir"))
+    return checkpoint_dir(spec.output_dir, spec.trainer.checkpoint_dir)

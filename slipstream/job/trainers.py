@@ -25,14 +25,10 @@ import msgspec
 
 from jobspec import JobSpec
 from slipstream.job.placement import Colocation, require_resources
+from slipstream.job.store import job_checkpoint_dir
 from slipstream.job.supervise import OTHER, Failure, Restarts, classify, died, error_of, kill, wait_all
 
 log = logging.getLogger("slipstream.job.trainers")
-
-
-def checkpoint_dir(spec: JobSpec) -> Path:
-    """Where the job's trainer writes its checkpoints."""
-    return Path(spec.trainer.checkpoint_dir or Path(spec.output_dir) / "checkpoints")
 
 
 def _checkpoint_state(path: str) -> dict:
@@ -51,7 +47,7 @@ def _checkpoint_version(path: str, spec: JobSpec) -> int | None:
     from trainer import checkpoint
 
     try:
-        return _checkpoint_state(str(checkpoint.resolve(path, checkpoint_dir(spec)))).get("version")
+        return _checkpoint_state(str(checkpoint.resolve(path, job_checkpoint_dir(spec)))).get("version")
     except FileNotFoundError:
         return None
 
@@ -200,7 +196,7 @@ class TrainerPool:
         if self.before_restart is not None:
             self.before_restart()
         try:
-            resume = str(checkpoint.resolve(checkpoint.LATEST, checkpoint_dir(self.spec)))
+            resume = str(checkpoint.resolve(checkpoint.LATEST, job_checkpoint_dir(self.spec)))
         except FileNotFoundError:
             resume = None
         if resume and (theirs := _checkpoint_state(resume).get("run_id")) not in (None, self.run_id):
