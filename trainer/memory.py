@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer import metrics
 from trainer.logprobs import packed_logprobs
@@ -110,22 +111,38 @@ def should_offload(static: int, capacity: int) -> bool:
     return capacity > 0 and static > OFFLOAD_ABOVE * capacity
 
 
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of the storage behind `t`; for an FSDP2 (DTensor) parameter, of its local
+    shard (a DTensor is a wrapper with no storage of its own: asking it for one raises)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter, or a view of one (a linear layer saves its weight transposed; under FSDP2 that is a
+    view of the gathered parameter, whose storage is not the sharded one `saved_bytes` knows)."""
+    while t._base is not None:
+        t = t._base
+    return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+
+
 @contextmanager
 def saved_bytes(model: nn.Module):
     """Counts the bytes autograd saves for backward inside the block (yields a one-element list holding
     the total once the block ends): each storage once, the model's parameters (and FSDP's gathered
     copies of them, which are Parameters too) not counted."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()}
+    params = {_storage(p)[0] for p in model.parameters() if p.numel()}
     seen: dict[int, int] = {}
     out = [0]
 
     def pack(t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+        if _is_weight(t):
             return t
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr, nbytes = _storage(t)
         if ptr not in params:
-            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+            seen[ptr] = max(seen.get(ptr, 0), nbytes)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -136,3 +136,26 @@ def test_a_step_reports_its_peak_memory(tiny_model_dir):
     samples = [memory.probe_sample(24, ln.config.vocab_size, seed=s) for s in range(4)]
     stats = ln.train_step(ln.distribute(samples))
     assert stats["memory_peak_gib"] * memory.GIB > 10 * MIB  # the process's peak resident set on CPU
+
+
+def test_saved_activations_are_counted_under_fsdp2_as_without_it():
+    """FSDP2's parameters are DTensors, wrappers with no storage of their own: the probe reads their
+    local shards (asking a DTensor for its storage raises, which failed every FSDP trainer on a GPU)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    def saved(shard: bool) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        if shard:
+            fully_shard(model)
+        with memory.saved_bytes(model) as out:
+            model(torch.randn(5, 8)).sum().backward()
+        return out[0]
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sharded = saved(True)
+    finally:
+        dist.destroy_process_group()
+    assert sharded == saved(False) > 0

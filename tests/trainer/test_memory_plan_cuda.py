@@ -1,7 +1,8 @@
 """The trainer's memory plan on a GPU held to an 80 GB H100's memory (`set_per_process_memory_fraction`):
 a Qwen2.5-1.5B-shaped model (random weights, the real vocabulary) at the default settings plans its
 micro-batches and trains steps of samples as long as the plan's longest without running out of memory,
-its peak within the plan's capacity. Needs CUDA (marked gpu)."""
+its peak within the plan's capacity. The learner runs as a job's trainer rank does: FSDP2 over a process
+group (of one rank here). Needs CUDA (marked gpu)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import jobspec
+from common.net import free_port
 from trainer import memory
 from trainer.distributed import DistInfo, RankGroup
 from trainer.learner import Learner
@@ -47,9 +49,10 @@ def test_a_1_5b_model_plans_and_trains_within_an_h100(shape_dir):
             "trainer": {"device": "cuda"},
         }
     )
-    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", 0), torch.device("cuda", 0))
+    pool = RankGroup(DistInfo(0, 1, "127.0.0.1", free_port()), torch.device("cuda", 0))
     ln = Learner(spec.model, spec.algorithm, spec.trainer, pool, response_budget=spec.response_budget)
     ln.setup()
+    assert ln.fsdp
     plan = ln.memory_plan
     print(plan.describe())
     assert plan.capacity > 0 and plan.micro_batch_tokens >= plan.longest
