@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from common.net import default_route_address
+from slipstream.cli import kube as kube_cli
+from slipstream.cli import settings
 from slipstream.cluster.services import down, status, up
 from slipstream.cluster.state import (
     JOB_STOP_TIMEOUT_S,
@@ -39,37 +41,17 @@ def add_parser(sub) -> None:
         default="127.0.0.1",
         help="address to bind: for other nodes, this host's address they dial (0.0.0.0: every interface)",
     )
-    for name in ("redis", "ray", "dashboard", "api", "prometheus"):
-        u.add_argument(f"--{name}-port", type=int, default=0, help="0: remembered, else a free port")
-    u.add_argument(
-        "--redis-maxmemory",
-        help="Redis memory limit, e.g. 4gb (default: the last one, else 2gb); at the limit writes fail "
-        "with a clear error, nothing is evicted",
-    )
-    u.add_argument(
-        "--input-root",
-        action="append",
-        metavar="DIR",
-        help="submitted jobs may read their inputs (model, dataset, checkpoint to resume from) only here or "
-        "in their own directory (repeatable; default: $SLIPSTREAM_HOME, the project, the temp directory)",
-    )
+    settings.add_cluster_settings(u, "0: remembered, else a free port")
     u.add_argument("--num-cpus", type=int)
     u.add_argument("--num-gpus", type=int)
     u.add_argument("--no-prometheus", action="store_true")
     u.add_argument("--no-api", action="store_true")
-    tools = u.add_mutually_exclusive_group()
-    tools.add_argument(
-        "--tool-modules",
-        metavar="MOD[,MOD...]",
-        help="jobs' custom tools (tools[].impl) may come only from these modules and their submodules "
-        "(default: any importable module; the API token is admin-equivalent either way)",
-    )
-    tools.add_argument("--builtin-tools-only", action="store_true", help="jobs may use builtin tools only")
     for name, help_ in (
         ("down", "stop running jobs (each with a checkpoint), then every service; data is kept"),
         ("status", "each service alive or dead"),
     ):
         csub.add_parser(name, help=help_).add_argument("--home", help=home_help)
+    kube_cli.add_parsers(csub, home_help)
     d = csub.choices["down"]
     d.add_argument(
         "--force",
@@ -155,6 +137,8 @@ def main(args: argparse.Namespace) -> int:
     """`slipstream cluster up|down|status`."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     log.setLevel(logging.INFO)  # one line per state change; not httpx's requests
+    if args.cluster_cmd in kube_cli.COMMANDS:
+        return kube_cli.main(args)
     home = resolve_home(args.home)
     try:
         if args.cluster_cmd == "up":
@@ -171,11 +155,7 @@ def main(args: argparse.Namespace) -> int:
                 num_gpus=args.num_gpus,
                 start_api=not args.no_api,
                 start_prometheus=not args.no_prometheus,
-                tool_modules=[]
-                if args.builtin_tools_only
-                else None
-                if args.tool_modules is None
-                else [m.strip() for m in args.tool_modules.split(",") if m.strip()],
+                tool_modules=settings.tool_modules(args),
                 redis_maxmemory=args.redis_maxmemory,
                 input_roots=args.input_root,
             )

@@ -114,6 +114,13 @@ def create_app(token: str, control=None, body_timeout_s: float | None = LIMITS.b
 
     auth = [Depends(authorized)]
 
+    @app.get("/metrics", dependencies=auth, include_in_schema=False)
+    def metrics() -> Response:
+        """This process's Prometheus registry (slipstream_control_*), behind the token like the jobs."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
     @app.post("/jobs", dependencies=auth, status_code=201, summary="Submit a job")
     def submit(req: SubmitRequest) -> dict:
         return call(ctl().submit, req.spec, req.overrides, req.cwd)

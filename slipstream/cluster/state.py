@@ -94,6 +94,8 @@ class ClusterState(msgspec.Struct):
     project, the temp directory): the API enforces it at submit."""
     redis_maxmemory: str = ""
     """Redis' memory limit (`--redis-maxmemory`; "" = redis_server.DEFAULT_MAXMEMORY), kept for the next `up`."""
+    redis_host: str = ""
+    """Where Redis runs when not on `host` (a Kubernetes Service's name: slipstream/cluster/kube.py); "" = `host`."""
 
 
 # ---------------------------------------------------------------- home, secrets, state
@@ -258,13 +260,14 @@ def cluster_info(home: Path, state: ClusterState, sec: dict[str, str]) -> Cluste
     from replay_buffer.redis_server import APP_USER
 
     h, admin_pw = connect_host(state.host), sec["redis_password"]
+    rh = connect_host(state.redis_host) if state.redis_host else h
     # A cluster whose Redis an older `up` started has no control password yet: its user still has the admin's.
     control_pw = sec.get("redis_control_password", admin_pw)
     return ClusterInfo(
         home=str(home),
         host=state.host,
-        redis_url=f"redis://{APP_USER}:{control_pw}@{h}:{state.ports['redis']}/0",
-        redis_admin_url=f"redis://:{admin_pw}@{h}:{state.ports['redis']}/0",
+        redis_url=f"redis://{APP_USER}:{control_pw}@{rh}:{state.ports['redis']}/0",
+        redis_admin_url=f"redis://:{admin_pw}@{rh}:{state.ports['redis']}/0",
         ray_address=f"{h}:{state.ports['ray']}",
         dashboard_url=f"http://{h}:{state.ports['dashboard']}",
         prometheus_url=state.prometheus_url,
