@@ -350,64 +350,143 @@ def test_the_control_api_serves_its_metrics_behind_the_token():
 # ---------------------------------------------------------------- Redis as rendered
 
 
-def test_redis_runs_with_the_rendered_arguments_and_acl(tmp_path):
-    """The init container's script and redis-server's arguments, run here with /data and the ConfigMap's
-    path moved to a temporary directory: both users log in with the Secret's passwords, the control
-    plane's user has its rules, and a job's user saved by the control plane survives a restart."""
-    try:
-        server = find_redis_server()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"no redis-server: {e}")
-    if not shutil.which("sha256sum"):
-        pytest.skip("no sha256sum")
-    from common.net import free_port
+class RenderedRedis:
+    """The Redis pod as rendered, run here: the init container's script, then redis-server with the
+    rendered arguments, /data and the ConfigMap's path moved to a temporary directory, on 127.0.0.1."""
 
-    port = free_port("127.0.0.1")
-    s = kube.KubeSettings(ports={"redis": port})
-    data, conf = tmp_path / "data", tmp_path / "conf"
-    data.mkdir()
-    conf.mkdir()
-    (conf / "redis.conf").write_text(kube.render(s)["redis"][0]["data"]["redis.conf"])
-    env = {
-        "SLIPSTREAM_REDIS_PASSWORD": secrets.token_hex(16),
-        "SLIPSTREAM_REDIS_CONTROL_PASSWORD": secrets.token_hex(16),
-    }
-    script = kube.acl_script(s).replace("/data", str(data))
-    args = [
-        a.replace("/data", str(data)).replace("/usr/local/etc/redis", str(conf)) for a in kube.redis_args(s)
-    ]
-    args[args.index("0.0.0.0")] = "127.0.0.1"  # no need to open it to the box's network here
+    def __init__(self, tmp_path: Path, env: dict[str, str]) -> None:
+        try:
+            self.server = find_redis_server()
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(f"no redis-server: {e}")
+        if not shutil.which("sha256sum"):
+            pytest.skip("no sha256sum")
+        from common.net import free_port
 
-    def start():
-        subprocess.run(["sh", "-c", script], env={**os.environ, **env}, check=True, timeout=30)
-        proc = subprocess.Popen([server, *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.port = free_port("127.0.0.1")
+        self.env = env
+        s = kube.KubeSettings(ports={"redis": self.port})
+        self.data, conf = tmp_path / "data", tmp_path / "conf"
+        self.data.mkdir()
+        conf.mkdir()
+        (conf / "redis.conf").write_text(kube.render(s)["redis"][0]["data"]["redis.conf"])
+        self.script = kube.acl_script(s).replace("/data", str(self.data))
+        self.args = [
+            a.replace("/data", str(self.data)).replace("/usr/local/etc/redis", str(conf))
+            for a in kube.redis_args(s)
+        ]
+        self.args[self.args.index("0.0.0.0")] = "127.0.0.1"  # no need to open it to the box's network
+        self.proc = None
+
+    def start(self) -> redis.Redis:
+        """Start it (the ACL script first, as the pod does at every start); an admin client."""
+        subprocess.run(["sh", "-c", self.script], env={**os.environ, **self.env}, check=True, timeout=30)
+        self.proc = subprocess.Popen(
+            [self.server, *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 30
-        admin = redis.Redis(port=port, password=env["SLIPSTREAM_REDIS_PASSWORD"], socket_connect_timeout=1)
+        admin = redis.Redis(
+            port=self.port, password=self.env["SLIPSTREAM_REDIS_PASSWORD"], socket_connect_timeout=1
+        )
         while True:
             try:
                 admin.ping()
-                return proc, admin
+                return admin
             except redis.ConnectionError:
-                assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                assert self.proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
                 time.sleep(0.1)
 
-    proc, admin = start()
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+
+def _secret_env() -> dict[str, str]:
+    return {var: secrets.token_hex(16) for var in kube.SECRET_KEYS.values()}
+
+
+def test_redis_runs_with_the_rendered_arguments_and_acl(tmp_path):
+    """Both users log in with the Secret's passwords, the control plane's user has its rules, and a job's
+    user saved by the control plane survives a restart."""
+    env = _secret_env()
+    server = RenderedRedis(tmp_path, env)
+    admin = server.start()
     try:
         assert admin.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
         assert admin.config_get("appendonly")["appendonly"] == "yes"
-        control = redis.Redis(port=port, username=APP_USER, password=env["SLIPSTREAM_REDIS_CONTROL_PASSWORD"])
+        control = redis.Redis(
+            port=server.port, username=APP_USER, password=env["SLIPSTREAM_REDIS_CONTROL_PASSWORD"]
+        )
         control.set("slipstream:x", 1)
         with pytest.raises(redis.exceptions.NoPermissionError):
             control.set("other", 1)
         with pytest.raises(redis.exceptions.NoPermissionError):
             control.flushall()
         set_job_user(admin, "j1", "pw-of-j1")
-        proc.terminate()
-        proc.wait(timeout=30)
-        proc, admin = start()
+        server.stop()
+        admin = server.start()
         assert job_user("j1") in admin.acl_users()
-        assert redis.Redis(port=port, username=job_user("j1"), password="pw-of-j1").ping()
-        assert "pw-of-j1" not in (data / "users.acl").read_text()
+        assert redis.Redis(port=server.port, username=job_user("j1"), password="pw-of-j1").ping()
+        assert "pw-of-j1" not in (server.data / "users.acl").read_text()
+    finally:
+        server.stop()
+
+
+def test_the_control_api_container_starts_with_the_rendered_command(tmp_path):
+    """The control API container's command, run here (paths, host and port moved here; Redis at
+    127.0.0.1 instead of its Service's name): it makes HOME from the ConfigMap and the Secret's variables,
+    serves /healthz, lists jobs from the rendered Redis with the control plane's user, and serves its
+    /metrics with the token."""
+    import httpx
+
+    from common.net import free_port
+
+    env = _secret_env()
+    server = RenderedRedis(tmp_path, env)
+    server.start()
+    api_port = free_port("127.0.0.1")
+    s = kube.KubeSettings(ports={"redis": server.port, "api": api_port})
+    state = json.loads(kube.render(s)["api"][0]["data"]["cluster.json"])
+    state["redis_host"] = "127.0.0.1"  # the Service's name resolves only in the cluster
+    (tmp_path / "cluster.json").write_text(json.dumps(state))
+    home = tmp_path / "home"
+    command = (
+        kube.api_command(s)
+        .replace(kube.HOME_DIR, str(home))
+        .replace(f"{kube.STATE_DIR}/cluster.json", str(tmp_path / "cluster.json"))
+        .replace("0.0.0.0", "127.0.0.1")
+        .replace("python -m", f"{REPO / '.venv' / 'bin' / 'python'} -m")
+    )
+    log = open(tmp_path / "api.log", "wb")
+    proc = subprocess.Popen(
+        ["sh", "-c", command],
+        cwd=REPO,
+        env={**os.environ, **env, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{api_port}"
+    auth = {"Authorization": f"Bearer {env['SLIPSTREAM_API_TOKEN']}"}
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()[-3000:]
+            time.sleep(0.3)
+        assert stat.S_IMODE((home / "secrets.json").stat().st_mode) == 0o600
+        assert httpx.get(f"{url}/jobs", timeout=10).status_code == 401
+        r = httpx.get(f"{url}/jobs", headers=auth, timeout=30)
+        assert r.status_code == 200 and r.json() == [], r.text
+        r = httpx.get(f"{url}/metrics", headers=auth, timeout=10)
+        assert r.status_code == 200 and "slipstream_control_scrape_targets" in r.text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        log.close()
+        server.stop()
