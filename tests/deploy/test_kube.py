@@ -18,6 +18,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -157,7 +158,7 @@ def test_deploy_kuberay_is_a_fresh_render(tmp_path):
     out = tmp_path / "kuberay"
     r = subprocess.run(
         [
-            str(REPO / ".venv" / "bin" / "python"),
+            sys.executable,
             "-m",
             "slipstream",
             "cluster",
@@ -456,7 +457,7 @@ def test_the_control_api_container_starts_with_the_rendered_command(tmp_path):
         .replace(kube.HOME_DIR, str(home))
         .replace(f"{kube.STATE_DIR}/cluster.json", str(tmp_path / "cluster.json"))
         .replace("0.0.0.0", "127.0.0.1")
-        .replace("python -m", f"{REPO / '.venv' / 'bin' / 'python'} -m")
+        .replace("python -m", f"{sys.executable} -m")
     )
     log = open(tmp_path / "api.log", "wb")
     proc = subprocess.Popen(
@@ -490,3 +491,41 @@ def test_the_control_api_container_starts_with_the_rendered_command(tmp_path):
         proc.wait(timeout=30)
         log.close()
         server.stop()
+
+
+def test_prometheus_config_scrapes_what_the_pods_serve():
+    """The jobs' processes as deploy/prometheus.yml reads them (the same file_sd job), the control API
+    at its Service, and Ray's pods on the port every Ray container names `metrics`."""
+    rendered = _render()
+    prom = yaml.safe_load(rendered["prometheus"][0]["data"]["prometheus.yml"])
+    jobs = {j["job_name"]: j for j in prom["scrape_configs"]}
+    host = yaml.safe_load((REPO / "deploy" / "prometheus.yml").read_text())
+    assert jobs["slipstream"] == next(j for j in host["scrape_configs"] if j["job_name"] == "slipstream")
+    assert prom["global"] == host["global"]
+    keep = [r for r in jobs["ray"]["relabel_configs"] if r.get("action") == "keep"]
+    assert {r["regex"] for r in keep} == {"slipstream", "metrics"}
+    for labels, pod in _pods(_docs(rendered)):
+        if "ray.io/cluster" in labels:
+            ray_container = pod["containers"][0]
+            assert {"name": "metrics", "containerPort": kube.DEFAULT_PORTS["ray_metrics"]} in ray_container[
+                "ports"
+            ]
+
+
+def test_render_kube_takes_every_setting_of_cluster_up():
+    import argparse
+
+    from slipstream.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    csub = next(a for a in sub.choices["cluster"]._actions if isinstance(a, argparse._SubParsersAction))
+
+    def options(cmd: str) -> set[str]:
+        return {o for a in csub.choices[cmd]._actions for o in a.option_strings}
+
+    shared = argparse.ArgumentParser()
+    from slipstream.cli import settings
+
+    settings.add_cluster_settings(shared, "")
+    wanted = {o for a in shared._actions for o in a.option_strings} - {"-h", "--help"}
+    assert wanted <= options("up") and wanted <= options("render-kube")
