@@ -247,7 +247,7 @@ class Probe:
             "engines": self.engine_counters(),
             "live_engines": len(self.registry.live()),
             "joining_engines": len(self.registry.joining()),
-            "status_pools": self.job.store.status(self.job.spec.name).get("pools"),
+            "status_pools": self.job.store.status(self.job.spec.name).pools or None,
             "driver_engines": len(d.generators.engines),
             "driver_trainer_ranks": len(d.trainers.ranks),
         }

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "metrics": {
             "wall_s": round(wall, 1),
-            "final_version": result["version"],
+            "final_version": result.version,
             "faults_injected": len(injected),
             "faults_by_kind": counts,
             "faults_not_repaired": errors,
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(doc, indent=1) + "\n")
     log(f"wrote {path}")
     print(
-        f"soak: {wall / 60:.1f} min, version {result['version']}, {len(injected)} faults {counts}, "
+        f"soak: {wall / 60:.1f} min, version {result.version}, {len(injected)} faults {counts}, "
         f"not repaired {len(errors)}, stuck periods {len(watch.stuck)}, lost {books['lost']}, "
         f"trained twice {books['trained_twice']}, RSS growth (MB) "
         + ", ".join(f"{k} {v['growth_mb']:+.0f}" for k, v in growth.items())

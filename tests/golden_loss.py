@@ -148,7 +148,7 @@ def replay(model: Path, work: Path, redis_url: str) -> list[dict]:
         buffer.put(group)
     r.close()
     result, records = trainer_only(spec, redis_url)
-    assert result["version"] == STEPS, result
+    assert result.version == STEPS, result
     return [{"step": rec["step"], **{k: rec[k] for k in COMPARED}} for rec in records]
 
 

@@ -35,6 +35,7 @@ from trainer.distributed import DistInfo, RankGroup, host_store
 from trainer.faults import Faults
 from trainer.flops import peak_flops
 from trainer.learner import Learner
+from trainer.result import TrainerResult
 from weight_bus import BusError, WeightBus, update_due
 from weight_bus.colocation import MemoryHandoff
 from weight_bus.group import master_address_for
@@ -309,7 +310,7 @@ class Trainer:
             pass
         return None
 
-    def run(self) -> dict:
+    def run(self) -> TrainerResult:
         """Train until version reaches algorithm.total_steps (or stop()); every rank calls it.
         Ends with a checkpoint (if checkpoint_every, or stopped by `stop(checkpoint=True)`) and the HF
         export (if export_hf). `checkpoint`/`checkpoint_version` name the newest checkpoint of this pool
@@ -399,7 +400,9 @@ class Trainer:
             self._record(version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit)
         return version
 
-    def _finish(self, version: int, last_checkpoint: tuple[int, Path] | None, t_start: float) -> dict:
+    def _finish(
+        self, version: int, last_checkpoint: tuple[int, Path] | None, t_start: float
+    ) -> TrainerResult:
         """The pool's end on every rank: the final checkpoint (when due), the buffer trimmed, the export."""
         tr = self.config.trainer
         # ranks that ran no step learn where rank 0 is, whether the pool restarts, and whether a stop
@@ -413,14 +416,14 @@ class Trainer:
             self.buffer.trim()
         export = tr.export_hf and not restart
         final_model = self.save(Path(self.config.output_dir) / "final_model") if export else None
-        return {
-            "version": version,
-            "elapsed_s": time.monotonic() - t_start,
-            "final_model": str(final_model or ""),
-            "checkpoint": str(last_checkpoint[1]) if last_checkpoint else "",
-            "checkpoint_version": last_checkpoint[0] if last_checkpoint else None,
-            "restart": restart,
-        }
+        return TrainerResult(
+            version=version,
+            elapsed_s=time.monotonic() - t_start,
+            final_model=str(final_model or ""),
+            checkpoint=str(last_checkpoint[1]) if last_checkpoint else "",
+            checkpoint_version=last_checkpoint[0] if last_checkpoint else None,
+            restart=restart,
+        )
 
     def _record(self, version, groups, stats, pub, t0, t_data, t_step, t_start, t_pub, t_commit) -> None:
         cfg = self.config

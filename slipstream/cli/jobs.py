@@ -14,6 +14,10 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
+from msgspec import UNSET
+
+from slipstream.job.records import Status, known, status_from_dict
 
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
 
@@ -184,7 +188,7 @@ COMMANDS = ("submit", "list", "status", "logs", "scale", "stop", "checkpoint", "
 
 
 def _fmt(v, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
+    return "-" if v is None or v is UNSET else format(v, spec) if isinstance(v, float) else str(v)
 
 
 def failure_line(f: dict) -> str:
@@ -211,35 +215,37 @@ def failure_line(f: dict) -> str:
     return line
 
 
-def render_status(st: dict):
-    """A rich table of one job's status."""
+def render_status(st: Status | dict):
+    """A rich table of one job's status (a Status, or the control API's JSON of one)."""
     from rich.table import Table
 
-    t = Table(title=f"job {st.get('name')}: {st.get('state')}", show_header=False, box=None)
-    pools, want = st.get("pools", {}), st.get("desired", {})
-    buf = st.get("buffer", {})
+    if isinstance(st, dict):
+        st = status_from_dict(st)
+    t = Table(title=f"job {known(st.name, None)}: {known(st.state, None)}", show_header=False, box=None)
+    pools, buf = known(st.pools, {}), known(st.buffer, {})
+    want = {} if st.desired is UNSET else msgspec.to_builtins(st.desired)
     rows = [
-        ("version", f"{st.get('version', 0)} / {st.get('total_steps', '?')}"),
-        ("reward (mean)", _fmt(st.get("reward_mean"))),
-        ("staleness", f"mean {_fmt(st.get('staleness_mean'), '.2f')}, max {_fmt(st.get('staleness_max'))}"),
-        ("throughput", f"{_fmt(st.get('tokens_per_s'), '.0f')} generated tok/s, "
-         f"{_fmt(st.get('samples_per_s'), '.2f')} samples/s, trainer {_fmt(st.get('train_tokens_per_s'), '.0f')} tok/s"),
-        ("step", f"{_fmt(st.get('step_s'), '.2f')} s, loss {_fmt(st.get('loss'), '+.4f')}, "
-         f"{_fmt(st.get('optimizer_steps'))} optimizer steps (pi_prox {_fmt(st.get('prox_source'))})"),
-        ("policy", f"lr {_fmt(st.get('lr'), '.3g')}, clipped {_fmt(st.get('clip_fraction'))}, "
-                   f"ratio [{_fmt(st.get('ratio_min'))}, {_fmt(st.get('ratio_max'))}], "
-                   f"IS-masked {_fmt(st.get('is_masked_fraction'))}, behav_kl {_fmt(st.get('behav_kl'), '.4f')}"),
+        ("version", f"{known(st.version, 0)} / {known(st.total_steps, '?')}"),
+        ("reward (mean)", _fmt(st.reward_mean)),
+        ("staleness", f"mean {_fmt(st.staleness_mean, '.2f')}, max {_fmt(st.staleness_max)}"),
+        ("throughput", f"{_fmt(st.tokens_per_s, '.0f')} generated tok/s, "
+         f"{_fmt(st.samples_per_s, '.2f')} samples/s, trainer {_fmt(st.train_tokens_per_s, '.0f')} tok/s"),
+        ("step", f"{_fmt(st.step_s, '.2f')} s, loss {_fmt(st.loss, '+.4f')}, "
+         f"{_fmt(st.optimizer_steps)} optimizer steps (pi_prox {_fmt(st.prox_source)})"),
+        ("policy", f"lr {_fmt(st.lr, '.3g')}, clipped {_fmt(st.clip_fraction)}, "
+                   f"ratio [{_fmt(st.ratio_min)}, {_fmt(st.ratio_max)}], "
+                   f"IS-masked {_fmt(st.is_masked_fraction)}, behav_kl {_fmt(st.behav_kl, '.4f')}"),
         ("generators", f"{pools.get('generators', '-')} (want {want.get('generators', '-')}), "
          f"rollout workers {pools.get('rollout_workers', '-')}"),
         ("trainers", f"{pools.get('trainers', '-')} (want {want.get('trainers', '-')}), memory peak "
-         f"{_fmt(st.get('memory_peak_gib'), '.1f')} GiB, micro-batches of {_fmt(st.get('micro_batch_tokens'))} tokens"),
+         f"{_fmt(st.memory_peak_gib, '.1f')} GiB, micro-batches of {_fmt(st.micro_batch_tokens)} tokens"),
         ("buffer", f"depth {buf.get('depth', '-')}, pending {buf.get('pending', '-')}, "
          f"produced {buf.get('produced', '-')}, consumed {buf.get('consumed', '-')}, "
          f"dropped stale {buf.get('dropped_stale', '-')}"),
-        ("output", str(st.get("output_dir", "-"))),
-        ("run", f"{st.get('run_id', '-')} (attempt {st.get('attempt', '-')})"),
+        ("output", str(known(st.output_dir, "-"))),
+        ("run", f"{known(st.run_id, '-')} (attempt {known(st.attempt, '-')})"),
     ]  # fmt: skip
-    if ev := st.get("eval"):  # the last evaluation on the held-out set (a spec with `eval`)
+    if ev := st.eval:  # the last evaluation on the held-out set (a spec with `eval`)
         scores = "  ".join(
             f"{k} {_fmt(v)}"
             for k, v in ev.items()
@@ -248,26 +254,26 @@ def render_status(st: dict):
         rows.insert(
             2, ("eval", f"version {ev.get('version', '-')}: {scores} ({_fmt(ev.get('duration_s'), '.1f')} s)")
         )
-    for url, note in (st.get("waiting") or {}).items():  # engine replacements no node has room for yet
+    for url, note in (st.waiting or {}).items():  # engine replacements no node has room for yet
         rows.append(("waiting", f"engine {url}: {note}"))
-    if st.get("phase"):  # what a job that is not running yet (or is stopping) is doing
-        rows.insert(0, ("phase", st["phase"]))
-    if st.get("stale_s") is not None:  # the API could not reach Redis: its last answer, and how old
-        rows.insert(0, ("STALE", f"last known state, {st['stale_s']:.0f} s old: {st.get('stale_reason')}"))
-    if any((restarts := st.get("restarts") or {}).values()):
+    if st.phase:  # what a job that is not running yet (or is stopping) is doing
+        rows.insert(0, ("phase", st.phase))
+    if st.stale_s is not UNSET:  # the API could not reach Redis: its last answer, and how old
+        rows.insert(0, ("STALE", f"last known state, {st.stale_s:.0f} s old: {known(st.stale_reason, None)}"))
+    if any((restarts := st.restarts or {}).values()):
         rows.append(("replaced", ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in restarts.items() if v)))
-    if failure := st.get("failure"):
+    if failure := st.failure:
         rows.append(("last failure", failure_line(failure)))
-    if st.get("schedule"):  # placement colocated: how engines and trainer share the devices
+    if st.schedule:  # placement colocated: how engines and trainer share the devices
         handoff = (
-            f", engines release {_fmt(st.get('release_s'))} s / resume {_fmt(st.get('resume_s'))} s per step"
-            if st.get("release_s") is not None
+            f", engines release {_fmt(st.release_s)} s / resume {_fmt(st.resume_s)} s per step"
+            if st.release_s not in (UNSET, None)
             else ""
         )
-        rows.append(("placement", f"colocated, {st['schedule']} schedule{handoff}"))
-    if st.get("scaling"):
-        rows.append(("scaling", st["scaling"]))
-    if tr := st.get("tracking"):
+        rows.append(("placement", f"colocated, {st.schedule} schedule{handoff}"))
+    if st.scaling:
+        rows.append(("scaling", st.scaling))
+    if tr := st.tracking:
         where = ", ".join(f"{k} {tr[k]}" for k in ("tensorboard", "wandb") if tr.get(k)) or "off"
         errors = sum((tr.get("errors") or {}).values())
         rows.append(
@@ -276,13 +282,13 @@ def render_status(st: dict):
                 f"{where}; version {tr.get('version', '-')}" + (f", {errors} errors" if errors else ""),
             )
         )
-    if st.get("note"):
-        rows.append(("checkpoint", st["note"]))
-    if st.get("error"):
-        rows.append(("error", st["error"]))
-    drv = st.get("driver") or {}  # the one driver holding the job's run lease
+    if st.note:
+        rows.append(("checkpoint", st.note))
+    if st.error:
+        rows.append(("error", st.error))
+    drv = st.driver or {}  # the one driver holding the job's run lease
     at = f"; driver pid {drv.get('pid')} on {drv.get('host')}" if drv else ""
-    rows.append(("ray job", f"{st.get('ray_job_id', '-')} ({st.get('ray_status', '-')}){at}"))
+    rows.append(("ray job", f"{known(st.ray_job_id, '-')} ({known(st.ray_status, '-')}){at}"))
     for k, v in rows:
         t.add_row(k, v)
     return t
@@ -291,13 +297,13 @@ def render_status(st: dict):
 def _watch(client: ControlClient, name: str) -> int:
     from rich.live import Live
 
-    st = client.get(name)
+    st = status_from_dict(client.get(name))
     with Live(render_status(st), refresh_per_second=2) as live:
-        while st.get("state") not in TERMINAL:
+        while st.state not in TERMINAL:
             time.sleep(2)
-            st = client.get(name)
+            st = status_from_dict(client.get(name))
             live.update(render_status(st))
-    return 0 if st.get("state") in ("succeeded", "stopped") else 1
+    return 0 if st.state in ("succeeded", "stopped") else 1
 
 
 def main(args: argparse.Namespace) -> int:

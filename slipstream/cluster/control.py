@@ -12,11 +12,11 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import redis
 import yaml
+from msgspec import UNSET
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -33,6 +33,7 @@ from slipstream.cluster.state import ClusterInfo, write_job_redis_url
 from slipstream.job import lease
 from slipstream.job.prepare import project_pythonpath
 from slipstream.job.progress import ProgressReader
+from slipstream.job.records import Status, known, merged, status_dict
 from slipstream.job.store import (
     ACTIVE_STATES,
     JobStore,
@@ -91,7 +92,7 @@ class JobControl(DriverReconciler):
         self._admin = None
         self._submitting: set[str] = set()
         """Jobs this process is submitting right now: Ray may not know their submission yet."""
-        self._last_status: dict[str, tuple[float, dict]] = {}
+        self._last_status: dict[str, tuple[float, Status]] = {}
         """Job name -> (time.monotonic(), status) of the last `get` that Redis answered: what `get`
         answers, with its age, while Redis does not."""
 
@@ -132,7 +133,7 @@ class JobControl(DriverReconciler):
             )
         return self._ray
 
-    def _job(self, name: str, reconcile: bool = False) -> dict[str, Any]:
+    def _job(self, name: str, reconcile: bool = False) -> Status:
         """The job's status; `reconcile`: first mark an active job whose driver is gone (see reconcile)."""
         if not self.store.exists(name):
             raise ControlError(404, f"no job {name!r} (slipstream list shows the jobs)")
@@ -159,12 +160,9 @@ class JobControl(DriverReconciler):
             spec.dataset.name, spec.reward.name, self.tool_modules, eval_dataset_name=eval_task(spec)
         ):
             raise ControlError(422, f"invalid job spec: {why}")
-        if (
-            self.store.exists(spec.name)
-            and self._job(spec.name, reconcile=True).get("state") in ACTIVE_STATES
-        ):
+        if self.store.exists(spec.name) and self._job(spec.name, reconcile=True).state in ACTIVE_STATES:
             raise ControlError(
-                409, f"job {spec.name!r} is {self.store.status(spec.name)['state']}; stop it first"
+                409, f"job {spec.name!r} is {self.store.status(spec.name).state}; stop it first"
             )
         note = output_dir_note(spec, self.home)
         try:
@@ -263,19 +261,22 @@ class JobControl(DriverReconciler):
             )
 
     def get(self, name: str) -> dict:
-        """The job's status. While Redis does not answer, the last status this process read, with
-        `stale_s` (its age, seconds) and `stale_reason`; a job it never read raises (the API's 503)."""
+        """The job's status as the control API answers it (records.status_dict of `status`)."""
+        return status_dict(self.status(name))
+
+    def status(self, name: str) -> Status:
+        """The job's status, with its name and desired state. While Redis does not answer, the last status
+        this process read, with `stale_s` (its age, seconds) and `stale_reason`; a job it never read
+        raises (the API's 503)."""
         try:
-            st = self._job(name, reconcile=True)
-            st["name"] = name
-            st["desired"] = self.store.desired(name)
+            st = merged(self._job(name, reconcile=True), name=name, desired=self.store.desired(name))
         except REDIS_UNAVAILABLE as e:
             if name not in self._last_status:
                 raise
             at, last = self._last_status[name]
             age = time.monotonic() - at
             log.warning("job %s: Redis did not answer (%s); answering its status of %.0f s ago", name, e, age)
-            return {**last, "stale_s": round(age, 1), "stale_reason": self.redis_unavailable(e)}
+            return merged(last, stale_s=round(age, 1), stale_reason=self.redis_unavailable(e))
         self._last_status[name] = (time.monotonic(), st)
         return st
 
@@ -283,16 +284,16 @@ class JobControl(DriverReconciler):
         out = []
         for name in self.store.names():
             st = self.store.status(name)
-            if st.get("state") in ACTIVE_STATES:
+            if st.state in ACTIVE_STATES:
                 st = self._reconcile(name, st)
             out.append(
                 {
                     "name": name,
-                    "state": st.get("state"),
-                    "version": st.get("version", 0),
-                    "total_steps": st.get("total_steps"),
-                    "reward_mean": st.get("reward_mean"),
-                    "pools": st.get("pools", {}),
+                    "state": known(st.state),
+                    "version": known(st.version, 0),
+                    "total_steps": known(st.total_steps),
+                    "reward_mean": known(st.reward_mean),
+                    "pools": known(st.pools, {}),
                 }
             )
         return out
@@ -321,14 +322,14 @@ class JobControl(DriverReconciler):
 
     def logs(self, name: str, component: str | None = None, tail: int = 200) -> dict:
         st = self._job(name)
-        log_dir = Path(st.get("output_dir", self.home / "jobs" / name)) / "logs"
+        log_dir = Path(known(st.output_dir, self.home / "jobs" / name)) / "logs"
         components = sorted(p.stem for p in log_dir.glob("*.log")) if log_dir.is_dir() else []
         note = None
         if component is None:
             text, unavailable = "", "the job has no Ray job"
-            if st.get("ray_job_id"):
+            if st.ray_job_id:
                 try:
-                    text, unavailable = self.ray.get_job_logs(st["ray_job_id"]), None
+                    text, unavailable = self.ray.get_job_logs(st.ray_job_id), None
                 except Exception as e:  # e.g. a restarted Ray head no longer knows the job
                     first = (str(e).strip().splitlines() or [""])[0][:300]
                     unavailable = f"{type(e).__name__}: {first}"
@@ -363,8 +364,8 @@ class JobControl(DriverReconciler):
             if v is not None and not 1 <= v <= jobspec.MAX_POOL:
                 raise ControlError(422, f"{key} must be 1 to {jobspec.MAX_POOL} (as in a spec), got {v}")
         st = self._job(name, reconcile=True)
-        if st.get("state") not in ("submitted", "starting", "running", "scaling"):
-            raise ControlError(409, f"job {name!r} is {st.get('state')}: nothing to scale")
+        if st.state not in ("submitted", "starting", "running", "scaling"):
+            raise ControlError(409, f"job {name!r} is {known(st.state)}: nothing to scale")
         raw = msgspec.json.decode(self.store.spec_json(name))
         spec = jobspec.from_dict(raw)
         if generators is not None and (spec.generators.engine == "external" or spec.generators.router_url):
@@ -382,7 +383,7 @@ class JobControl(DriverReconciler):
         self._check_scale(name, raw, spec, generators, trainers)
         self.store.set_desired(name, generators=generators, trainers=trainers)
         log.info("job %s: desired generators=%s trainers=%s", name, generators, trainers)
-        return {"name": name, "desired": self.store.desired(name)}
+        return {"name": name, "desired": msgspec.to_builtins(self.store.desired(name))}
 
     def _check_scale(
         self, name: str, raw: dict, spec: jobspec.JobSpec, generators: int | None, trainers: int | None
@@ -391,8 +392,11 @@ class JobControl(DriverReconciler):
         rebuilt with them (and the rollout workers the driver would run), so every rule of the spec
         (fsdp for several trainer ranks, pool caps, ...) applies as at submit."""
         want = self.store.desired(name)
-        n = generators if generators is not None else want.get("generators", spec.generators.num_engines)
-        m = trainers if trainers is not None else want.get("trainers", spec.trainer.num_trainers)
+        n, m = generators, trainers
+        if n is None:
+            n = spec.generators.num_engines if want.generators is UNSET else want.generators
+        if m is None:
+            m = spec.trainer.num_trainers if want.trainers is UNSET else want.trainers
         g = dict(raw.get("generators") or {})
         if n != spec.generators.num_engines:  # the driver runs workers_per_engine per engine then
             per = -(
@@ -414,7 +418,7 @@ class JobControl(DriverReconciler):
         `checkpoint` is False; `force`: also stop the Ray job now (no checkpoint). The answer's `message`
         says what happens (or that the job has ended already: nothing to do)."""
         st = self._job(name, reconcile=True)
-        state = st.get("state")
+        state = known(st.state)
         ck_dir = job_checkpoint_dir(json.loads(self.store.spec_json(name) or "{}"))
         latest = latest_checkpoint(ck_dir)
         on_disk = (
@@ -424,7 +428,7 @@ class JobControl(DriverReconciler):
         )
         out = {"name": name, "state": state, "force": force}
         if state not in ACTIVE_STATES:
-            at = f" at version {st['version']}" if st.get("version") is not None else ""
+            at = f" at version {st.version}" if st.version not in (UNSET, None) else ""
             log.info("job %s: stop: already %s, nothing to do", name, state)
             return {
                 **out,
@@ -433,11 +437,11 @@ class JobControl(DriverReconciler):
                 "message": f"job {name!r} already ended ({state}{at}): nothing to do; {on_disk}",
             }
         want = self.store.desired(name)
-        again = want["stop"]
+        again = want.stop
         # a stop asked for with a checkpoint keeps it (the trainer was told so already)
-        checkpoint = checkpoint or (again and want["stop_checkpoint"])
+        checkpoint = checkpoint or (again and want.stop_checkpoint)
         self.store.request_stop(name, checkpoint=checkpoint, reason=reason)
-        sid, driver = st.get("ray_job_id"), st.get("driver")
+        sid, driver = st.ray_job_id or None, st.driver or None
         if force:
             message = (
                 self._force_stop(name, sid, driver) + f"; no checkpoint is written at the stop; {on_disk}"
@@ -487,12 +491,12 @@ class JobControl(DriverReconciler):
         stream, ledger, progress, status...). Its output directory stays unless `purge` (`purge_job_dir`:
         the job's own directory under HOME/jobs, and nothing outside it). A job that may still run is
         refused."""
-        st = self.get(name)  # also notices a driver that died without reporting
-        if st.get("state") in ACTIVE_STATES:
+        st = self.status(name)  # also notices a driver that died without reporting
+        if st.state in ACTIVE_STATES:
             raise ControlError(
-                409, f"job {name!r} is {st['state']}; stop it first (slipstream stop {name}), then remove it"
+                409, f"job {name!r} is {st.state}; stop it first (slipstream stop {name}), then remove it"
             )
-        out = Path(st.get("output_dir") or self.home / "jobs" / name)
+        out = Path(st.output_dir or self.home / "jobs" / name)
         removed = self.store.remove(name)
         self._last_status.pop(name, None)
         try:  # its processes are gone: so goes its Redis user
@@ -521,7 +525,7 @@ class JobControl(DriverReconciler):
 
     def checkpoint(self, name: str) -> dict:
         st = self._job(name, reconcile=True)
-        if st.get("state") not in ("running", "scaling"):
-            raise ControlError(409, f"job {name!r} is {st.get('state')}: no trainer to checkpoint")
+        if st.state not in ("running", "scaling"):
+            raise ControlError(409, f"job {name!r} is {known(st.state)}: no trainer to checkpoint")
         self.store.push_command(name, "checkpoint")
         return {"name": name, "checkpoint": "requested"}

@@ -52,7 +52,7 @@ def _connect_ray(store: JobStore, job: str) -> None:
         since = None
         while not connected.wait(1.0):
             try:
-                why = "its stop was requested" if store.desired(job)["stop"] else None
+                why = "its stop was requested" if store.desired(job).stop else None
             except redis.RedisError as e:
                 why = f"the cluster's Redis is gone ({e})"
             since = (since or time.monotonic()) if why else None
@@ -118,7 +118,7 @@ def _main(args: argparse.Namespace, store: JobStore, redis_url: str, lease: RunL
     except jobspec.JobSpecError as e:  # never run a job on defaults: fail it, loudly
         print(f"slipstream.job.driver: {e}", file=sys.stderr)
         try:
-            if store.status(args.job):
+            if store.has_status(args.job):
                 store.update_status(args.job, state="failed", error=str(e))
         except redis.RedisError as re_:
             print(f"slipstream.job.driver: could not mark the job failed: {re_}", file=sys.stderr)
@@ -132,12 +132,12 @@ def _main(args: argparse.Namespace, store: JobStore, redis_url: str, lease: RunL
     logging.getLogger().addHandler(fh)
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
-    if (want := store.desired(args.job))["stop"]:  # a stop (or cluster down) came between submit and here
+    if (want := store.desired(args.job)).stop:  # a stop (or cluster down) came between submit and here
         resume = resume_fields(msgspec.json.decode(store.spec_json(args.job)))
         store.update_status(args.job, state="stopped", phase=None, pools=NO_POOLS, **resume)
         log.info(
             "job %s stopped before its driver started (%s): %s",
-            args.job, want.get("stop_reason") or "stop requested", resume["note"],
+            args.job, want.stop_reason or "stop requested", resume["note"],
         )  # fmt: skip
         return 0
     import ray

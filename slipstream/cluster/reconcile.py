@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from slipstream.job import lease
+from slipstream.job.records import Status, known, merged
 from slipstream.job.store import ACTIVE_STATES, NO_POOLS, resume_fields
 
 log = logging.getLogger("slipstream.cluster.control")
@@ -39,7 +40,7 @@ class DriverReconciler:
             return "UNKNOWN", f"{type(e).__name__}: {e}"
         return str(getattr(info.status, "value", info.status)), info.message or ""
 
-    def _reconcile(self, name: str, st: dict[str, Any]) -> dict[str, Any]:
+    def _reconcile(self, name: str, st: Status) -> Status:
         """An active job whose submission Ray says ended (or Ray never got it, or no longer knows it)
         without its driver having reported an end is marked `interrupted` (`failed` if Ray says the
         driver failed) with the reason and its latest checkpoint, so that it can be resubmitted (resumed
@@ -48,36 +49,36 @@ class DriverReconciler:
         so does one Ray cannot be asked about. Marking it ends its submission (JobStore.settle): its run
         lease is freed and no driver can start for it later. Adds `ray_status` to the status."""
         if name in self._submitting:  # this process is submitting it: Ray may not have it yet
-            return {**st, "ray_status": "submitting"}
+            return merged(st, ray_status="submitting")
         seen: dict[str, str] = {}
 
-        def decide(cur: dict[str, Any], held: bytes | None) -> dict | None:
-            sid = cur.get("ray_job_id")
+        def decide(cur: Status, held: bytes | None) -> dict | None:
+            sid = cur.ray_job_id
             if sid:
                 ray_status, message = self._ray_status(sid)
                 seen["ray_status"] = ray_status if ray_status != "UNKNOWN" else f"unknown ({message})"
-            elif cur.get("state") in ACTIVE_STATES and not held:  # a record from before submission ids
+            elif cur.state in ACTIVE_STATES and not held:  # a record from before submission ids
                 ray_status, message = "GONE", ""
             else:
                 return None
-            if cur.get("state") not in ACTIVE_STATES or ray_status not in RAY_ENDED:
+            if cur.state not in ACTIVE_STATES or ray_status not in RAY_ENDED:
                 return None
             return self._ended(name, cur, ray_status, message)
 
-        if st.get("state") in ACTIVE_STATES:
+        if st.state in ACTIVE_STATES:
             st = self.store.settle(name, decide)
         else:
             decide(st, None)  # only Ray's word on it, for `status`
-        return {**st, **seen}
+        return merged(st, **seen)
 
-    def _ended(self, name: str, st: dict[str, Any], ray_status: str, message: str) -> dict[str, Any]:
+    def _ended(self, name: str, st: Status, ray_status: str, message: str) -> dict[str, Any]:
         """The status fields of a job whose submission ended without its driver's report."""
-        sid = st.get("ray_job_id")
+        sid = st.ray_job_id or None
         if ray_status == "FAILED":
             new, why = "failed", f"the driver failed: {message}"
-        elif ray_status == "STOPPED" and self.store.desired(name)["stop"]:
+        elif ray_status == "STOPPED" and self.store.desired(name).stop:
             new, why = "stopped", f"stopped by Ray before the driver could report: {message}"
-        elif ray_status == "GONE" and not st.get("driver"):
+        elif ray_status == "GONE" and not st.driver:
             new, why = (
                 "interrupted",
                 (
@@ -95,8 +96,8 @@ class DriverReconciler:
         else:
             new, why = "interrupted", f"the driver is gone without reporting an end: {message or ray_status}"
         resume = resume_fields(json.loads(self.store.spec_json(name) or "{}"))
-        error = f"{why}; last reported version {st.get('version', 0)}; {resume['note']}"
-        log.warning("job %s: %s -> %s: %s", name, st.get("state"), new, error)
+        error = f"{why}; last reported version {known(st.version, 0)}; {resume['note']}"
+        log.warning("job %s: %s -> %s: %s", name, known(st.state), new, error)
         return {"state": new, "error": error, "phase": None, "pools": NO_POOLS, **resume}
 
     def reconcile(self) -> list[str]:
@@ -105,10 +106,7 @@ class DriverReconciler:
         marked = []
         for name in self.store.names():
             st = self.store.status(name)
-            if (
-                st.get("state") in ACTIVE_STATES
-                and self._reconcile(name, st).get("state") not in ACTIVE_STATES
-            ):
+            if st.state in ACTIVE_STATES and self._reconcile(name, st).state not in ACTIVE_STATES:
                 marked.append(name)
         return marked
 
@@ -135,7 +133,7 @@ class DriverReconciler:
             name,
             lambda st, held: (
                 None
-                if st.get("ray_job_id") != sid or held
+                if st.ray_job_id != sid or held
                 else {"state": "failed", "error": error, "phase": None, "pools": NO_POOLS}
             ),
         )

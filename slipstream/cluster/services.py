@@ -426,6 +426,7 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
     if not (_service_alive(home, state, "redis") and _service_alive(home, state, "ray")):
         return {}
     from slipstream.cluster.control import JobControl
+    from slipstream.job.records import known, status_dict
     from slipstream.job.store import ACTIVE_STATES
 
     info = cluster_info(home, state, load_secrets(home, create=False))
@@ -440,10 +441,10 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
         next_say = time.monotonic() + JOB_PROGRESS_S
         while True:
             for name in active:
-                if name not in ended and (st := control.get(name)).get("state") not in ACTIVE_STATES:
-                    ended[name] = st
-                    how = st.get("note") or st.get("error") or ""
-                    event(home, f"job {name} {st['state']} at version {st.get('version', 0)}: {how}")
+                if name not in ended and (st := control.status(name)).state not in ACTIVE_STATES:
+                    ended[name] = status_dict(st)
+                    how = st.note or st.error or ""
+                    event(home, f"job {name} {known(st.state)} at version {known(st.version, 0)}: {how}")
             waiting = [n for n in active if n not in ended]
             if not waiting:
                 return ended
@@ -459,7 +460,7 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
             if now >= next_say:
                 next_say = now + JOB_PROGRESS_S
                 states = ", ".join(
-                    f"{n} ({(st := control.store.status(n)).get('state')}, version {st.get('version', 0)})"
+                    f"{n} ({known((st := control.store.status(n)).state)}, version {known(st.version, 0)})"
                     for n in waiting
                 )
                 event(home, f"waiting for job(s) to stop with their checkpoint: {states}")

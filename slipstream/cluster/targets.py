@@ -18,10 +18,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import msgspec
 import redis
 from prometheus_client import Gauge
 
 from replay_buffer.keys import METRICS_TARGETS_PATTERN, JobKeys, job_of_metrics_targets
+from slipstream.job.records import decode_status
 from slipstream.job.store import ENDED_STATES
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,9 @@ def _has_ended(status: bytes | str | None) -> bool:
     if status is None:
         return False
     try:
-        record = json.loads(status)
-    except ValueError:
+        return decode_status(status).state in ENDED_STATES
+    except (ValueError, msgspec.MsgspecError):
         return False
-    return isinstance(record, dict) and record.get("state") in ENDED_STATES
 
 
 def collect_targets(r: redis.Redis) -> list[dict]:

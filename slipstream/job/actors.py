@@ -23,6 +23,7 @@ from models.config import LoraSpec
 from replay_buffer.client import connect
 from replay_buffer.keys import JobKeys
 from trainer.config import TrainerConfig
+from trainer.result import TrainerResult
 
 
 class JobRef(msgspec.Struct, frozen=True):
@@ -370,7 +371,7 @@ class TrainerActor:
         """Every rank at once: joining the group blocks until all ranks have."""
         self.trainer.setup(master, self._store)
 
-    def run(self) -> dict:
+    def run(self) -> TrainerResult:
         result = self.trainer.run()  # ends with the HF export of the final policy to <output_dir>/final_model
         self.trainer.close()
         return result

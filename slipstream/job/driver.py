@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 import redis
+from msgspec import UNSET
 
 from jobspec import JobSpec
 from jobspec.spec import check_context
@@ -37,10 +38,12 @@ from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
+from slipstream.job.records import Desired
 from slipstream.job.store import JobStore, job_checkpoint_dir, resume_version
 from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool
+from trainer.result import TrainerResult
 
 log = logging.getLogger("slipstream.job.driver")
 
@@ -98,7 +101,7 @@ class JobDriver:
         return self.progress.records
 
     # --- the loop -------------------------------------------------------------------------------------
-    def run(self) -> dict:
+    def run(self) -> TrainerResult:
         """Start the pools, then reconcile them with the desired state until the trainer is done; the
         trainer pool's result. A failure past the restart budget raises GiveUp, reported first."""
         try:
@@ -115,7 +118,7 @@ class JobDriver:
                 raise full_error(e, self.job, memory(self.r), "record its state or read its commands") from e
             raise
 
-    def _run(self) -> dict:
+    def _run(self) -> TrainerResult:
         desired = self.store.desired(self.job)
         self.begin_run()
         self.start(desired)
@@ -132,9 +135,9 @@ class JobDriver:
                 {"output": Path(self.spec.output_dir), "checkpoints": job_checkpoint_dir(self.spec)}
             )
             want = self.store.desired(self.job)
-            if want["stop"] and (not stopping or (want["stop_checkpoint"] and not stop_checkpoint)):
+            if want.stop and (not stopping or (want.stop_checkpoint and not stop_checkpoint)):
                 self.stop(want, again=stopping)
-                stopping, stop_checkpoint = True, want["stop_checkpoint"]
+                stopping, stop_checkpoint = True, want.stop_checkpoint
             if stopping:
                 continue
             for cmd in self.store.pop_commands(self.job):
@@ -147,7 +150,7 @@ class JobDriver:
             self._track(rec)
             if self.progress.this_attempt(rec):
                 self.last, self.version = rec, rec["version"]
-        self.version = result["version"]
+        self.version = result.version
         if self.generators.evaluator is not None:
             # the engines hold the final policy (the trainer publishes its last version): score it
             self.report(phase=f"evaluating the final version {self.version}")
@@ -155,7 +158,7 @@ class JobDriver:
             self.read_progress(block_ms=0)
         return result
 
-    def start(self, desired: dict) -> None:
+    def start(self, desired: Desired) -> None:
         """The model ready, the buffer's consumer group and version set, both pools started."""
         model, build = Path(self.spec.model.path), self.spec.model.build
         if build is not None and not (model / "config.json").exists():
@@ -169,7 +172,7 @@ class JobDriver:
         self.buffer.ensure_group()
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)
-        n = desired.get("generators", self.spec.generators.num_engines)
+        n = self.spec.generators.num_engines if desired.generators is UNSET else desired.generators
         self.report(phase=f"starting {n} generator(s) and their rollout workers")
         self.generators.start(n)
         self.generators.start_evaluator()
@@ -178,12 +181,12 @@ class JobDriver:
             # the trainer starts after this evaluation (rollouts fill the buffer meanwhile)
             self.report(phase="evaluating version 0 before the first step")
             self.generators.evaluate_now()
-        m = desired.get("trainers", self.spec.trainer.num_trainers)
+        m = self.spec.trainer.num_trainers if desired.trainers is UNSET else desired.trainers
         self.report(phase=f"starting {m} trainer rank(s)")
         self.trainers.start(m)
         self.report("running", phase=None)
 
-    def stop(self, want: dict, again: bool) -> None:
+    def stop(self, want: Desired, again: bool) -> None:
         """A stop request (`again`: a checkpoint is asked for after the stop began)."""
         if again:
             log.info("stop: a checkpoint is asked for now (it is written where the trainer stops)")
@@ -191,34 +194,37 @@ class JobDriver:
             return
         log.info(
             "stop requested%s: the trainer ends after its current step, %s",
-            f" ({want['stop_reason']})" if want.get("stop_reason") else "",
-            "with a checkpoint there" if want["stop_checkpoint"] else "writing no checkpoint",
+            f" ({want.stop_reason})" if want.stop_reason else "",
+            "with a checkpoint there" if want.stop_checkpoint else "writing no checkpoint",
         )
         self.report("stopping", phase="the trainer ends after its current step")
-        self.trainers.stop(checkpoint=want["stop_checkpoint"])
+        self.trainers.stop(checkpoint=want.stop_checkpoint)
 
-    def reconcile(self, want: dict) -> dict | None:
+    def reconcile(self, want: Desired) -> TrainerResult | None:
         """Pool sizes brought to the desired ones. Returns the trainer pool's result if it finished the
         job before a rescale could stop it."""
         n, m = len(self.generators.engines), len(self.trainers.ranks)
         if self.placement is not None:
             self._refuse_colocated_scale(want, n, m)
             return None
-        if self.generators.scalable and want.get("generators", n) != n:
-            self.report("scaling", scaling=f"generators {n} -> {want['generators']}")
-            self.generators.scale(want["generators"])
+        if self.generators.scalable and want.generators not in (UNSET, n):
+            self.report("scaling", scaling=f"generators {n} -> {want.generators}")
+            self.generators.scale(want.generators)
             self.report("running", scaling=None)
-        if want.get("trainers", m) != m:
-            self.report("scaling", scaling=f"trainers {m} -> {want['trainers']}")
-            if (ended := self.trainers.rescale(want["trainers"])) is not None:
+        if want.trainers not in (UNSET, m):
+            self.report("scaling", scaling=f"trainers {m} -> {want.trainers}")
+            if (ended := self.trainers.rescale(want.trainers)) is not None:
                 return ended
             self.report("running", scaling=None)
         return None
 
-    def _refuse_colocated_scale(self, want: dict, n: int, m: int) -> None:
+    def _refuse_colocated_scale(self, want: Desired, n: int, m: int) -> None:
         """A colocated job keeps one engine per trainer rank's device: a scale request is reported in the
         status and logged once, and nothing changes."""
-        asked = (want.get("generators", n), want.get("trainers", m))
+        asked = (
+            n if want.generators is UNSET else want.generators,
+            m if want.trainers is UNSET else want.trainers,
+        )
         if asked == (n, m) or asked == self._refused_scale:
             return
         self._refused_scale = asked
@@ -282,7 +288,7 @@ class JobDriver:
                 "rollout_workers": len(self.generators.workers),
                 "trainers": self.trainers.size,  # ranks set up and training (not those still starting)
             },
-            "restarts": self.restarts,
+            "restarts": dict(self.restarts),
             **({"failure": msgspec.to_builtins(self.restarts.latest)} if self.restarts.latest else {}),
             # engine replacements no node has room for yet, whatever failed since (old URL -> what it waits on)
             "waiting": self.generators.waiting_notes,
@@ -363,23 +369,25 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300]}{cause}"
 
 
-def _checkpoint_note(driver: JobDriver, result: dict | None, stopped: bool, failed: bool = False) -> dict:
+def _checkpoint_note(
+    driver: JobDriver, result: TrainerResult | None, stopped: bool, failed: bool = False
+) -> dict:
     """The job's final status fields on its checkpoint: `checkpoint` (path, "" if none),
     `checkpoint_version`, and `note`, one line on what a resumption starts from (`failed`: the job
     failed, no stop wrote one)."""
     from slipstream.job.store import latest_checkpoint
 
-    if result is not None and result.get("checkpoint"):
-        ck = {"path": result["checkpoint"], "version": result.get("checkpoint_version")}
+    if result is not None and result.checkpoint:
+        ck = {"path": result.checkpoint, "version": result.checkpoint_version}
         note = f"checkpoint at version {ck['version']}: {ck['path']}"
     else:
         ck = latest_checkpoint(job_checkpoint_dir(driver.spec))
-        if result is not None and stopped and result["version"] > 0:
+        if result is not None and stopped and result.version > 0:
             why = "no checkpoint written at the stop (stop --no-checkpoint)"
         elif result is not None:
             why = (
                 "no checkpoint written (trainer.checkpoint_every is 0)"
-                if result["version"]
+                if result.version
                 else "no step trained"
             )
         elif failed:
@@ -412,21 +420,23 @@ def _signal_in(error: BaseException | None) -> BaseException | None:
     return error
 
 
-def final_status(driver: JobDriver, result: dict | None = None, error: BaseException | None = None) -> dict:
+def final_status(
+    driver: JobDriver, result: TrainerResult | None = None, error: BaseException | None = None
+) -> dict:
     """The job's final status fields, logged: succeeded or stopped (the trainer's `result`), stopped or
     interrupted (a signal: `error` is Stop or KeyboardInterrupt), or failed (`error`, in one line), each
     with what a resumption starts from."""
     job, store = driver.job, driver.store
     if result is not None:
-        stopped = store.desired(job)["stop"]
-        final = {"state": "stopped" if stopped else "succeeded", "final_model": result.get("final_model", "")}
+        stopped = store.desired(job).stop
+        final = {"state": "stopped" if stopped else "succeeded", "final_model": result.final_model}
         final.update(_checkpoint_note(driver, result, stopped))
-        log.info("job %s %s at version %d: %s", job, final["state"], result["version"], final["note"])
+        log.info("job %s %s at version %d: %s", job, final["state"], result.version, final["note"])
     elif isinstance(error := _signal_in(error), (Stop, KeyboardInterrupt)):
         want = store.desired(job)
-        final = {"state": "stopped" if want["stop"] else "interrupted"}
-        final.update(_checkpoint_note(driver, None, want["stop"]))
-        if not want["stop"]:
+        final = {"state": "stopped" if want.stop else "interrupted"}
+        final.update(_checkpoint_note(driver, None, want.stop))
+        if not want.stop:
             final["error"] = f"the driver was terminated ({error or 'interrupt'}) without a stop request"
         log.info("job %s %s (%s): %s", job, final["state"], error or "interrupt", final["note"])
     else:

@@ -25,6 +25,7 @@ from replay_buffer.redis_server import ManagedRedis
 from slipstream.job import driver as driver_mod
 from slipstream.job.prepare import init_local_ray
 from slipstream.job.store import JobStore
+from trainer.result import TrainerResult
 
 log = logging.getLogger("slipstream.job.faults")
 
@@ -43,7 +44,7 @@ class LocalJob:
     def __init__(self, spec: jobspec.JobSpec, data_dir: Path, num_cpus: int = 4) -> None:
         self.spec, self.data_dir, self.num_cpus = spec, Path(data_dir), num_cpus
         self.keys = JobKeys(spec.name)
-        self.result: dict | None = None
+        self.result: TrainerResult | None = None
         self.error: BaseException | None = None
 
     def __enter__(self) -> LocalJob:
@@ -73,7 +74,7 @@ class LocalJob:
                 log.warning("the failed job's final status: %s", report_error)
             self.error = e
 
-    def stop(self, timeout_s: float = WAIT_S) -> dict:
+    def stop(self, timeout_s: float = WAIT_S) -> TrainerResult:
         """Ask the trainer to end after its step; returns the job's result."""
         self.store.request_stop(self.spec.name)
         self.thread.join(timeout_s)

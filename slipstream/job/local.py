@@ -97,9 +97,9 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         write_report_logged(progress + evals, out)  # PNG plots; never fails the job
         elapsed = time.monotonic() - t0
         return JobResult(
-            result["version"],
+            result.version,
             elapsed,
-            result["final_model"],
+            result.final_model,
             progress,
             stats,
             evals,

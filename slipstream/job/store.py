@@ -1,7 +1,8 @@
 """The control plane's record of jobs in the cluster's Redis: what was submitted (the resolved spec), what
 the user wants (pool sizes, stop), what the job driver reports (state, progress), and commands waiting
 for the driver. Every key lives under the job's own `slipstream:{job}:` prefix, so jobs sharing a cluster
-never touch each other's data; the index of jobs is one hash beside them.
+never touch each other's data; the index of jobs is one hash beside them. The desired state and the
+status are typed records (slipstream/job/records.py `Desired`, `Status`), read and written only here.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Any
 
 import msgspec
 import redis
+from msgspec import UNSET
 
 import jobspec
 from jobspec.spec import check_name
 from replay_buffer.keys import JOBS_INDEX, KEY_PREFIX, JobKeys
+from slipstream.job.records import Desired, Status, decode_status, encode_status, merged
 from trainer.config import checkpoint_dir
 
 ACTIVE_STATES = ("submitted", "starting", "running", "scaling", "stopping")
@@ -62,26 +65,23 @@ class JobStore:
         with self.r.pipeline() as pipe:
             try:
                 pipe.watch(keys.status, keys.lease)
-                raw = pipe.get(keys.status)
-                state = json.loads(raw).get("state") if raw else None
+                state = decode_status(pipe.get(keys.status)).state or None
                 if state in ACTIVE_STATES or pipe.exists(keys.lease):
                     raise NameTaken(state, held=bool(pipe.exists(keys.lease)))
                 pipe.multi()
                 pipe.hset(JOBS_INDEX, job, f"{time.time():.3f}")
                 pipe.set(keys.spec, spec_json)
                 pipe.delete(keys.desired, keys.status, keys.commands)
-                pipe.hset(keys.desired, mapping={"generators": generators, "trainers": trainers})
-                status = {"state": "submitted", "submitted_at": time.time(), "version": version}
-                pipe.set(keys.status, json.dumps({**status, "ray_job_id": sid}))
+                pipe.hset(keys.desired, mapping=Desired(generators=generators, trainers=trainers).to_hash())
+                status = Status(state="submitted", submitted_at=time.time(), version=version, ray_job_id=sid)
+                pipe.set(keys.status, encode_status(status))
                 pipe.set(keys.submission, sid)
                 pipe.execute()
             except redis.WatchError:
                 raise NameTaken("changed", held=False) from None
         return sid
 
-    def settle(
-        self, job: str, decide: Callable[[dict[str, Any], bytes | None], dict | None]
-    ) -> dict[str, Any]:
+    def settle(self, job: str, decide: Callable[[Status, bytes | None], dict | None]) -> Status:
         """End a submission whose driver is gone, atomically: `decide(status, lease)` runs while the job's
         status, run lease and submission are watched (it may ask Ray); the fields it returns are merged
         into the status, and the lease and the current submission are deleted with it, so no driver can
@@ -91,14 +91,13 @@ class JobStore:
         with self.r.pipeline() as pipe:
             try:
                 pipe.watch(keys.status, keys.lease, keys.submission)
-                raw = pipe.get(keys.status)
-                st = json.loads(raw) if raw else {}
+                st = decode_status(pipe.get(keys.status))
                 fields = decide(st, pipe.get(keys.lease))
                 if fields is None:
                     return st
-                st = {**st, **fields, "updated_at": time.time()}
+                st = merged(st, **fields, updated_at=time.time())
                 pipe.multi()
-                pipe.set(keys.status, json.dumps(st))
+                pipe.set(keys.status, encode_status(st))
                 pipe.delete(keys.lease, keys.submission)
                 pipe.execute()
                 return st
@@ -116,26 +115,19 @@ class JobStore:
         return raw.decode() if raw is not None else None
 
     # --- desired state (the user's side) ---------------------------------------------------------------
-    def desired(self, job: str) -> dict[str, Any]:
-        raw = self.r.hgetall(JobKeys(job).desired)
-        out: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
-        for k in ("generators", "trainers"):
-            if k in out:
-                out[k] = int(out[k])
-        out["stop"] = out.get("stop") == "1"
-        out["stop_checkpoint"] = out.get("stop_checkpoint") != "0"
-        return out
+    def desired(self, job: str) -> Desired:
+        return Desired.from_hash(self.r.hgetall(JobKeys(job).desired))
 
     def set_desired(self, job: str, generators: int | None = None, trainers: int | None = None) -> None:
-        mapping = {k: v for k, v in (("generators", generators), ("trainers", trainers)) if v is not None}
-        if mapping:
-            self.r.hset(JobKeys(job).desired, mapping=mapping)
+        sizes = {k: v for k, v in (("generators", generators), ("trainers", trainers)) if v is not None}
+        if sizes:
+            self.r.hset(JobKeys(job).desired, mapping=Desired(**sizes).to_hash())
 
     def request_stop(self, job: str, checkpoint: bool = True, reason: str = "") -> None:
         """The trainer ends after its current step, writing a checkpoint there unless `checkpoint` is
         False; `reason` (e.g. "cluster down") goes to the driver's log and the job's final status."""
-        mapping = {"stop": "1", "stop_checkpoint": "1" if checkpoint else "0"}
-        self.r.hset(JobKeys(job).desired, mapping={**mapping, **({"stop_reason": reason} if reason else {})})
+        want = Desired(stop=True, stop_checkpoint=checkpoint, stop_reason=reason or UNSET)
+        self.r.hset(JobKeys(job).desired, mapping=want.to_hash())
 
     # --- commands --------------------------------------------------------------------------------------
     def push_command(self, job: str, command: str) -> None:
@@ -151,16 +143,19 @@ class JobStore:
         return [c.decode() for c in raw]
 
     # --- status (the driver's side) --------------------------------------------------------------------
-    def status(self, job: str) -> dict[str, Any]:
-        raw = self.r.get(JobKeys(job).status)
-        return json.loads(raw) if raw else {}
+    def status(self, job: str) -> Status:
+        """The job's status; an empty one (every field UNSET) when there is none."""
+        return decode_status(self.r.get(JobKeys(job).status))
 
-    def update_status(self, job: str, **fields: Any) -> dict[str, Any]:
-        """Merge `fields` into the job's status (read-modify-write: the driver is its only writer once the
-        job runs; the control API writes it only before the driver starts and after it died)."""
-        st = self.status(job)
-        st.update(fields, updated_at=time.time())
-        self.r.set(JobKeys(job).status, json.dumps(st))
+    def has_status(self, job: str) -> bool:
+        return bool(self.r.exists(JobKeys(job).status))
+
+    def update_status(self, job: str, **fields: Any) -> Status:
+        """Merge `fields` (Status fields) into the job's status (read-modify-write: the driver is its only
+        writer once the job runs; the control API writes it only before the driver starts and after it
+        died)."""
+        st = merged(self.status(job), **fields, updated_at=time.time())
+        self.r.set(JobKeys(job).status, encode_status(st))
         return st
 
     def remove(self, job: str) -> int:
@@ -179,7 +174,7 @@ class JobStore:
         return n
 
     def active(self, job: str) -> bool:
-        return self.status(job).get("state") in ACTIVE_STATES
+        return self.status(job).state in ACTIVE_STATES
 
 
 def load_job_spec(store: JobStore, job: str) -> jobspec.JobSpec:

@@ -27,6 +27,7 @@ from jobspec import JobSpec
 from slipstream.job.placement import Colocation, require_resources
 from slipstream.job.store import job_checkpoint_dir
 from slipstream.job.supervise import OTHER, Failure, Restarts, classify, died, error_of, kill, wait_all
+from trainer.result import TrainerResult
 
 log = logging.getLogger("slipstream.job.trainers")
 
@@ -135,7 +136,7 @@ class TrainerPool:
     def request_checkpoint(self) -> None:
         self.ranks[0].request_checkpoint.remote()
 
-    def rescale(self, m: int) -> dict | None:
+    def rescale(self, m: int) -> TrainerResult | None:
         """Checkpoint, stop the pool, start one of m ranks from that checkpoint. Returns the old pool's
         result if it had finished the job before it could be stopped (then nothing restarts)."""
         import ray
@@ -146,19 +147,19 @@ class TrainerPool:
         for t in self.ranks:
             ray.kill(t)
         result = results[0]
-        if not result["restart"] or not result["checkpoint"]:
+        if not result.restart or not result.checkpoint:
             return result  # the job ended (last step) before the stop took effect
-        self.start(m, resume_from=result["checkpoint"])
+        self.start(m, resume_from=result.checkpoint)
         log.info(
             "trainers %d -> %d at version %d (checkpoint %s)",
             have,
             m,
-            result["version"],
-            result["checkpoint"],
+            result.version,
+            result.checkpoint,
         )
         return None
 
-    def check(self) -> tuple[dict | None, bool]:
+    def check(self) -> tuple[TrainerResult | None, bool]:
         """(the pool's result once every rank finished, else None; whether the pool was restarted because
         a rank died)."""
         import ray
@@ -231,7 +232,7 @@ def trainer_only(
     engine_urls: list[str] | None = None,
     api_key: str | None = None,
     on_record: Callable[[dict], None] | None = None,
-) -> tuple[dict, list[dict]]:
+) -> tuple[TrainerResult, list[dict]]:
     """The trainer alone (on a running Ray): one rank of `spec` trains on the job's existing stream (a
     recorded one, or one generators filled) until algorithm.total_steps, publishing to `engine_urls` if
     any. Calls on_record with each progress record as it arrives. Returns (the rank's result, every

@@ -99,7 +99,7 @@ def test_a_new_run_starts_from_empty_state_and_keeps_the_control_records(buf, re
         f"slipstream:{job_id}:{n}" for n in ("spec", "desired", "status", "run", "submission", "lease")
     }
     assert set(leftovers) <= control  # every per-run key is gone; the control records are not
-    assert store.status(job_id)["state"] == "submitted" and store.desired(job_id)["trainers"] == 1
+    assert store.status(job_id).state == "submitted" and store.desired(job_id).trainers == 1
     assert buf.version() == 0 and buf.clock() is None
     buf.ensure_group()
     st = buf.stats()

@@ -68,7 +68,7 @@ def test_job_survives_killed_and_hung_processes(tmp_path, tiny_model_dir, monkey
         print(f"injected {f}; checked: every process reconnected and training goes on ({job.version()})")
 
         result = job.stop()
-        assert result["version"] >= trainer_fault["resumed_at"] + 3
+        assert result.version >= trainer_fault["resumed_at"] + 3
         assert (
             d.restarts["engines"] == 2
             and d.restarts["trainer_pool"] == 1

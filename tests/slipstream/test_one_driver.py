@@ -35,7 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
 def test_a_second_holder_is_refused_and_the_lease_lapses_with_its_holder(redis_client, job_id):
     store = JobStore(redis_client)
     sid = store.create(job_id, json.dumps({"name": job_id}), 1, 1)
-    assert sid == store.status(job_id)["ray_job_id"] and sid.startswith(f"slipstream-{job_id}-")
+    assert sid == store.status(job_id).ray_job_id and sid.startswith(f"slipstream-{job_id}-")
     first = RunLease(redis_client, job_id, sid, ttl_s=0.5)
     me = first.take()
     assert me["submission"] == sid and me["pid"] == os.getpid() and me["host"]
@@ -71,11 +71,11 @@ def test_a_submission_ended_by_the_control_plane_never_starts_late(redis_client,
     # a driver taking the lease while the control plane asks Ray: the marking is not written
     late = RunLease(redis_client, job_id, sid)
     st = store.settle(job_id, lambda st, held: late.take() and {"state": "interrupted"})
-    assert st["state"] == "submitted" and redis_client.get(JobKeys(job_id).lease) is not None
+    assert st.state == "submitted" and redis_client.get(JobKeys(job_id).lease) is not None
     late.release()
     # Ray never got it: marked, and its driver, were Ray to start it after all, refuses to run
     st = store.settle(job_id, lambda st, held: {"state": "interrupted", "error": "never started"})
-    assert st["state"] == "interrupted"
+    assert st.state == "interrupted"
     with pytest.raises(LeaseRefused, match="no current submission"):
         RunLease(redis_client, job_id, sid).take()
     assert redis_client.get(JobKeys(job_id).lease) is None

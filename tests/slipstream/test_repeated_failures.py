@@ -51,19 +51,19 @@ def test_a_trainer_out_of_memory_on_every_try_fails_the_job_after_two_restarts(
         job.driver.restarts.on_failure = lambda f: (seen.append(f), job.driver.report())
         error = _ended(job)
         st = job.store.status(job.spec.name)
-    print(f"status error: {st['error']}")
-    print(f"status failure: {st['failure']}")
+    print(f"status error: {st.error}")
+    print(f"status failure: {st.failure}")
     print(f"failures at {[round(s.at - seen[0].at, 1) for s in seen]} s from the first")
     assert isinstance(error, GiveUp)
-    assert st["state"] == "failed" and st["error"] == str(error)
-    assert st["error"].startswith(
+    assert st.state == "failed" and st.error == str(error)
+    assert st.error.startswith(
         "trainer rank 0 ran out of GPU memory 3 times (CUDA out of memory. Tried to allocate 2.00 GiB."
     )
-    assert "lower trainer.micro_batch_tokens (now 8192)" in st["error"]
-    assert "turn on trainer.activation_checkpointing" in st["error"]
-    assert "(supervision.out_of_memory_restarts: 2)" in st["error"]
-    assert st["restarts"]["trainer_pool"] == 2  # restarted twice, then no more
-    f = st["failure"]
+    assert "lower trainer.micro_batch_tokens (now 8192)" in st.error
+    assert "turn on trainer.activation_checkpointing" in st.error
+    assert "(supervision.out_of_memory_restarts: 2)" in st.error
+    assert st.restarts["trainer_pool"] == 2  # restarted twice, then no more
+    f = st.failure
     assert (f["who"], f["error_class"], f["times"], f["action"]) == (
         "trainer rank 0",
         "out_of_memory",
@@ -77,7 +77,7 @@ def test_a_trainer_out_of_memory_on_every_try_fails_the_job_after_two_restarts(
         (2, "restarted", 2),
         (3, "failed the job", None),
     ]
-    assert st["checkpoint_version"] == 2 and "the job failed" in st["note"]
+    assert st.checkpoint_version == 2 and "the job failed" in st.note
 
 
 def test_a_full_disk_under_a_checkpoint_fails_the_job_at_once_and_leaves_no_partial_one(
@@ -87,11 +87,11 @@ def test_a_full_disk_under_a_checkpoint_fails_the_job_at_once_and_leaves_no_part
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
         error = _ended(job)
         st = job.store.status(job.spec.name)
-    print(f"status error: {st['error']}")
+    print(f"status error: {st.error}")
     ckpts = tmp_path / "out" / "checkpoints"
-    assert isinstance(error, GiveUp) and st["state"] == "failed"
-    assert st["error"].startswith("trainer rank 0 found its disk full ([Errno 28] No space left on device")
-    assert f"writing checkpoint {checkpoint.step_dir(ckpts, 2)}" in st["error"] and "free of" in st["error"]
-    assert "The job failed at once (supervision.disk_full_restarts: 0)" in st["error"]
-    assert st["restarts"]["trainer_pool"] == 0 and st["failure"]["error_class"] == "disk_full"
+    assert isinstance(error, GiveUp) and st.state == "failed"
+    assert st.error.startswith("trainer rank 0 found its disk full ([Errno 28] No space left on device")
+    assert f"writing checkpoint {checkpoint.step_dir(ckpts, 2)}" in st.error and "free of" in st.error
+    assert "The job failed at once (supervision.disk_full_restarts: 0)" in st.error
+    assert st.restarts["trainer_pool"] == 0 and st.failure["error_class"] == "disk_full"
     assert not list(ckpts.glob("*step-00000002*"))  # neither complete nor partial

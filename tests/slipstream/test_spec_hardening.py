@@ -299,13 +299,13 @@ def test_a_resumed_job_shows_the_version_it_resumes_from_while_it_starts(control
     _checkpoint(ckpts, 5)
     seven = _checkpoint(ckpts, 7)
     _accepted(control, "name: again\ntrainer: {resume_from: latest}")
-    assert control.store.status("again")["version"] == 7
+    assert control.store.status("again").version == 7
     _accepted(control, f"name: again\ntrainer: {{resume_from: {ckpts / 'step-00000005'}}}")
-    assert control.store.status("again")["version"] == 5
+    assert control.store.status("again").version == 5
     _accepted(control, f"name: again\ntrainer: {{resume_from: {seven}}}")
-    assert control.store.status("again")["version"] == 7
+    assert control.store.status("again").version == 7
     _accepted(control, "name: again")  # a fresh job starts at 0
-    assert control.store.status("again")["version"] == 0
+    assert control.store.status("again").version == 0
 
 
 def test_submit_and_scale_share_one_pool_cap(control):
@@ -463,12 +463,12 @@ def test_a_driver_without_its_jobs_spec_fails_instead_of_running_defaults(info):
     run = _driver(info, "mixed")
     assert run.returncode == 1 and "someone-else" in run.stderr, run.stderr
     st = control.store.status("mixed")
-    assert st["state"] == "failed" and "someone-else" in st["error"], st
+    assert st.state == "failed" and "someone-else" in st.error, st
     control.store.create("broken", '{"name": "broken", "algorithm": {"lr": -1}}', 1, 1)
     control._job_credentials("broken")
     assert _driver(info, "broken").returncode == 1
     st = control.store.status("broken")
-    assert st["state"] == "failed" and "`$.algorithm.lr`" in st["error"], st
+    assert st.state == "failed" and "`$.algorithm.lr`" in st.error, st
     # a name that is not one (the driver is never started with it by submit, but it refuses it too)
     run = _driver(info, "nl\n")
     assert run.returncode == 1 and "job name" in run.stderr, run.stderr
@@ -487,8 +487,8 @@ def test_a_job_stopped_before_its_driver_starts_ends_stopped_without_ray(info, t
     assert run.returncode == 0, run.stdout + run.stderr
     assert "job early stopped before its driver started (cluster down)" in run.stdout, run.stdout
     st = control.store.status("early")
-    assert st["state"] == "stopped" and st["checkpoint"] == "" and st["checkpoint_version"] is None, st
-    assert "no checkpoint was written" in st["note"] and st["pools"]["trainers"] == 0, st
+    assert st.state == "stopped" and st.checkpoint == "" and st.checkpoint_version is None, st
+    assert "no checkpoint was written" in st.note and st.pools["trainers"] == 0, st
 
 
 # What ray.init does while the GCS it dials is gone: block inside Ray's C++ client, where no Python signal

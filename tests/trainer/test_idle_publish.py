@@ -76,7 +76,7 @@ def test_trainer_without_a_batch_admits_a_joining_engine(
         thread.join(LIMIT_S)
         assert not thread.is_alive(), "the trainer did not stop"
         assert "error" not in out, out
-        assert out["result"]["version"] == 0
+        assert out["result"].version == 0
         trained = dict(trainer.learner.full_parameters())
         served = engine.runner.model.state_dict()
         for name, tensor in trained.items():

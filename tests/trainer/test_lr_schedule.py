@@ -327,7 +327,7 @@ def test_trainer_reports_lr_and_masked_fraction_in_progress_and_prometheus(
             for group in _groups(step, trainer.learner.model)[:3]:
                 trainer.buffer.put(group)
         result = trainer.run()
-        assert result["version"] == 3
+        assert result.version == 3
         records = [json.loads(f[b"j"]) for _, f in redis_client.xrange(trainer.buffer.keys.progress)]
     finally:
         trainer.close()
