@@ -235,8 +235,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     )
                     save()
             if not args.learning_only and args.phase in ("all", "bounds"):
-                result["metrics"] |= pipeline_bounds(args, raw, model, work, samples_per_step)
-                save()
+
+                def bound(res: dict) -> None:
+                    result["metrics"] |= res
+                    save()
+
+                pipeline_bounds(args, raw, model, work, samples_per_step, on_bound=bound)
             if not args.learning_only:
                 summarise(result)
                 save()
@@ -474,6 +478,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not arith_only and importlib.util.find_spec("math_verify") is None:  # the cuda job's reward
             sys.exit(
                 "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
+            )
+        if args.placement == "disaggregated" and args.trainer_gpu == args.engine_gpu:
+            sys.exit(
+                f"--trainer-gpu and --engine-gpu are both {args.trainer_gpu}: the disaggregated weight bus is "
+                "an NCCL group, which cannot hold two ranks on one GPU (use --placement colocated on one GPU)"
             )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

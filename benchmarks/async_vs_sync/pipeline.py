@@ -12,8 +12,11 @@ from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, UNBOUNDED_STALENESS, Ex
 from benchmarks.async_vs_sync.measure import EngineSampler, _with_urls, rates, slim
 
 
-def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: int) -> dict[str, Any]:
-    """Generator-only, then trainer-only on the filled buffer, in one session (package docstring)."""
+def pipeline_bounds(
+    args, raw: dict, model: Path, work: Path, samples_per_step: int, on_bound=lambda res: None
+) -> dict[str, Any]:
+    """Generator-only, then trainer-only on the filled buffer, in one session (package docstring).
+    `on_bound(res)` after each bound, so a phase cut short by its timeout keeps the generator-only one."""
     import ray
 
     from replay_buffer.redis_server import ManagedRedis
@@ -58,6 +61,7 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
             f"generator-only: {g1 - g0} groups in {t1 - t0:.1f} s = {res['generator_only']['samples_per_s']:.1f} "
             f"samples/s (engine busy {gen['busy_fraction']})"
         )
+        on_bound(res)
         # trainer-only: the buffer holds every batch it needs
         progress, arrivals = [], []
 
@@ -74,6 +78,7 @@ def pipeline_bounds(args, raw: dict, model: Path, work: Path, samples_per_step: 
             f"trainer-only: {m['steps_timed']} steps in {m['window_s']:.1f} s = {m['samples_per_s']:.1f} samples/s "
             f"(busy {m['trainer_busy_fraction']:.2f}, wait {m['trainer_wait_fraction']:.3f})"
         )
+        on_bound(res)
     finally:
         sampler.stop()
         if ray.is_initialized():

@@ -3,8 +3,7 @@
 # $OUT (a step that times out keeps what the steps before it wrote; async_vs_sync phases append to one
 # result file per shape). Usage, on a 2-GPU machine (trainer on GPU 0, one engine on GPU 1):
 #   KIND=nvidia-h200-x2 STEPS="memory sync-0.5b async-0.5b bounds-0.5b" bash benchmarks/gpu/scale_out.sh
-# AVS_EXTRA adds async_vs_sync options (e.g. "--trainer-gpu 0 --engine-gpu 0" for the bounds on one GPU:
-# the bounds run each stage alone, so one GPU gives both). Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases).
+# AVS_EXTRA adds async_vs_sync options (e.g. "--max-new-tokens 512"). Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases).
 set -u
 OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
 ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
