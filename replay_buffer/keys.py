@@ -54,6 +54,12 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("dead")
 
     @property
+    def model_files(self) -> str:
+        """Hash relative path -> bytes: the model directory's files other than weights (config,
+        tokenizer), for nodes without model.path (slipstream/job/model_files.py)."""
+        return self._k("model_files")
+
+    @property
     def version(self) -> str:
         """Published policy version (int): optimizer steps whose weights every engine holds."""
         return self._k("version")

@@ -22,6 +22,7 @@ from jobspec import JobSpec
 from models.config import LoraSpec
 from replay_buffer.client import connect
 from replay_buffer.keys import JobKeys
+from slipstream.job.model_files import local_model
 from trainer.config import TrainerConfig
 from trainer.result import TrainerResult
 
@@ -66,16 +67,11 @@ def _setup_process(
     logging.getLogger(__name__).info("%s: pid %d, metrics on %s:%d", name, os.getpid(), host, port)
 
 
-def require_model(path: str, who: str) -> None:
-    """Fail naming the node when `path` (an absolute model directory) is not on this one: every node that
-    runs an engine, a rollout worker (the tokenizer) or a trainer rank reads the model from disk at the
-    same path, and transformers would take a missing directory for a hub repo id and say that instead."""
-    if os.path.isabs(path) and not os.path.exists(path):
-        raise FileNotFoundError(
-            f"{who}: model.path {path} does not exist on node {ray.util.get_node_ip_address()}: every node "
-            "that runs the job's engines, rollout workers or trainer ranks needs the model at the same path "
-            "(a shared file system or a copy; docs/multinode.md)"
-        )
+def _with_model_path(config, path: str):
+    """`config` (a rollout worker's or the evaluator's) reading the model (its tokenizer) from `path`."""
+    if path == config.model.path:
+        return config
+    return msgspec.structs.replace(config, model=msgspec.structs.replace(config.model, path=path))
 
 
 def node_address(redis_url: str) -> str:
@@ -135,7 +131,20 @@ class EngineActor:
         from generator_fleet.engine import EngineServer
 
         _setup_process(job, f"engine-{index}", redis_url, options.torch_threads or 1)
-        require_model(options.model_path, f"engine-{index}")
+        lora = "a LoRA job's engines load the base weights from it" if options.lora is not None else ""
+        who = f"engine-{index}"
+        path, weights = local_model(options.model_path, who, redis_url, job.name, need_weights=lora)
+        if not weights:  # random weights until the bus gives it the trainer's: no traffic before then
+            options = msgspec.structs.replace(
+                options,
+                model_path=path,
+                load_format="dummy",
+                served_model_name=options.served_model_name or options.model_path,
+            )
+            joining = True
+            logging.getLogger(__name__).info(
+                "engine-%d starts with random weights and joins once the weight bus gave it the trainer's", index
+            )
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.lora = options.lora
         if options.host == "127.0.0.1":  # the job's own engines: reachable from the trainer's node too
@@ -207,7 +216,7 @@ class SGLangEngineActor:
         from generator_fleet.launch import SGLangServer, write_untrained_adapter
 
         _setup_process(job, f"engine-{index}", redis_url, 1)
-        require_model(model_path, f"engine-{index}")
+        local_model(model_path, f"engine-{index}", redis_url, job.name, need_weights="SGLang loads it")
         self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
         initial = None
@@ -293,7 +302,8 @@ class RolloutActor:
         from generator_fleet.rollout import RolloutWorker
 
         _setup_process(config, f"rollout-{index}", redis_url, 1)
-        require_model(config.model.path, f"rollout-{index}")
+        path, _ = local_model(config.model.path, f"rollout-{index}", redis_url, config.name)  # the tokenizer
+        config = _with_model_path(config, path)
         self.worker = RolloutWorker(config, redis_url, engine_urls, api_key, worker_id=index)
 
     async def run(self) -> dict:
@@ -323,6 +333,8 @@ class EvalActor:
         from generator_fleet.evaluation import Evaluator
 
         _setup_process(config, f"evaluator-{index}", redis_url, 1)
+        path, _ = local_model(config.model.path, f"evaluator-{index}", redis_url, config.name)  # the tokenizer
+        config = _with_model_path(config, path)
         self.evaluator = Evaluator(config, redis_url, engine_urls, api_key, priority)
 
     async def run(self) -> dict:
@@ -352,7 +364,8 @@ class TrainerActor:
         from trainer.trainer import Trainer
 
         _setup_process(config, f"trainer-{rank}", redis_url, config.trainer.torch_threads)
-        require_model(config.model.path, f"trainer-{rank}")
+        need = "a trainer rank loads it"
+        local_model(config.model.path, f"trainer-{rank}", redis_url, config.name, need_weights=need)
         self.trainer = Trainer(config, redis_url, engine_urls, api_key, rank, world_size)
         self._store = None
         """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""

@@ -34,6 +34,7 @@ from model_zoo.prepare import prepare_model
 from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.stream import full_error, is_oom, memory
+from slipstream.job import model_files
 from slipstream.job.generators import GeneratorPool
 from slipstream.job.placement import colocation
 from slipstream.job.prepare import RUN_FILES
@@ -44,6 +45,7 @@ from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool
 from trainer.result import TrainerResult
+from weight_bus.registry import EngineRegistry
 
 log = logging.getLogger("slipstream.job.driver")
 
@@ -169,6 +171,7 @@ class JobDriver:
         self.report("starting", phase=phase)
         prepare_model(self.spec.model, self.spec.dataset)
         check_context(self.spec)  # the model's context is known now, also when this job built it
+        model_files.publish(self.r, self.job, self.spec.model.path)  # for nodes without the model
         self.buffer.ensure_group()
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)
@@ -176,7 +179,15 @@ class JobDriver:
         self.report(phase=f"starting {n} generator(s) and their rollout workers")
         self.generators.start(n)
         self.generators.start_evaluator()
-        if self.generators.evaluator is not None and self.r.get(self.buffer.keys.version) in (b"0", "0"):
+        version_0 = self.r.get(self.buffer.keys.version) in (b"0", "0")
+        if (
+            self.generators.evaluator is not None
+            and version_0
+            and not EngineRegistry(self.r, self.job).live()
+        ):
+            # every engine waits for the trainer's weights (started on nodes without the model)
+            log.info("job %s: no engine holds version 0's weights yet: it is not evaluated", self.job)
+        elif self.generators.evaluator is not None and version_0:
             # version 0 before the first step: the engines keep it until the trainer's first publish, so
             # the trainer starts after this evaluation (rollouts fill the buffer meanwhile)
             self.report(phase="evaluating version 0 before the first step")

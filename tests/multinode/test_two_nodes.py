@@ -175,11 +175,13 @@ buffer: {{max_staleness: 1}}
     assert "Traceback" not in log, log[-4000:]
 
 
-def test_a_node_without_the_model_fails_the_job_naming_the_path_and_the_node(
+def test_a_node_without_the_model_gets_its_files_from_the_head_and_its_weights_over_the_bus(
     cluster, tiny_model_dir, tmp_path
 ):
-    """The model is in a directory only node A has: the engine on node B cannot load it, and the job fails
-    at once saying where, instead of transformers taking the missing directory for a hub repo id."""
+    """The model is in a directory only node A's processes can read: the engine and rollout worker on
+    node B start from the config and tokenizer the driver shipped through Redis, the engine with random
+    weights, taking rollouts only once the weight bus gave it the trainer's; the job learns and its books
+    balance. A trainer rank placed on node B would still need the model there, and says so."""
     model = cluster.private / "model"
     shutil.copytree(tiny_model_dir, model)
     name = "blind"
@@ -191,6 +193,30 @@ model: {{path: {model}}}
 rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
 generators: {{num_engines: 1, num_workers: 1, resources: {{{NODE_B_RESOURCE}: 1}}}}
 trainer: {{resources: {{"node:{cluster.a.address}": 0.01}}}}
+algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
+buffer: {{max_staleness: 1}}
+"""
+    )
+    assert f"submitted job {name}" in cluster.cli("submit", str(spec))
+    st = _wait(cluster, name, "weight versions", lambda s: s.get("version", 0) >= 3, ended_ok=True)
+    assert st["state"] == "running" and st.get("reward_mean") is not None, st
+    logs = cluster.home / "jobs" / name / "logs"
+    engine_log = (logs / "engine-0.log").read_text()
+    assert f"model.path {model} is not on node {cluster.b.address}" in engine_log, engine_log[-3000:]
+    assert "starts with random weights" in engine_log
+    rollout_log = (logs / "rollout-0.log").read_text()
+    assert f"model.path {model} is not on node {cluster.b.address}" in rollout_log, rollout_log[-3000:]
+    _, books = stop_with_balanced_books(cluster, name)
+    assert books["steps"] >= 3
+
+    name = "blind-trainer"
+    spec.write_text(
+        f"""
+name: {name}
+model: {{path: {model}}}
+rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
+generators: {{num_engines: 1, num_workers: 1, resources: {{"node:{cluster.a.address}": 0.01}}}}
+trainer: {{resources: {{{NODE_B_RESOURCE}: 1}}}}
 algorithm: {{groups_per_step: 2, total_steps: 3, lr: 1.0e-3}}
 """
     )
@@ -198,6 +224,7 @@ algorithm: {{groups_per_step: 2, total_steps: 3, lr: 1.0e-3}}
     st = _wait(cluster, name, "the job's end", lambda s: s.get("state") in ENDED, ended_ok=True)
     assert st["state"] == "failed", st
     assert f"model.path {model} does not exist on node {cluster.b.address}" in st["error"], st["error"]
+    assert "a trainer rank loads it" in st["error"], st["error"]
 
 
 def test_a_cluster_on_every_interface_hands_jobs_an_address_other_nodes_reach(cluster):
