@@ -31,6 +31,14 @@ requested):
   first step recorded after the new engine took traffic; also request -> engine live, -> first finished
   request); trainers: request -> the first step of the new pool.
 
+Phases (`--phase`), each one command that fits one device call, appending to one result file
+(`--label L --append`; a timeout keeps what the earlier phases measured):
+- all (default): the scenario above, at most `--engines` E engines (default 2): 1+1 -> ... -> E+1 -> E+2;
+- generators: one job 1+1 -> 2+1 -> ... -> E+1 (cuda default E = 3: peak 3 engines + 1 rank on 4 GPUs);
+- trainers: one job that starts at 2+1 (measured) and is scaled to 2+2;
+- ab: step 4 alone.
+On 4 GPUs: `--phase generators`, then `--phase trainers --append`, then `--phase ab --append`.
+
 Weight bus to 2 engines vs a raw broadcast: this run records the bus's per-step publish_s at 1 and at 2
 engines inside the job (ratios.publish_s_2_vs_1_engines). The bus-vs-raw-broadcast number for 2 engines
 comes from the weight-bus benchmark, which runs the raw broadcast side by side:
@@ -74,6 +82,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FOREVER_STEPS = 10_000_000
 """total_steps of the scaled job: never reached; the script stops it when the last stage is measured."""
 STAGES = ("1+1", "2+1", "2+2")
+"""The stages of `--phase all` at the default --engines 2."""
 
 DEFAULTS = {"steps": 250, "warmup": 10, "groups_per_step": 16, "model_warmup_steps": 100}
 QUICK = {"steps": 2, "warmup": 1, "groups_per_step": 2, "model_warmup_steps": 0}
@@ -340,69 +349,80 @@ def slim_transition(recs: list[dict]) -> list[dict]:
 # --- the scaled job -------------------------------------------------------------------------------------
 
 
-def scaled_job(args, model: Path, work: Path, spp: int) -> dict[str, Any]:
-    """One job: 1+1, generators -> 2, trainers -> 2, measured at each size (module docstring)."""
+def scale_generators(job, progress: Progress, probe: Probe, n: int) -> tuple[dict, list[dict], dict]:
+    """Generators n-1 -> n as `slipstream scale --generators n` does it: (the scale operation's times, the
+    records passed meanwhile, the first record after the new engine took traffic)."""
+    d = job.driver
+    before = set(d.generators.engine_urls)
+    t_req = time.monotonic()
+    job.store.set_desired(job.spec.name, generators=n)
+
+    def new_engine_live() -> bool:
+        urls = list(d.generators.engine_urls)
+        new = set(urls) - before
+        return len(urls) == n and bool(new) and new <= set(probe.registry.live())
+
+    passed = progress.until("the new engine to join (live in the registry)", new_engine_live)
+    t_live = time.monotonic()
+    passed += progress.until("the new engine to finish requests", lambda: probe.engines_serving() >= n)
+    t_traffic = time.monotonic()
+    first = progress.next("the first step after the new engine took traffic")
+    op = {
+        "to_stage": f"{n}+1",
+        "engine_live_s": t_live - t_req,
+        "engine_took_traffic_s": t_traffic - t_req,
+        "scale_s": first["arrival"] - t_req,
+        "definition": "request (set_desired) -> the first trainer step recorded after the new engine "
+        "was live in the registry and had finished requests",
+        "steps_during": len(passed),
+    }
+    return op, passed, first
+
+
+def scaled_job(
+    args, model: Path, work: Path, spp: int, engines: tuple[int, int] = (1, 2), scale_trainers: bool = True
+) -> dict[str, Any]:
+    """One job that starts at engines[0] engines + 1 rank, is measured there, then scaled one engine at a
+    time to engines[1] (measured at each size), then (scale_trainers) to 2 trainer ranks (module docstring)."""
     from slipstream.job.faults import LocalJob
 
     name = "scale"
     out = work / name
-    spec = job_spec(args, model, name, out, 1, 1, args.max_staleness, FOREVER_STEPS)
+    lo, hi = engines
+    spec = job_spec(args, model, name, out, lo, 1, args.max_staleness, FOREVER_STEPS)
     res: dict[str, Any] = {"stages": {}, "scale_ops": {}, "transitions": {}}
     with LocalJob(spec, work / f"{name}-data") as job:
         progress, probe = Progress(job, args.phase_timeout_s), Probe(job)
         try:
-            res["stages"]["1+1"] = stage(args, progress, probe, "1+1", spp)
+            res["stages"][f"{lo}+1"] = stage(args, progress, probe, f"{lo}+1", spp)
+            for n in range(lo + 1, hi + 1):
+                key = f"generators_{n - 1}_to_{n}"
+                res["scale_ops"][key], passed, first = scale_generators(job, progress, probe, n)
+                res["transitions"][key] = slim_transition(passed)
+                log(f"generators {n - 1} -> {n}: {res['scale_ops'][key]}")
+                res["stages"][f"{n}+1"] = stage(args, progress, probe, f"{n}+1", spp, first)
 
-            # generators 1 -> 2, as `slipstream scale --generators 2`
-            d = job.driver
-            before = set(d.generators.engine_urls)
-            t_req = time.monotonic()
-            job.store.set_desired(name, generators=2)
-
-            def new_engine_live() -> bool:
-                urls = list(d.generators.engine_urls)
-                new = set(urls) - before
-                return len(urls) == 2 and bool(new) and new <= set(probe.registry.live())
-
-            passed = progress.until("the new engine to join (live in the registry)", new_engine_live)
-            t_live = time.monotonic()
-            passed += progress.until(
-                "the new engine to finish requests", lambda: probe.engines_serving() >= 2
-            )
-            t_traffic = time.monotonic()
-            first = progress.next("the first step after the new engine took traffic")
-            res["scale_ops"]["generators_1_to_2"] = {
-                "engine_live_s": t_live - t_req,
-                "engine_took_traffic_s": t_traffic - t_req,
-                "scale_s": first["arrival"] - t_req,
-                "definition": "request (set_desired) -> the first trainer step recorded after the new engine "
-                "was live in the registry and had finished requests",
-                "steps_during": len(passed),
-            }
-            res["transitions"]["generators_1_to_2"] = slim_transition(passed)
-            log(f"generators 1 -> 2: {res['scale_ops']['generators_1_to_2']}")
-            res["stages"]["2+1"] = stage(args, progress, probe, "2+1", spp, first)
-
-            # trainers 1 -> 2: checkpoint, new pool of 2 ranks resharded from it
-            pool0 = progress.pool
-            t_req = time.monotonic()
-            job.store.set_desired(name, trainers=2)
-            passed = []
-            while (rec := progress.next("the first step of the 2-rank trainer pool"))["pool"] == pool0:
-                passed.append(rec)
-            res["scale_ops"]["trainers_1_to_2"] = {
-                "scale_s": rec["arrival"] - t_req,
-                "definition": "request (set_desired) -> the first step of the new trainer pool (checkpoint, "
-                "stop, start 2 ranks, reshard from the checkpoint, first step)",
-                "steps_during": len(passed),
-                "resumed_after_version": passed[-1]["version"]
-                if passed
-                else res["stages"]["2+1"]["versions"][1],
-                "first_version_new_pool": rec["version"],
-            }
-            res["transitions"]["trainers_1_to_2"] = slim_transition(passed)
-            log(f"trainers 1 -> 2: {res['scale_ops']['trainers_1_to_2']}")
-            res["stages"]["2+2"] = stage(args, progress, probe, "2+2", spp, rec)
+            if scale_trainers:  # trainers 1 -> 2: checkpoint, new pool of 2 ranks resharded from it
+                pool0 = progress.pool
+                t_req = time.monotonic()
+                job.store.set_desired(name, trainers=2)
+                passed = []
+                while (rec := progress.next("the first step of the 2-rank trainer pool"))["pool"] == pool0:
+                    passed.append(rec)
+                res["scale_ops"]["trainers_1_to_2"] = {
+                    "to_stage": f"{hi}+2",
+                    "scale_s": rec["arrival"] - t_req,
+                    "definition": "request (set_desired) -> the first step of the new trainer pool "
+                    "(checkpoint, stop, start 2 ranks, reshard from the checkpoint, first step)",
+                    "steps_during": len(passed),
+                    "resumed_after_version": passed[-1]["version"]
+                    if passed
+                    else res["stages"][f"{hi}+1"]["versions"][1],
+                    "first_version_new_pool": rec["version"],
+                }
+                res["transitions"]["trainers_1_to_2"] = slim_transition(passed)
+                log(f"trainers 1 -> 2: {res['scale_ops']['trainers_1_to_2']}")
+                res["stages"][f"{hi}+2"] = stage(args, progress, probe, f"{hi}+2", spp, rec)
 
             versions = [r["version"] for r in progress.all]
             res["versions"] = {
@@ -448,21 +468,23 @@ def build_model(args, work: Path) -> Path:
 
 
 def summarise(result: dict) -> None:
+    """Per-stage figures and every stage's samples/s against 1+1's (of the phases measured so far)."""
     m, r = result["metrics"], result["ratios"]
     st = m.get("stages", {})
-    for label in STAGES:
-        if label in st:
-            key = label.replace("+", "p")
-            m[f"samples_per_s_{key}"] = st[label]["samples_per_s"]
-            m[f"tokens_per_s_{key}"] = st[label]["tokens_per_s"]
-            m[f"publish_s_mean_{key}"] = st[label]["publish_s_mean"]
+    for label in sorted(st):
+        key = label.replace("+", "p")
+        m[f"samples_per_s_{key}"] = st[label]["samples_per_s"]
+        m[f"tokens_per_s_{key}"] = st[label]["tokens_per_s"]
+        m[f"publish_s_mean_{key}"] = st[label]["publish_s_mean"]
     if "1+1" in st:
         base = st["1+1"]["samples_per_s"]
-        for label in ("2+1", "2+2"):
-            if label in st:
+        for label in st:
+            if label != "1+1":
                 r[f"samples_per_s_{label.replace('+', 'p')}_vs_1p1"] = st[label]["samples_per_s"] / base
-        if "2+1" in st and st["1+1"]["publish_s_mean"] > 0:
-            r["publish_s_2_vs_1_engines"] = st["2+1"]["publish_s_mean"] / st["1+1"]["publish_s_mean"]
+        for label in st:
+            if label.endswith("+1") and label != "1+1" and st["1+1"]["publish_s_mean"] > 0:
+                n = label.split("+")[0]
+                r[f"publish_s_{n}_vs_1_engines"] = st[label]["publish_s_mean"] / st["1+1"]["publish_s_mean"]
     ab = m.get("async_vs_sync_2p2", {})
     if "0" in ab and len(ab) > 1:
         (ms,) = [k for k in ab if k != "0"]
@@ -475,7 +497,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
     from benchmarks.async_vs_sync import env_info
     from benchmarks.common import ResultFile
 
-    rf = ResultFile("scale_run", args.device_kind, argv, args.out_dir)
+    rf = ResultFile("scale_run", args.device_kind, argv, args.out_dir, args.label, append=args.append)
     result, save = rf.result, rf.save
 
     t_start = time.monotonic()
@@ -487,14 +509,16 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         log(f"model at {model} in {time.monotonic() - t:.1f} s")
         spec0 = job_spec(args, model, "x", work / "x", 1, 1, args.max_staleness, 1)
         spp = spec0.algorithm.groups_per_step * spec0.rollout.group_size
-        result["config"] = {
+        result["config"] = result["config"] | {
             "steps_timed": args.steps,
             "warmup_steps": args.warmup,
             "groups_per_step": args.groups_per_step,
             "samples_per_step": spp,
             "max_staleness_scaled_job": args.max_staleness,
             "async_vs_sync_max_staleness": [0, args.max_staleness],
-            "stages": {"1+1": "1 engine + 1 trainer rank", "2+1": "2 + 1", "2+2": "2 + 2"},
+            "stages": "E+T: E engines + T trainer ranks; phase all: 1+1 -> E+1 one engine at a time -> E+2 "
+            "(--engines, default 2), then async vs sync at 2+2; generators: 1+1 -> E+1 (cuda default 3); "
+            "trainers: 2+1 -> 2+2; ab: async vs sync at 2+2",
             "job": job_raw(args, model, 1, 1),
             "model_shape": "tiny-arith (demo)" if args.device == "cpu" else args.model_shape,
             "engine": "built-in engine actors (Ray), cpu, 1 torch thread"
@@ -523,13 +547,24 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         }
         save()
         with rf.recording(log, t_start, lambda: summarise(result)):
-            result["metrics"] |= scaled_job(args, model, work, spp)
-            save()
-            ab: dict[str, Any] = {}
-            result["metrics"]["async_vs_sync_2p2"] = ab
-            for ms in (0, args.max_staleness):
-                ab[str(ms)] = ab_job(args, model, work, spp, ms)
+            m = result["metrics"]
+            if args.phase != "ab":
+                scaled = {
+                    "all": dict(engines=(1, args.engines), scale_trainers=True),
+                    "generators": dict(engines=(1, args.engines), scale_trainers=False),
+                    "trainers": dict(engines=(2, 2), scale_trainers=True),
+                }[args.phase]
+                res = scaled_job(args, model, work, spp, **scaled)
+                for key in ("stages", "scale_ops", "transitions"):  # an --append phase adds its own
+                    m[key] = m.get(key, {}) | res.pop(key)
+                m |= res
                 save()
+            if args.phase in ("all", "ab"):
+                ab: dict[str, Any] = {}
+                m["async_vs_sync_2p2"] = ab
+                for ms in (0, args.max_staleness):
+                    ab[str(ms)] = ab_job(args, model, work, spp, ms)
+                    save()
     return result
 
 
@@ -546,10 +581,7 @@ def report(result: dict) -> str:
     hdr = f"{'stage':<14} {'eng':>3} {'rk':>3} {'samples/s':>10} {'tokens/s':>9} {'step':>5} {'wait':>5} {'pub':>5}"
     lines.append(hdr + f" {'publish ms':>10} {'stale mean':>10} {'scale s':>8}  staleness histogram")
     ops = m.get("scale_ops", {})
-    scale_s = {
-        "2+1": ops.get("generators_1_to_2", {}).get("scale_s"),
-        "2+2": ops.get("trainers_1_to_2", {}).get("scale_s"),
-    }
+    scale_s = {op["to_stage"]: op["scale_s"] for op in ops.values() if "to_stage" in op}
     rows = [(k, v) for k, v in m.get("stages", {}).items()]
     rows += [(f"2+2 stale {k}", v) for k, v in m.get("async_vs_sync_2p2", {}).items()]
     for label, s in rows:
@@ -572,7 +604,9 @@ def report(result: dict) -> str:
     lines.append(
         "scale_run "
         + " ".join(
-            fmt(k) for k in ("samples_per_s_2p1_vs_1p1", "samples_per_s_2p2_vs_1p1", "async_vs_sync_2p2")
+            fmt(k)
+            for k in ("samples_per_s_2p1_vs_1p1", "samples_per_s_3p1_vs_1p1", "samples_per_s_2p2_vs_1p1")
+            + ("async_vs_sync_2p2",)
         )
         + f" (device={result['device']})"
     )
@@ -597,6 +631,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine-max-batch", type=int, default=256, help="cuda: generators.max_batch_size")
     p.add_argument("--bus-backend", choices=["nccl", "gloo"], default="nccl", help="cuda: the weight bus")
     p.add_argument("--phase-timeout-s", type=float, default=600.0, help="bound on each wait for the job")
+    p.add_argument(
+        "--phase",
+        choices=["all", "generators", "trainers", "ab"],
+        default="all",
+        help="all: one job 1+1 -> E+1 -> E+2, then async vs sync at 2+2; or one part, each a command of its "
+        "own that fits one device call (with --append: generators 1+1 -> E+1; trainers 2+1 -> 2+2; ab)",
+    )
+    p.add_argument(
+        "--engines",
+        type=int,
+        help="E: most engines of the scaled job (default 3 for cuda --phase generators, else 2)",
+    )
+    p.add_argument("--label", help="result file label (scale_run-<device>-<label>-<date>.json)")
+    p.add_argument(
+        "--append", action="store_true", help="add to today's result file of this device and label"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")
@@ -611,6 +661,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.max_staleness < 1:
         p.error("--max-staleness must be at least 1 (0 is the sync baseline the run compares against)")
     args.device_kind = args.device_kind or args.device
+    if args.engines is None:
+        args.engines = 3 if args.device == "cuda" and args.phase == "generators" else 2
+    if args.engines < 2:
+        p.error("--engines must be at least 2 (the scaled job adds engines to its first one)")
+    if args.device == "cuda" and args.engines + (args.phase == "all") > 3:
+        p.error(f"--engines {args.engines} with --phase {args.phase} needs more than 4 GPUs")
     return args
 
 

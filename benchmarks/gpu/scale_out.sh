@@ -3,7 +3,9 @@
 # $OUT (a step that times out keeps what the steps before it wrote; async_vs_sync phases append to one
 # result file per shape). Usage, on a 2-GPU machine (trainer on GPU 0, one engine on GPU 1):
 #   KIND=nvidia-h200-x2 STEPS="memory sync-0.5b async-0.5b bounds-0.5b" bash benchmarks/gpu/scale_out.sh
-# AVS_EXTRA adds async_vs_sync options (e.g. "--max-new-tokens 512"). Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases).
+# Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases;
+# AVS_EXTRA adds options, e.g. "--max-new-tokens 512"), scale-{generators,trainers,ab} (scale_run phases on
+# 4 GPUs: 1+1 -> 2+1 -> 3+1, 2+1 -> 2+2, async vs sync at 2+2, appending to one file labelled "scale").
 set -u
 OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
 ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
@@ -25,6 +27,10 @@ for s in $STEPS; do
         bounds-*) phase=(--phase bounds) ;;
       esac
       step "$s" "${T_PHASE:-280}" "${AVS[@]}" --model-shape "qwen2.5-$shape-shape" --label "$shape" "${phase[@]}" --append ;;
+    scale-*)
+      step "$s" "${T_PHASE:-280}" python benchmarks/scale_run.py --device cuda --device-kind "$KIND" \
+        --steps "${SCALE_STEPS:-10}" --warmup "${SCALE_WARMUP:-2}" --out-dir "$OUT" --phase "${s#scale-}" \
+        --label scale --append ;;
   esac
 done
 grep -h "^async_vs_sync \|samples/s\|GiB usable\|peak \|passed\|failed\|rc=\|ERROR" "$LOG" | tail -40

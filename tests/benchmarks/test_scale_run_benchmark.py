@@ -91,3 +91,16 @@ def test_quick_run_scales_one_job_and_writes_result_file(tmp_path, capsys):
     assert r["async_vs_sync_2p2"] == ab["2"]["samples_per_s"] / ab["0"]["samples_per_s"]
     assert "weight_bus.py --engines 2" in cfg["bus_vs_raw_broadcast_2_engines"]
     assert capsys.readouterr().out.splitlines()[-1].startswith("scale_run samples_per_s_2p1_vs_1p1=")
+
+
+def test_phases_fit_four_gpus_and_name_their_engines():
+    cuda = ["--device", "cuda", "--device-kind", "nvidia-h100-x4"]
+    assert parse_args([*cuda, "--phase", "generators"]).engines == 3  # 3 engines + 1 rank
+    assert parse_args([*cuda]).engines == 2 and parse_args(["--phase", "generators"]).engines == 2
+    args = parse_args([*cuda, "--phase", "trainers", "--label", "x4", "--append"])
+    assert (args.phase, args.label, args.append) == ("trainers", "x4", True)
+    for bad in (["--phase", "generators", "--engines", "4"], ["--engines", "3"]):  # 5 GPUs
+        with pytest.raises(SystemExit):
+            parse_args([*cuda, *bad])
+    with pytest.raises(SystemExit):
+        parse_args(["--engines", "1"])
