@@ -1,6 +1,7 @@
 """Shared leaves: config helpers every section uses (`config.py`: `bad`, bounded ints), the HTTP guard of
-every server (`http_guard.py`: bearer tokens, body and slow-client limits), log text (`logtext.py`) and
-address helpers (`net.py`: free ports, the address peers dial).
+every server (`http_guard.py`: bearer tokens, body and slow-client limits), log text (`logtext.py`),
+address helpers (`net.py`: free ports, the address peers dial) and the CA that HTTPS and `rediss://`
+clients trust (`tls.py`: `$SLIPSTREAM_CA_CERT`).
 
 Owns nothing of the job.
 

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from common import tls
 from weight_bus.engine_client import KEEPALIVE_S, auth_headers
 
 DEFAULT_TIMEOUT_S = 1800.0
@@ -146,6 +147,7 @@ class EngineClient:
             base_url=self.base_url,
             headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
+            verify=tls.verify(),  # https:// engines behind a TLS proxy: $SLIPSTREAM_CA_CERT's CA too
             # A rollout worker keeps hundreds of /generate calls open on one engine.
             limits=httpx.Limits(
                 max_connections=max_connections,

@@ -7,6 +7,9 @@ stalled past the socket timeout runs both copies once it continues). The buffer 
 stored twice is skipped as a duplicate by the trainer's trained-id check and counted in `duplicates`; the
 trainer's commit and its drops count once however often they arrive (replay_buffer/scripts.py: COMMIT,
 SETTLE).
+
+A `rediss://` URL (an operator-run Redis with TLS) trusts `$SLIPSTREAM_CA_CERT`'s CA unless the URL names
+its own (`?ssl_ca_certs=/path/ca.pem`): common/tls.py.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 from redis.retry import Retry
+
+from common import tls
 
 OUTAGE_S = 60.0
 """How long a client keeps retrying one command (backoff 0.05 s doubling to 1 s, then 1 s apart)."""
@@ -32,11 +37,11 @@ def connect(url: str, **kw) -> redis.Redis:
     """A sync client for `url` that retries through an outage of up to ~OUTAGE_S."""
     kw.setdefault("retry", Retry(_backoff(), _RETRIES))
     kw.setdefault("retry_on_error", _ERRORS)
-    return redis.Redis.from_url(url, **kw)
+    return redis.Redis.from_url(url, **{**tls.redis_kwargs(url), **kw})
 
 
 def connect_async(url: str, **kw) -> aioredis.Redis:
     """The asyncio counterpart of `connect`."""
     kw.setdefault("retry", AsyncRetry(_backoff(), _RETRIES))
     kw.setdefault("retry_on_error", _ERRORS)
-    return aioredis.Redis.from_url(url, **kw)
+    return aioredis.Redis.from_url(url, **{**tls.redis_kwargs(url), **kw})

@@ -18,8 +18,9 @@ from typing import Any
 import httpx
 import msgspec
 
+from common import tls
 from weight_bus.errors import Refused
-from weight_bus.pipeline import Pipeline
+from weight_bus.pipeline import Pipeline, SerialPipeline
 from weight_bus.schema import (
     DestroyWeightsUpdateGroup,
     InitWeightsUpdateGroup,
@@ -72,7 +73,8 @@ class EngineClient:
         self._http = httpx.Client(
             headers=self.headers,
             timeout=timeout_s,
-            transport=httpx.HTTPTransport(socket_options=nodelay),
+            # https:// engines behind a TLS proxy: $SLIPSTREAM_CA_CERT's CA besides the public ones
+            transport=httpx.HTTPTransport(socket_options=nodelay, verify=tls.verify()),
             limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
         )
 
@@ -178,7 +180,9 @@ class EngineChannel:
 
     def __init__(self, url: str, headers: dict[str, str]) -> None:
         self.url = url
-        self._pipeline = Pipeline(url, headers, PROBE_TIMEOUT_S)
+        # https:// (a TLS proxy in front of the engine): in order, but one request at a time
+        serial = url.startswith("https://")
+        self._pipeline = (SerialPipeline if serial else Pipeline)(url, headers, PROBE_TIMEOUT_S)
 
     def call(self, path: str, body: Any) -> Future:
         out: Future = Future()

@@ -6,6 +6,10 @@ Why: the bus announces bucket k+1 while bucket k is still on the wire. Waiting f
 sending k+1 puts a network round trip and a thread hand-off into every bucket, which at NVLink speed
 (~1.5 ms per 512 MiB) left the wire idle half the time. On one connection the order is also guaranteed,
 which two parallel connections would not give (the engine must receive bucket k's bytes as bucket k).
+
+An https:// engine (behind a TLS proxy) gets `SerialPipeline`: the same ordered Futures, but each request
+waits for the previous answer (an SSL connection cannot be written by one thread while another reads it),
+over httpx with `$SLIPSTREAM_CA_CERT`'s CA (common/tls.py).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import collections
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 IDLE_RECONNECT_S = 1.0
@@ -113,6 +117,68 @@ class Pipeline:
         except (OSError, ValueError) as e:
             with self._lock:
                 self._fail(sock, e if isinstance(e, OSError) else ConnectionError(str(e)))
+
+
+class SerialPipeline:
+    """`Pipeline`'s interface for an https:// engine: requests sent in order by one thread, each after the
+    previous answer, on one kept-alive TLS connection (httpx)."""
+
+    def __init__(self, url: str, headers: dict[str, str], connect_timeout_s: float) -> None:
+        import httpx
+
+        from common import tls
+
+        if urlsplit(url).scheme != "https":
+            raise ValueError(f"{url}: SerialPipeline is for https://")
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(
+            headers={**headers, "Content-Type": "application/json"},
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),  # as Pipeline: the bus's deadlines
+            verify=tls.verify(),
+        )
+        self._lock = threading.Lock()
+        self._pending: set[Future] = set()
+        self._closed = False
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="bus-serial")
+
+    def post(self, path: str, body: bytes) -> Future:
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()
+        with self._lock:
+            if self._closed:
+                fut.set_exception(ConnectionError("pipeline closed"))
+                return fut
+            self._pending.add(fut)
+            self._thread.submit(self._send, fut, path, body)
+        return fut
+
+    def _send(self, fut: Future, path: str, body: bytes) -> None:
+        try:
+            if fut.done():  # failed by close()
+                return
+            resp = self._http.post(self.url + path, content=body)
+            result: Response | BaseException = Response(resp.status_code, resp.content)
+        except Exception as e:
+            result = e
+        with self._lock:
+            self._pending.discard(fut)
+            if fut.done():
+                return
+            if isinstance(result, Response):
+                fut.set_result(result)
+            else:
+                fut.set_exception(result)
+
+    def close(self) -> None:
+        """Unanswered requests fail (ConnectionError); the connection is dropped."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, set()
+            for f in pending:
+                if not f.done():
+                    f.set_exception(ConnectionError("pipeline closed"))
+        self._thread.shutdown(wait=False)
+        self._http.close()
 
 
 class _Reader:

@@ -9,6 +9,7 @@ import os
 import sys
 
 import jobspec
+from common import tls
 from slipstream.cli import cluster as cluster_cli
 from slipstream.cli import jobs as jobs_cli
 from slipstream.cluster import state as cluster_state
@@ -67,7 +68,9 @@ def _buffer_stats(args) -> int:
             return 2
         url = info.redis_url
         try:
-            known = JobStore(redis.Redis.from_url(url, socket_connect_timeout=5)).exists(args.job)
+            known = JobStore(
+                redis.Redis.from_url(url, socket_connect_timeout=5, **tls.redis_kwargs(url))
+            ).exists(args.job)
         except redis.RedisError as e:
             print(f"slipstream: cannot reach the cluster's Redis at {info.home}: {e}", file=sys.stderr)
             return 1
@@ -75,7 +78,9 @@ def _buffer_stats(args) -> int:
             print(f"slipstream: no job {args.job!r} in the cluster at {info.home}", file=sys.stderr)
             return 2
     try:
-        stats = ReplayBuffer(redis.Redis.from_url(url, socket_connect_timeout=5), args.job).stats()
+        stats = ReplayBuffer(
+            redis.Redis.from_url(url, socket_connect_timeout=5, **tls.redis_kwargs(url)), args.job
+        ).stats()
     except redis.RedisError as e:
         print(f"slipstream: cannot read buffer of job {args.job!r}: {e}", file=sys.stderr)
         return 1

@@ -1,7 +1,8 @@
 """`slipstream submit | list | status | logs | scale | stop | checkpoint | rm`: the control API's client.
 
 Where the API is: --api-url / $SLIPSTREAM_API_URL with $SLIPSTREAM_API_TOKEN, else the cluster at
---home / $SLIPSTREAM_HOME / ~/.slipstream (what `make cluster-up` started).
+--home / $SLIPSTREAM_HOME / ~/.slipstream (what `make cluster-up` started). An https:// API behind a
+reverse proxy with a private CA: --ca-cert FILE / $SLIPSTREAM_CA_CERT (common/tls.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import httpx
 import msgspec
 from msgspec import UNSET
 
+from common import tls
 from slipstream.job.records import Status, known, status_from_dict
 
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
@@ -46,13 +48,24 @@ def _readable(detail) -> str:
 
 
 class ControlClient:
-    def __init__(self, url: str, token: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, token: str, timeout_s: float = 30.0, ca_cert: str | None = None) -> None:
+        """`ca_cert`: a PEM file of CAs to trust for an https:// `url` besides the public ones (None:
+        $SLIPSTREAM_CA_CERT, else httpx's default, which honours $SSL_CERT_FILE)."""
+        try:
+            verify = tls.verify(ca_cert)
+        except (OSError, ValueError) as e:
+            raise ApiError(str(e)) from None
         self.http = httpx.Client(
-            base_url=url.rstrip("/"), headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+            base_url=url.rstrip("/"),
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            verify=verify,
         )
 
     @classmethod
-    def from_env(cls, api_url: str | None = None, home: str | None = None) -> ControlClient:
+    def from_env(
+        cls, api_url: str | None = None, home: str | None = None, ca_cert: str | None = None
+    ) -> ControlClient:
         url = api_url or os.environ.get("SLIPSTREAM_API_URL")
         if url:
             token = os.environ.get("SLIPSTREAM_API_TOKEN")
@@ -60,19 +73,21 @@ class ControlClient:
                 raise ApiError(
                     "SLIPSTREAM_API_TOKEN is not set (the token of the control API at " + url + ")"
                 )
-            return cls(url, token)
+            return cls(url, token, ca_cert=ca_cert)
         from slipstream.cluster.state import load_info
 
         try:
             info = load_info(home)
         except FileNotFoundError as e:
             raise ApiError(str(e)) from None
-        return cls(info.api_url, info.api_token)
+        return cls(info.api_url, info.api_token, ca_cert=ca_cert)
 
     def _call(self, method: str, path: str, **kw):
         try:
             resp = self.http.request(method, path, **kw)
         except httpx.HTTPError as e:
+            if why := tls.describe(e):
+                raise ApiError(f"control API at {self.http.base_url}: {why}") from None
             raise ApiError(
                 f"control API at {self.http.base_url} unreachable: {e} (is the cluster up?)"
             ) from None
@@ -131,6 +146,12 @@ def add_parsers(sub) -> None:
         )
         p.add_argument(
             "--home", help="cluster state directory (default: $SLIPSTREAM_HOME, else ~/.slipstream)"
+        )
+        p.add_argument(
+            "--ca-cert",
+            metavar="FILE",
+            help="PEM file of the CA that signed an https:// control API's certificate, trusted besides "
+            "the public CAs (default: $SLIPSTREAM_CA_CERT)",
         )
         return p
 
@@ -311,7 +332,7 @@ def main(args: argparse.Namespace) -> int:
 
     con = Console()
     try:
-        client = ControlClient.from_env(args.api_url, args.home)
+        client = ControlClient.from_env(args.api_url, args.home, args.ca_cert)
         if args.cmd == "submit":
             from jobspec import JobSpecError
             from jobspec.loader import decode

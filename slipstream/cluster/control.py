@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import shlex
 import sys
@@ -21,6 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 import jobspec
+from common import tls
 from common.logtext import plain
 from generator_fleet.tasks import check_import_paths
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_tools
@@ -243,6 +245,8 @@ class JobControl(DriverReconciler):
             "TOKENIZERS_PARALLELISM": "false",
             # the rollout workers enforce the allow-list again when they build the tools
             **({TOOL_MODULES_ENV: json.dumps(self.tool_modules)} if self.tool_modules is not None else {}),
+            # https:// engines and rediss:// behind a private CA: every job process trusts the cluster's
+            **({tls.CA_ENV: os.environ[tls.CA_ENV]} if os.environ.get(tls.CA_ENV) else {}),
         }
         try:
             self.ray.submit_job(

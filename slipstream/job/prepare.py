@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from common import tls
 from jobspec import JobSpec
 
 log = logging.getLogger("slipstream.job.prepare")
@@ -67,6 +68,8 @@ def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = Non
                 "PYTHONPATH": project_pythonpath(),
                 "HF_HUB_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false",
+                # https:// engines and rediss:// behind a private CA (common/tls.py): every actor trusts it
+                **({tls.CA_ENV: os.environ[tls.CA_ENV]} if os.environ.get(tls.CA_ENV) else {}),
                 **(env or {}),
             }
         },
