@@ -275,8 +275,8 @@ def render_status(st: Status | dict):
         rows.insert(
             2, ("eval", f"version {ev.get('version', '-')}: {scores} ({_fmt(ev.get('duration_s'), '.1f')} s)")
         )
-    for url, note in (st.waiting or {}).items():  # engine replacements no node has room for yet
-        rows.append(("waiting", f"engine {url}: {note}"))
+    for who, note in (st.waiting or {}).items():  # engines no node has room for yet (a URL: a replacement)
+        rows.append(("waiting", f"{'engine ' if '://' in who else ''}{who}: {note}"))
     if st.phase:  # what a job that is not running yet (or is stopping) is doing
         rows.insert(0, ("phase", st.phase))
     if st.stale_s is not UNSET:  # the API could not reach Redis: its last answer, and how old

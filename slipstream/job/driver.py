@@ -5,7 +5,8 @@ job's two pools with it, and reports the job's state and progress (and its last 
 `slipstream status`:
 
 - generators N: the generator pool (slipstream/job/generators.py) adds or removes engines and their
-  rollout workers while training goes on;
+  rollout workers while training goes on; added engines start in the background (the loop goes on while
+  Ray finds room for them), each joining once started;
 - trainers M: the trainer pool (slipstream/job/trainers.py) stops after its current step with a
   checkpoint, and a pool of M ranks resumes from it;
 - checkpoint: the trainer writes one after its current step. stop: the trainer ends after its current
@@ -86,6 +87,7 @@ class JobDriver:
             placement=self.placement,
         )
         self._refused_scale: tuple | None = None
+        self._scaling = False  # the status says `scaling` until the engines a scale up added started
         # a resumed attempt starts at its checkpoint's version: status shows it, not 0, while it starts
         self.version = resume_version(msgspec.to_builtins(spec))
         self.last: dict = {}
@@ -131,6 +133,8 @@ class JobDriver:
                 break
             if restarted | self.generators.check_workers() | self.generators.check_engines():
                 self.report()
+                if self._scaling and not stopping and not self.generators.starting:
+                    self._scaled()  # the engines a scale up added joined
             self.generators.check_evaluator()
             self.read_progress(block_ms=int(POLL_S * 1000))
             record_disk_free(
@@ -214,20 +218,31 @@ class JobDriver:
     def reconcile(self, want: Desired) -> TrainerResult | None:
         """Pool sizes brought to the desired ones. Returns the trainer pool's result if it finished the
         job before a rescale could stop it."""
-        n, m = len(self.generators.engines), len(self.trainers.ranks)
+        n, m = self.generators.target, len(self.trainers.ranks)  # engines not started yet count
         if self.placement is not None:
             self._refuse_colocated_scale(want, n, m)
             return None
         if self.generators.scalable and want.generators not in (UNSET, n):
             self.report("scaling", scaling=f"generators {n} -> {want.generators}")
             self.generators.scale(want.generators)
-            self.report("running", scaling=None)
+            self._scaled()
         if want.trainers not in (UNSET, m):
             self.report("scaling", scaling=f"trainers {m} -> {want.trainers}")
             if (ended := self.trainers.rescale(want.trainers)) is not None:
                 return ended
-            self.report("running", scaling=None)
+            self._scaled()
         return None
+
+    def _scaled(self) -> None:
+        """The status after a rescale: `running`, or `scaling` while engines a scale up added still start
+        in the background (the loop goes on meanwhile; `waiting` says what those Ray cannot place need)."""
+        g = self.generators
+        self._scaling = bool(g.starting)
+        if self._scaling:
+            scaling = f"generators {g.size} -> {g.target}: {g.starting} engine(s) starting"
+            self.report("scaling", scaling=scaling)
+        else:
+            self.report("running", scaling=None)
 
     def _refuse_colocated_scale(self, want: Desired, n: int, m: int) -> None:
         """A colocated job keeps one engine per trainer rank's device: a scale request is reported in the
@@ -301,7 +316,8 @@ class JobDriver:
             },
             "restarts": dict(self.restarts),
             **({"failure": msgspec.to_builtins(self.restarts.latest)} if self.restarts.latest else {}),
-            # engine replacements no node has room for yet, whatever failed since (old URL -> what it waits on)
+            # engines no node has room for yet: replacements, whatever failed since (old URL -> what it
+            # waits on), and those a scale up added (engine-N -> the same)
             "waiting": self.generators.waiting_notes,
             # the run's clock and the run's own rate (its records: samples trained ÷ their elapsed_s)
             "elapsed_s": self._clock(),

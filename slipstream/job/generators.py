@@ -1,10 +1,13 @@
 """The generator pool of one job: its engines (built-in, SGLang, or attached external ones), their rollout
 workers, and their supervision.
 
-- Scaling: a new engine registers as *joining*: it takes rollout traffic only once the weight bus gave it
-  the current weights at the next update. A removed engine leaves the registry first, so workers stop
-  routing to it; requests still running there are retried on the others. Removed rollout workers finish
-  their groups.
+- Scaling: a scale up starts its engines in the background (the driver's loop goes on: a Ray cluster
+  without room for them keeps them queued, and after PLACEMENT_WAIT_S the status' `waiting` says what
+  they need); each joins the pool, with its rollout workers, once started. A scale down cancels engines
+  still waiting first. A new engine registers as *joining*: it takes rollout traffic only once the
+  weight bus gave it the current weights at the next update. A removed engine leaves the registry
+  first, so workers stop routing to it; requests still running there are retried on the others.
+  Removed rollout workers finish their groups.
 - Supervision (the job's restart budget, slipstream/job/supervise.py: at most supervision.max_restarts
   replacements per kind, fewer for an out-of-memory or disk-full failure that repeats with no version
   trained meanwhile): a rollout worker that dies is replaced; the
@@ -31,7 +34,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from jobspec import JobSpec, engine_options
 from replay_buffer import ReplayBuffer
@@ -50,8 +53,8 @@ LAPSED_S = 10.0
 """An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
 is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
 PLACEMENT_WAIT_S = 15.0
-"""How long an engine's replacement may take to start before the status (`failure.action`) and the log say
-it waits for a node with room for it."""
+"""How long an engine's replacement, or one a scale up added, may take to start before the status
+(`waiting`, a replacement's `failure.action`) and the log say it waits for a node with room for it."""
 EARLY_DEATH_S = 20.0
 CRASH_LOOP = 3
 """CRASH_LOOP rollout workers in a row that die within EARLY_DEATH_S of their start (a missing package, a
@@ -64,6 +67,17 @@ MAX_EVAL_RESTARTS = 5
 def workers_per_engine(spec: JobSpec) -> int:
     g = spec.generators
     return max(1, math.ceil(g.num_workers / g.num_engines))
+
+
+class Pending(NamedTuple):
+    """An engine a scale up launched that has not started yet (Ray may keep it queued for room)."""
+
+    index: int
+    actor: Any
+    start: Any
+    """Its start() call: the engine's URL once it runs."""
+    since: float
+    """When it was launched (monotonic)."""
 
 
 class EngineURLs(NamedTuple):
@@ -218,6 +232,8 @@ class GeneratorPool:
         self._starting_since: dict[int, float] = {}  # engine index -> when its replacement was launched
         self._failures: dict[int, supervise.Failure] = {}  # engine index -> the failure it replaces
         self._waiting: dict[int, str] = {}  # replacements said to wait for room on a node -> that note
+        self._pending: list[Pending] = []  # engines a scale up launched, not started yet (oldest first)
+        self._pending_notes: dict[int, str] = {}  # their engine index -> the note, once said to wait
         self._next_registry_check = 0.0
         self._worker_born: dict = {}  # run ref -> monotonic start
         self._early_deaths = 0  # rollout workers in a row that died within EARLY_DEATH_S of their start
@@ -229,6 +245,17 @@ class GeneratorPool:
     def size(self) -> int:
         """Generators now: launched engines, else the attached ones."""
         return len(self.engines) if self.engines else len(self.engine_urls)
+
+    @property
+    def target(self) -> int:
+        """Launched engines the pool is scaled to: those running (or being replaced) and those a scale up
+        added that have not started yet."""
+        return len(self.engines) + len(self._pending)
+
+    @property
+    def starting(self) -> int:
+        """Engines a scale up added that have not started yet."""
+        return len(self._pending)
 
     @property
     def scalable(self) -> bool:
@@ -301,50 +328,106 @@ class GeneratorPool:
         log.info("removed %d rollout workers (they finished their groups: %d in all)", count, produced)
 
     def scale(self, n: int) -> None:
-        """Engines (and workers_per_engine rollout workers each) added or removed until there are n."""
+        """Scale to n engines (and workers_per_engine rollout workers each). Up: the new engines start in
+        the background (check_engines takes each in, with its workers, once started); down: engines still
+        waiting to start are cancelled first (newest first), then running ones stopped, newest first."""
         import ray
 
-        have = len(self.engines)
+        have = self.target
         if n == have:
             return
-        per = workers_per_engine(self.spec)
         if n > have:
-            new = []
             for _ in range(n - have):  # a built-in engine joins once the bus gave it the weights
-                new.append(
-                    launch_engine(self.spec, self.redis_url, self.api_key, self._next_engine, joining=True)
-                )
+                i = self._next_engine
+                actor = launch_engine(self.spec, self.redis_url, self.api_key, i, joining=True)
+                self._pending.append(Pending(i, actor, actor.start.remote(), time.monotonic()))
                 self._next_engine += 1
-            self.engines += new
-            urls = self._get([e.start.remote() for e in new])
-            self.engine_urls += urls
-            self.engine_watch += [e.watch.remote() for e in new]
-            self.add_workers(per * (n - have))
             log.info(
-                "generators %d -> %d: engines %s joined (rollouts reach them after the next weight update)",
+                "generators %d -> %d: starting engines %s in the background (each joins once started)",
                 have,
                 n,
-                urls,
+                [f"engine-{p.index}" for p in self._pending[len(self._pending) - (n - have) :]],
             )
-        else:
-            self.remove_workers(max(0, len(self.workers) - per * n))
-            gone = self.engines[n:]
-            self.engines = self.engines[:n]
-            self.engine_watch = self.engine_watch[:n]
-            self._starting = {i: u for i, u in self._starting.items() if i < n}
-            self._failures = {i: f for i, f in self._failures.items() if i < n}
-            self._waiting = {i: w for i, w in self._waiting.items() if i < n}
-            gone_urls = self.engine_urls[n:]
-            self.engine_urls = self.engine_urls[:n]
-            self._get(
-                [
-                    e.stop.remote(DRAIN_S) if self.spec.generators.engine == "builtin" else e.stop.remote()
-                    for e in gone
-                ]
+            return
+        while self._pending and self.target > n:
+            p = self._pending.pop()
+            kill(p.actor)
+            self._pending_notes.pop(p.index, None)
+            log.info(
+                "generators %d -> %d: engine-%d cancelled before it started (launched %.0f s ago)",
+                have,
+                n,
+                p.index,
+                time.monotonic() - p.since,
             )
-            for e in gone:
-                ray.kill(e)
-            log.info("generators %d -> %d: engines %s stopped", have, n, gone_urls)
+        if n >= len(self.engines):
+            return
+        running = len(self.engines)
+        self.remove_workers(max(0, len(self.workers) - workers_per_engine(self.spec) * n))
+        gone = self.engines[n:]
+        self.engines = self.engines[:n]
+        self.engine_watch = self.engine_watch[:n]
+        self._starting = {i: u for i, u in self._starting.items() if i < n}
+        self._failures = {i: f for i, f in self._failures.items() if i < n}
+        self._waiting = {i: w for i, w in self._waiting.items() if i < n}
+        gone_urls = self.engine_urls[n:]
+        self.engine_urls = self.engine_urls[:n]
+        self._get(
+            [
+                e.stop.remote(DRAIN_S) if self.spec.generators.engine == "builtin" else e.stop.remote()
+                for e in gone
+            ]
+        )
+        for e in gone:
+            ray.kill(e)
+        log.info("generators %d -> %d: engines %s stopped", running, n, gone_urls)
+
+    def check_pending(self) -> bool:
+        """Take in the engines a scale up added that started (each with its rollout workers), say of
+        those waiting PLACEMENT_WAIT_S that they wait for room, and relaunch one whose start failed
+        (counted against the restart budget). True when something changed for the status."""
+        import ray
+
+        if not self._pending or self.closing:
+            return False
+        changed = False
+        done, _ = ray.wait([p.start for p in self._pending], num_returns=len(self._pending), timeout=0)
+        now = time.monotonic()
+        for p in list(self._pending):
+            waited = now - p.since
+            if p.start not in done:
+                if p.index not in self._pending_notes and waited >= PLACEMENT_WAIT_S:
+                    running = len(self.engines)
+                    note = supervise.waiting_for_room(self.spec.generators, waited, running, scaled=True)
+                    self._pending_notes[p.index] = note
+                    log.warning("engine-%d: %s", p.index, note)
+                    changed = True
+                continue
+            changed = True
+            self._pending.remove(p)
+            waiting = self._pending_notes.pop(p.index, None) is not None
+            try:
+                url = ray.get(p.start)
+            except Exception as e:
+                kill(p.actor)
+                self.restarts.count("engines", f"did not start: {died(e)}", e, f"engine-{p.index}")
+                log.warning(
+                    "engine-%d (added by a scale) did not start: %s; launching another", p.index, died(e)
+                )
+                self.scale(self.target + 1)
+                continue
+            self.engines.append(p.actor)
+            self.engine_urls.append(url)
+            self.engine_watch.append(p.actor.watch.remote())
+            self.add_workers(workers_per_engine(self.spec))
+            log.info(
+                "engine-%d started%s: %s joined (rollouts reach it after the next weight update); %d engines",
+                p.index,
+                f" after waiting {waited:.0f} s for room" if waiting else "",
+                url,
+                len(self.engines),
+            )
+        return changed
 
     # --- supervision ----------------------------------------------------------------------------------
     def check_workers(self) -> bool:
@@ -383,7 +466,7 @@ class GeneratorPool:
         import ray
 
         if not self.engines or self.closing:
-            return False
+            return self.check_pending()
         done, _ = ray.wait(self.engine_watch, num_returns=len(self.engine_watch), timeout=0)
         failed: dict[int, tuple[str, BaseException | None]] = {}  # index -> (why, its error)
         for i, ref in enumerate(self.engine_watch):
@@ -412,7 +495,7 @@ class GeneratorPool:
                     failed[i] = (hung, None)
         for i, (why, error) in sorted(failed.items()):
             self._replace_engine(i, why, error)
-        return bool(failed)
+        return self.check_pending() | bool(failed)
 
     def _replace_engine(self, i: int, why: str, error: BaseException | None = None) -> None:
         """Kill engine i (`why`: how it failed, `error`: its exception if any) and start its replacement;
@@ -451,8 +534,10 @@ class GeneratorPool:
 
     @property
     def waiting_notes(self) -> dict[str, str]:
-        """Replaced engine's URL -> what its replacement waits for (a node with room), while it waits."""
-        return {self._starting[i]: note for i, note in self._waiting.items() if i in self._starting}
+        """Replaced engine's URL, or `engine-N` for one a scale up added -> what the replacement or the new
+        engine waits for (a node with room), while it waits."""
+        notes = {self._starting[i]: note for i, note in self._waiting.items() if i in self._starting}
+        return notes | {f"engine-{i}": note for i, note in self._pending_notes.items()}
 
     def replacing(self, i: int) -> bool:
         """Engine i is a replacement still starting."""
@@ -586,7 +671,11 @@ class GeneratorPool:
             self.evaluator.stop.remote()
         self.stop_workers()
         evaluator = [self.evaluator] if self.evaluator is not None else []
-        stop_actors(self.engines + self.attached, [a for a, _ in self.workers] + evaluator + (others or []))
+        pending = [p.actor for p in self._pending]  # not started: killed (a stop() would wait for a node)
+        self._pending, self._pending_notes = [], {}
+        stop_actors(
+            self.engines + self.attached, [a for a, _ in self.workers] + evaluator + pending + (others or [])
+        )
         self.evaluator = self.eval_run = None
         self.engines, self.attached, self.engine_urls, self.engine_watch = [], [], [], []
         self.workers = []

@@ -108,7 +108,8 @@ class Status(msgspec.Struct):
     failure: dict[str, Any] | UnsetType = UNSET
     """The newest failure supervision handled (slipstream/job/supervise.py Failure, as plain data)."""
     waiting: dict[str, str] | UnsetType = UNSET
-    """Lost engine's URL -> what its replacement waits for (a node with room), while it waits."""
+    """Lost engine's URL, or `engine-N` for an engine a scale up added -> what the replacement or the new
+    engine waits for (a node with room), while it waits."""
     elapsed_s: float | UnsetType = UNSET
     """The run's clock, seconds (replay_buffer/progress.py RunClock)."""
     samples_per_s: float | UnsetType = UNSET

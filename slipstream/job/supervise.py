@@ -352,19 +352,21 @@ class Restarts(dict):
             self.on_failure(failure)
 
 
-def waiting_for_room(g, waited_s: float, running: int) -> str:
+def waiting_for_room(g, waited_s: float, running: int, scaled: bool = False) -> str:
     """The `failure.action` of an engine whose replacement has waited `waited_s` for Ray to place it
     (`g`: the spec's generators), with what it needs, what the cluster has free, and the `running` engines
-    the job goes on with."""
+    the job goes on with; `scaled`: the status' note on an engine a scale up added instead."""
     import ray
 
     needs = {"CPU": g.cpus_per_engine, "GPU": g.gpus_per_engine, **g.resources}
     needs = {k: v for k, v in needs.items() if v}
     free = {k: round(ray.available_resources().get(k, 0), 2) for k in needs}
+    what = "added by a scale up; it" if scaled else "restarted; the replacement"
     return (
-        f"restarted; the replacement has not started after {waited_s:.0f} s, waiting for a node with room "
+        f"{what} has not started after {waited_s:.0f} s, waiting for a node with room "
         f"(it needs {needs or 'nothing'}, the cluster has {free or 'nothing'} free): Ray starts it when "
         f"one joins, and the job goes on with {running} engines"
+        + ("; a scale down cancels it first" if scaled else "")
     )
 
 

@@ -76,6 +76,7 @@ class _Pools:
         return ({"version": 0} if self.polls > 20 else None), self.polls >= 2
 
     waiting_notes: dict[str, str] = {}  # no engine replacement waits here
+    target = 1
 
     def check_workers(self) -> bool:
         return False

@@ -73,6 +73,16 @@ def test_status_says_that_an_engine_replacement_waits_for_a_node_with_room():
     assert "restarted (engines restart 1); the replacement has not started after 15 s" in text, text
 
 
+def test_status_shows_waiting_replacements_and_engines_a_scale_up_added():
+    waiting = {
+        "http://10.0.0.2:4000": "restarted; the replacement has not started after 15 s, waiting ...",
+        "engine-3": "added by a scale up; it has not started after 15 s, waiting for a node with room ...",
+    }
+    text = _text({"name": "j", "state": "running", "waiting": waiting})
+    assert "engine http://10.0.0.2:4000: restarted; the replacement" in text, text
+    assert "engine-3: added by a scale up; it has not started" in text and "engine engine-3" not in text, text
+
+
 def test_status_shows_the_policy_recipe_metrics_and_the_run():
     st = {
         "name": "j",
