@@ -144,13 +144,7 @@ def _main(args: argparse.Namespace, store: JobStore, redis_url: str, lease: RunL
 
     _connect_ray(store, args.job)
     signal.signal(signal.SIGTERM, _raise_stop)
-    driver = JobDriver(spec, redis_url, store)
-    try:  # restarts by kind and error class, tracking writes: scraped as replica `driver`
-        from slipstream.job.actors import serve_metrics
-
-        serve_metrics(redis_url, args.job, "driver")
-    except (OSError, redis.RedisError) as e:  # metrics never fail the job
-        log.warning("the driver's metrics are not served: %s", e)
+    driver = JobDriver(spec, redis_url, store, serve_metrics=True)  # scraped as replica `driver`
     log.info("job %s: driver pid %d, output in %s", args.job, os.getpid(), out)
     code, final = 0, {}
     try:

@@ -42,7 +42,7 @@ from slipstream.job.prepare import RUN_FILES
 from slipstream.job.progress import STATUS_FIELDS, ProgressReader, format_eval
 from slipstream.job.records import Desired
 from slipstream.job.store import JobStore, job_checkpoint_dir, resume_version
-from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free
+from slipstream.job.supervise import POLL_S, GiveUp, Restarts, record_disk_free, record_engines
 from slipstream.job.tracking import Tracker
 from slipstream.job.trainers import TrainerPool
 from trainer.result import TrainerResult
@@ -65,9 +65,13 @@ class JobDriver:
         redis_url: str,
         store: JobStore,
         on_progress: Callable[[dict], None] | None = None,
+        serve_metrics: bool = False,
     ) -> None:
+        """`serve_metrics`: serve this process's Prometheus registry (restarts, disk, engines) as the
+        job's replica `driver` once the run has begun (a new run deletes the previous run's targets)."""
         self.spec, self.redis_url, self.store = spec, redis_url, store
         self.on_progress = on_progress
+        self.serve_metrics = serve_metrics
         self.job = spec.name
         self.r = connect(redis_url)
         self.buffer = ReplayBuffer(self.r, self.job)
@@ -140,6 +144,7 @@ class JobDriver:
             record_disk_free(
                 {"output": Path(self.spec.output_dir), "checkpoints": job_checkpoint_dir(self.spec)}
             )
+            record_engines(*self.generators.engine_states)
             want = self.store.desired(self.job)
             if want.stop and (not stopping or (want.stop_checkpoint and not stop_checkpoint)):
                 self.stop(want, again=stopping)
@@ -265,6 +270,13 @@ class JobDriver:
         """A new run of the job (fresh run_id; the previous run's Redis state and per-run output files
         deleted), or, when the spec resumes (trainer.resume_from), the next attempt of the same run."""
         self.run_info = self.buffer.begin_run(resume=self.spec.trainer.resume_from is not None)
+        if self.serve_metrics:  # after begin_run: a new run deletes the previous run's metrics targets
+            from slipstream.job.actors import serve_metrics
+
+            try:
+                serve_metrics(self.redis_url, self.job, "driver")
+            except (OSError, redis.RedisError) as e:  # metrics never fail the job
+                log.warning("the driver's metrics are not served: %s", e)
         self.progress.attempt = self.run_info["attempt"]
         self.trainers.run_id = self.run_info["run_id"]
         if self.run_info["attempt"] == 1:

@@ -533,6 +533,13 @@ class GeneratorPool:
             self.restarts.report(failure)
 
     @property
+    def engine_states(self) -> tuple[int, int, int]:
+        """(running, starting, waiting) launched engines: started; a scale up's or a replacement not
+        started yet; of those, the ones waiting for a node with room (slipstream_job_engines)."""
+        replacing = len(self._starting)
+        return len(self.engines) - replacing, len(self._pending) + replacing, len(self.waiting_notes)
+
+    @property
     def waiting_notes(self) -> dict[str, str]:
         """Replaced engine's URL, or `engine-N` for one a scale up added -> what the replacement or the new
         engine waits for (a node with room), while it waits."""

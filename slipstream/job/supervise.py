@@ -70,6 +70,21 @@ DISK_FREE = Gauge(
 )
 
 
+ENGINES = Gauge(
+    "slipstream_job_engines",
+    "The job's launched engines by state (job driver, every poll): running (started, taking traffic or "
+    "joining), starting (added by a scale up or replacing a lost one, not started yet) and waiting (of "
+    "those starting, the ones Ray has not placed for lack of room: status `waiting`)",
+    ["state"],
+)
+
+
+def record_engines(running: int, starting: int, waiting: int) -> None:
+    """slipstream_job_engines{state}: see ENGINES."""
+    for state, n in (("running", running), ("starting", starting), ("waiting", waiting)):
+        ENGINES.labels(state=state).set(n)
+
+
 def record_disk_free(dirs: dict[str, Path]) -> None:
     """slipstream_job_disk_free_bytes{dir} for each of `dirs` (label -> path), as the driver's host sees
     it: a directory not made yet (checkpoints before the first) counts the disk of its nearest existing

@@ -48,6 +48,18 @@ def _engine_actors(info) -> list[str]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _driver_metrics(info, name: str) -> str:
+    """The job driver's /metrics, where Prometheus finds it (the job's metrics targets in Redis)."""
+    import httpx
+
+    from replay_buffer.keys import JobKeys
+
+    r = redis.Redis.from_url(info.redis_url)
+    address = r.hget(JobKeys(name).metrics_targets, "driver")
+    assert address is not None, r.hgetall(JobKeys(name).metrics_targets)  # a new run once wiped it
+    return httpx.get(f"http://{address.decode()}/metrics", timeout=10).text
+
+
 def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path, tiny_model_dir):
     name = "roomless"
     spec = spec_text(tiny_model_dir, name).replace(
@@ -72,6 +84,9 @@ def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path,
     assert "the job goes on with 1 engines; a scale down cancels it first" in note, note
     assert st["state"] == "scaling" and st["pools"]["generators"] == 1, st
     assert st["scaling"] == "generators 1 -> 2: 1 engine(s) starting", st
+    metrics = _driver_metrics(info, name)  # the gauge says the same, for dashboards and alerts
+    assert 'slipstream_job_engines{state="waiting"} 1.0' in metrics, metrics
+    assert 'slipstream_job_engines{state="running"} 1.0' in metrics, metrics
     v0 = st["version"]  # the loop goes on: the trainer trains on the engine there is
     st = wait_for(client, name, "versions while the engine waits", lambda s: s["version"] >= v0 + 2)
     assert "engine-1" in st["waiting"], st
