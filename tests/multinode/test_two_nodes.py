@@ -72,6 +72,46 @@ def test_what_node_a_serves_is_reachable_from_node_b(cluster):
     assert not failed, f"node B cannot dial node A's ports: {failed}"
 
 
+def test_every_credential_applies_from_node_b(cluster):
+    """From another node, each service of node A wants its credential: the control API its token, Redis a
+    user and password (the control plane's user reaches only what its ACL allows), Ray its token."""
+    info = json.loads((cluster.home / "cluster.json").read_text())
+    secrets = cluster.secrets
+    code = f"""
+import json, subprocess, sys
+import httpx, redis
+a, ports, tok = {cluster.a.address!r}, {info["ports"]!r}, {secrets["api_token"]!r}
+out = {{}}
+api = f"http://{{a}}:{{ports['api']}}/jobs"
+out["api_none"] = httpx.get(api, timeout=10).status_code
+out["api_wrong"] = httpx.get(api, headers={{"Authorization": "Bearer wrong"}}, timeout=10).status_code
+out["api_token"] = httpx.get(api, headers={{"Authorization": f"Bearer {{tok}}"}}, timeout=10).status_code
+def redis_says(**kw):
+    try:
+        return str(redis.Redis(host=a, port=ports["redis"], socket_timeout=10, **kw).ping())
+    except redis.RedisError as e:
+        return type(e).__name__
+out["redis_none"] = redis_says()
+out["redis_wrong"] = redis_says(username="slipstream", password="wrong")
+ray_code = "import ray; ray.init(address=sys.argv[1], logging_level='ERROR'); print('joined')"
+bare = {{k: v for k, v in __import__("os").environ.items() if not k.startswith("RAY_AUTH")}}
+for case, env in (("ray_none", bare), ("ray_token", {{**bare, **{cluster.ray_env!r}}})):
+    try:
+        p = subprocess.run([sys.executable, "-c", "import sys; " + ray_code, f"{{a}}:{{ports['ray']}}"],
+                           capture_output=True, text=True, timeout=90, env=env)
+        out[case] = "joined" if "joined" in p.stdout else "refused: " + (p.stderr.strip().splitlines() or ["?"])[-1]
+    except subprocess.TimeoutExpired:
+        out[case] = "timed out"
+print(json.dumps(out))
+"""
+    out = cluster.python(cluster.b, code, timeout_s=150)
+    print(out)
+    assert (out["api_none"], out["api_wrong"], out["api_token"]) == (401, 401, 200), out
+    assert out["redis_none"] in ("AuthenticationError", "ResponseError"), out
+    assert out["redis_wrong"] in ("AuthenticationError", "ResponseError"), out
+    assert out["ray_none"].startswith("refused") and out["ray_token"] == "joined", out
+
+
 def _status(cluster: Cluster, name: str) -> dict:
     code = f"""
 import json
@@ -163,6 +203,23 @@ buffer: {{max_staleness: 1}}
     assert not local, "loopback only on A:\n" + show(cluster.a, local)
     assert {x.address for x in engines if not x.wildcard} == {cluster.b.address}, show(cluster.b, engines)
     assert not dial(cluster, cluster.a, cluster.b, [x.port for x in engines])
+    # and the engine wants the job's key from another node: nothing of the model's without it
+    asked = cluster.python(
+        cluster.a,
+        f"""
+import json, httpx
+out = {{}}
+for p in {sorted({x.port for x in engines})!r}:
+    try:
+        r = httpx.get("http://{cluster.b.address}:%d/get_model_info" % p, timeout=10)
+        out[p] = [r.status_code, "model_path" in r.text]
+    except httpx.HTTPError as e:
+        out[p] = [type(e).__name__, False]
+print(json.dumps(out))
+""",
+    )
+    assert any(code == 401 for code, _ in asked.values()), asked
+    assert not any(leaked for _, leaked in asked.values()), asked
     # the trainer's other ports: the weight bus's store and gloo transport, which the engine dials
     bus = [x.port for x in on_a if x.pid in trainers and not x.loopback_only]
     assert bus and not dial(cluster, cluster.b, cluster.a, bus)
