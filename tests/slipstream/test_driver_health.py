@@ -67,6 +67,7 @@ class _Pools:
             False,
             0,
         )
+        self.engine_states = (1, 0, 0)  # running, starting, waiting (slipstream_job_engines)
 
     def check(self):
         """Keeps Redis full (a refused write can free its query buffer) and says a process was replaced,
