@@ -188,19 +188,14 @@ class JobDriver:
         self.report(phase=f"starting {n} generator(s) and their rollout workers")
         self.generators.start(n)
         self.generators.start_evaluator()
-        version_0 = self.r.get(self.buffer.keys.version) in (b"0", "0")
-        if (
-            self.generators.evaluator is not None
-            and version_0
-            and not EngineRegistry(self.r, self.job).live()
-        ):
-            # every engine waits for the trainer's weights (started on nodes without the model)
-            log.info("job %s: no engine holds version 0's weights yet: it is not evaluated", self.job)
-        elif self.generators.evaluator is not None and version_0:
-            # version 0 before the first step: the engines keep it until the trainer's first publish, so
-            # the trainer starts after this evaluation (rollouts fill the buffer meanwhile)
-            self.report(phase="evaluating version 0 before the first step")
-            self.generators.evaluate_now()
+        if self.generators.evaluator is not None and self.r.get(self.buffer.keys.version) in (b"0", "0"):
+            if EngineRegistry(self.r, self.job).live():
+                # version 0 before the first step: the engines keep it until the trainer's first publish,
+                # so the trainer starts after this evaluation (rollouts fill the buffer meanwhile)
+                self.report(phase="evaluating version 0 before the first step")
+                self.generators.evaluate_now()
+            else:  # every engine waits for the trainer's weights (started on nodes without the model)
+                log.info("job %s: no engine holds version 0's weights yet: it is not evaluated", self.job)
         m = self.spec.trainer.num_trainers if desired.trainers is UNSET else desired.trainers
         self.report(phase=f"starting {m} trainer rank(s)")
         self.trainers.start(m)
