@@ -1,12 +1,29 @@
-"""Shared fixtures: a real private redis-server per test session, a fresh job namespace per test,
-and a tiny model directory built once."""
+"""The suite in three tiers, each folder mirroring the packages (tests/<tier>/<package>/test_*.py):
+
+- `unit/`: one process (it may use the session's Redis or an in-process server); seconds in all.
+- `integration/`: several real processes (gloo groups, HTTP engines, Redis restarts, a local Ray, a
+  cluster's services), no whole training job.
+- `system/`: whole jobs (`run_job`, a cluster running jobs, two nodes in network namespaces, the
+  benchmarks' quick runs); marked `slow` here, so `make test-fast` (unit + integration) leaves them out.
+
+Shared harnesses (engines, clusters, the weight-bus engines, network namespaces, raw HTTP, oracles) live in
+tests/harness/, one module each, importable from every tier; their fixtures are plugins (`pytest_plugins`).
+Here: a real private redis-server per test session, a fresh job namespace per test, the tiny models built
+once, and the per-test durations file."""
 
 from __future__ import annotations
 
 import os
+import sys
 import uuid
+from pathlib import Path
 
 import pytest
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS / "harness"))
+pytest_plugins = ["bus_fixtures", "cluster_fixtures", "engine_fixtures", "multinode_fixtures", "ray_fixtures"]
+TIERS = ("unit", "integration", "system")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -73,6 +90,13 @@ def untrained_tools_model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("untrained_tools")
     build_tiny_tools(path, [Problem()], warmup_steps=0)
     return path
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """The folder says the tier: every test under tests/system/ is `slow`."""
+    for item in items:
+        if TESTS / "system" in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.slow)
 
 
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE

@@ -43,6 +43,10 @@ def pipeline_bounds(
     G = spec.rollout.group_size
     gps = spec.algorithm.groups_per_step
     try:
+        if (
+            ray.is_initialized()
+        ):  # the bounds' actors need this session's env (the engine key): a Ray of its own
+            ray.shutdown()
         init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
         # generator-only: the workers fill the buffer; no trainer exists yet
         pool, marks = generators_only(spec, managed.url, total * gps, args.phase_timeout_s)

@@ -18,7 +18,7 @@ AVS=(python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no
 nvidia-smi --query-gpu=name,memory.total --format=csv >>"$LOG" 2>&1
 for s in $STEPS; do
   case $s in
-    memory) step memory "${T_MEMORY:-240}" python -m pytest -q -s -m gpu -p no:cacheprovider tests/trainer/test_memory_plan_cuda.py ;;
+    memory) step memory "${T_MEMORY:-240}" python -m pytest -q -s -m gpu -p no:cacheprovider tests/integration/trainer/test_memory_plan_cuda.py ;;
     sync-*|async-*|bounds-*)
       shape=${s#*-}
       case $s in

@@ -143,7 +143,8 @@ class EngineActor:
             )
             joining = True
             logging.getLogger(__name__).info(
-                "engine-%d starts with random weights and joins once the weight bus gave it the trainer's", index
+                "engine-%d starts with random weights and joins once the weight bus gave it the trainer's",
+                index,
             )
         self.redis_url, self.job, self.joining = redis_url, job.name, joining
         self.lora = options.lora
@@ -333,7 +334,9 @@ class EvalActor:
         from generator_fleet.evaluation import Evaluator
 
         _setup_process(config, f"evaluator-{index}", redis_url, 1)
-        path, _ = local_model(config.model.path, f"evaluator-{index}", redis_url, config.name)  # the tokenizer
+        path, _ = local_model(
+            config.model.path, f"evaluator-{index}", redis_url, config.name
+        )  # the tokenizer
         config = _with_model_path(config, path)
         self.evaluator = Evaluator(config, redis_url, engine_urls, api_key, priority)
 

@@ -48,6 +48,7 @@ class LocalJob:
         self.error: BaseException | None = None
 
     def __enter__(self) -> LocalJob:
+        import ray
 
         self.redis = ManagedRedis(data_dir=self.data_dir / "redis").start()
         self.r = connect(self.redis.url)
@@ -56,7 +57,9 @@ class LocalJob:
         self.store.create(
             spec.name, jobspec.to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers
         )
-        init_local_ray(num_cpus=self.num_cpus)
+        self.own_ray = not ray.is_initialized()  # else: the Ray this process is connected to, left running
+        if self.own_ray:
+            init_local_ray(num_cpus=self.num_cpus)
         self.driver = driver_mod.JobDriver(spec, self.redis.url, self.store)
         self.buffer = ReplayBuffer(self.r, spec.name)
         self.thread = threading.Thread(target=self._run, name="job-driver", daemon=True)
@@ -96,7 +99,8 @@ class LocalJob:
         finally:
             self.driver.close()
             self.thread.join(60)
-            ray.shutdown()
+            if self.own_ray:
+                ray.shutdown()
             self.r.close()
             self.redis.stop()
 

@@ -57,8 +57,10 @@ def _interrupt_on_signals() -> None:
 
 
 def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) -> JobResult:
-    """Run `spec` to completion on a fresh local Ray instance with the cluster's job driver
-    (slipstream/job/driver.py: the same pools, supervision and teardown); returns the summary."""
+    """Run `spec` to completion with the cluster's job driver (slipstream/job/driver.py: the same pools,
+    supervision and teardown); returns the summary. It runs on a fresh local Ray instance, stopped at the
+    end, or on the Ray this process is already connected to (`ray.init` before: a notebook, a test
+    session running many jobs), which it leaves running with the job's actors gone."""
     import ray
 
     spec = resolve_paths(spec)
@@ -79,9 +81,11 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     r = connect(redis_url)
     driver = None
     t0 = time.monotonic()
+    own_ray = not ray.is_initialized()
     try:
-        init_local_ray()
-        log.info("ray started; job %s", spec.name)
+        if own_ray:
+            init_local_ray()
+        log.info("ray %s; job %s", "started" if own_ray else "connected already", spec.name)
         _interrupt_on_signals()
         store = JobStore(r)
         store.create(spec.name, to_json(spec), spec.generators.num_engines, spec.trainer.num_trainers)
@@ -109,7 +113,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     finally:
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop
-        if ray.is_initialized():
+        if own_ray and ray.is_initialized():
             ray.shutdown()
         r.close()
         if managed:

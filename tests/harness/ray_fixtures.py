@@ -1,0 +1,67 @@
+"""One local Ray for the whole-job tests of a pytest run (fixture `shared_ray`): `run_job` and `LocalJob`
+use the Ray this process is connected to and leave it running, so consecutive job tests skip Ray's start
+and stop (about 5 s each on 2 cores). A test whose job leaves Ray's resources taken gets the next test a
+fresh Ray; a test that starts a Ray of its own calls `shutdown_shared_ray()` first."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import pytest
+
+log = logging.getLogger(__name__)
+
+SHARED_CPUS = 4
+"""Logical CPUs of the shared Ray: what LocalJob asks for (slipstream/job/faults.py); run_job's own Ray
+would have max(2, cores)."""
+RELEASE_WAIT_S = 15.0
+"""How long a finished job's actors may take to give their resources back before Ray is restarted."""
+
+
+def shutdown_shared_ray() -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _resources_free(ray) -> bool:
+    """Every resource the cluster has is available again (the job's actors are gone)."""
+    deadline = time.monotonic() + RELEASE_WAIT_S
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        taken = {
+            k: v - free.get(k, 0.0)
+            for k, v in total.items()
+            if not k.startswith("node:")
+            and k not in ("memory", "object_store_memory")
+            and free.get(k, 0.0) < v
+        }
+        if not taken:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("shared Ray: resources still taken after the test (%s): restarting it", taken)
+            return False
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def _shared_ray_session():
+    yield
+    shutdown_shared_ray()
+
+
+@pytest.fixture
+def shared_ray(_shared_ray_session):
+    """A local Ray this process is connected to, for the test's `run_job` / `LocalJob` to run on."""
+    import ray
+
+    from slipstream.job.prepare import init_local_ray
+
+    if not ray.is_initialized():
+        init_local_ray(num_cpus=max(SHARED_CPUS, os.cpu_count() or 1))
+    yield
+    if ray.is_initialized() and not _resources_free(ray):
+        ray.shutdown()

@@ -1,0 +1,544 @@
+"""Hostile and sloppy job specs, against real processes: a YAML alias bomb, non-UTF-8 and deeply nested specs
+are refused with a clear error; a job name with a trailing newline is refused; a submitted job writes only
+inside its own directory; non-finite numbers, absurd counts and pools over the scale cap are refused at
+submit; `--set name=123` is the name "123"; relative paths follow one rule (the command's working
+directory) in validate and submit; two processes building one model.path build it once, and neither reads
+it half-written; a driver whose job has no valid stored spec fails the job instead of running defaults;
+a driver whose job was stopped before it connected to Ray ends it stopped, and one stuck connecting to Ray
+exits once the stop is requested; and a job whose trainer cannot build its weight-update group fails with
+that cause in its error.
+
+The submit path runs on the real JobControl over a real Redis with no Ray behind it (as in
+test_api_fuzz.py): a spec that passes every check reaches Ray's job submission, which fails (503). The
+driver and the failing job run on one real cluster started by this module."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from cluster_helpers import control_without_ray
+
+import jobspec
+from jobspec.spec import check_name
+from slipstream import cli
+from slipstream.cluster.control import ControlError, JobControl, output_dir_note
+
+REPO = Path(__file__).resolve().parents[3]
+NO_RAY = "Ray job submission failed"
+ENV = {
+    **os.environ,
+    "PYTHONPATH": str(REPO),
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+# The issue's 487-byte spec, in spirit: nine levels of nine aliases each under tools[].args (9**9 leaves).
+BOMB = "name: bomb\ntools:\n- name: calculator\n  args:\n    a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"    a{i}: &a{i} [*a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, *a{i - 1}, "
+    f"*a{i - 1}, *a{i - 1}]\n"
+    for i in range(1, 9)
+)
+
+
+@pytest.fixture(scope="module")
+def control(tmp_path_factory):
+    """The real JobControl over a real Redis, with nothing listening where Ray would be."""
+    with control_without_ray(tmp_path_factory.mktemp("home")) as control:
+        yield control
+
+
+def _refused(
+    control: JobControl, spec: str, overrides: list[str] | None = None, cwd: str | None = None
+) -> str:
+    with pytest.raises(ControlError) as e:
+        control.submit(spec, overrides or [], cwd)
+    assert e.value.status == 422, (e.value.status, str(e.value))
+    return str(e.value)
+
+
+def _accepted(
+    control: JobControl, spec: str, overrides: list[str] | None = None, cwd: str | None = None
+) -> dict:
+    """Submit a spec that passes every check: it reaches Ray, which is not there (503)."""
+    with pytest.raises(ControlError, match=NO_RAY) as e:
+        control.submit(spec, overrides or [], cwd)
+    assert e.value.status == 503
+    name = jobspec.loads(spec, overrides or []).name
+    return json.loads(control.store.spec_json(name))
+
+
+# ---- YAML: aliases, encoding, depth, size ----------------------------------------------------------------
+
+
+def test_an_alias_bomb_is_refused_at_once_naming_the_line(control, tmp_path, capsys):
+    assert len(BOMB) < 1024
+    t0 = time.monotonic()
+    msg = _refused(control, BOMB)
+    assert "aliases (*name) are not allowed" in msg and "line 6" in msg, msg
+    assert not control.store.exists("bomb")
+    # the CLI's validate (and run) too: exit 2 and the message, no traceback
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "aliases (*name) are not allowed" in err and "Traceback" not in err
+    # and an override's value
+    msg = _refused(control, "name: ok", ["tools=[{name: calculator, args: {a: &a [1, 2], b: *a}}]"])
+    assert "override" in msg and "aliases" in msg, msg
+    print(f"alias bomb refused in {time.monotonic() - t0:.3f} s: {msg.splitlines()[0]}")
+
+
+def test_a_non_utf8_spec_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("name: caf\xe9\n".encode("latin-1"))
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8" in err and str(path) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tools: [{name: calculator, args: {a: " + "[" * 5000 + "]" * 5000 + "}}]",
+        "tools: [{name: calculator, args: " + "{a: " * 200 + "1" + "}" * 200 + "}]",
+        json.dumps({"tools": [{"name": "calculator", "args": json.loads("[" * 900 + "]" * 900)}]}),
+    ],
+    ids=["flow-lists", "flow-maps", "json"],
+)
+def test_a_deeply_nested_spec_is_a_clear_error(control, tmp_path, capsys, text):
+    assert "nested too deeply" in _refused(control, text)
+    path = tmp_path / "deep.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "nested too deeply" in err and "Traceback" not in err, err
+
+
+def test_a_spec_over_the_size_limit_is_refused():
+    with pytest.raises(jobspec.JobSpecError, match="over 1048576 bytes"):
+        jobspec.loads("name: big\n# " + "x" * jobspec.MAX_SPEC_BYTES)
+
+
+# ---- job names ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["nl\n", "nl\n\n", "a\nb", "\nx", "ok ", "x" * 64])
+def test_a_job_name_must_match_whole(control, name):
+    assert check_name(name) is not None
+    msg = _refused(control, json.dumps({"name": name}))
+    assert "`$.name`" in msg, msg
+    assert not control.store.exists(name) and not (Path(control.home) / "jobs" / name).exists()
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "x" * 300, "nl\n", "Upper", "control"])
+def test_validate_refuses_the_names_submit_refuses(control, tmp_path, capsys, name):
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps({"name": name}))
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "`$.name`" in err and "Traceback" not in err, err
+    assert "`$.name`" in _refused(control, json.dumps({"name": name}))
+
+
+def test_digit_names_are_valid_through_set(control, tmp_path, capsys):
+    # Was: `--set name=123` failed with "Expected `str`, got `int`".
+    assert jobspec.loads("", ["name=123"]).name == "123"
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: {path: m}\n")
+    assert cli.main(["validate", str(spec), "--set", "name=007", "--set", "model.path=2024-01-01"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["name"] == "007" and out["model"]["path"].endswith("/2024-01-01")
+    assert jobspec.loads("", ["trainer.resume_from=null"]).trainer.resume_from is None
+    assert jobspec.loads("", ["algorithm.total_steps=7"]).algorithm.total_steps == 7  # numbers stay numbers
+    assert _accepted(control, "", ["name=123"])["name"] == "123"
+
+
+# ---- paths of submitted jobs -----------------------------------------------------------------------------
+
+
+def test_a_submitted_job_writes_only_inside_its_own_directory(control, tmp_path):
+    home = Path(control.home)
+    jobs = home / "jobs"
+    victim = _accepted(control, "name: victim")
+    victim_json = Path(victim["output_dir"]) / "job.json"
+    before = victim_json.read_text()
+    outside = tmp_path / "etc-x"
+    cases = [
+        ("name: a\noutput_dir: " + str(outside), "`$.output_dir`"),
+        ("name: a\ntrainer: {checkpoint_dir: ../../../../etc/x}", "`$.trainer.checkpoint_dir`"),
+        ("name: a\ntrainer: {checkpoint_dir: " + str(outside) + "}", "`$.trainer.checkpoint_dir`"),
+        ("name: a\noutput_dir: " + str(jobs / "victim"), "`$.output_dir`"),  # another job's directory
+        ("name: a\noutput_dir: " + str(jobs / "a" / ".." / "victim"), "`$.output_dir`"),
+        ("name: ab\noutput_dir: " + str(jobs / "a"), "`$.output_dir`"),  # a prefix is not inside
+    ]
+    for spec, key in cases:
+        msg = _refused(control, spec, cwd=str(tmp_path))
+        assert key in msg and "outside the job's directory" in msg, (spec, msg)
+    # a symlink inside the job's directory that leads out of it is followed, and refused
+    (jobs / "a").mkdir(parents=True, exist_ok=True)
+    (jobs / "a" / "link").symlink_to(outside, target_is_directory=True)
+    msg = _refused(control, "name: a\noutput_dir: " + str(jobs / "a" / "link" / "out"))
+    assert "`$.output_dir`" in msg, msg
+    assert not outside.exists()
+    # a path no filesystem name can hold is refused, not a 500
+    assert "path" in _refused(control, 'name: a\nmodel: {path: "m\\ud800"}')
+    assert victim_json.read_text() == before  # the other job's record is untouched
+
+    # inside its own directory is fine, normalised; a relative checkpoint_dir goes under output_dir
+    ok = _accepted(
+        control,
+        f"name: a\noutput_dir: {jobs / 'a' / 'x' / '..' / 'out'}\ntrainer: {{checkpoint_dir: ck}}",
+    )
+    assert ok["output_dir"] == str((jobs / "a" / "out").resolve())
+    assert ok["trainer"]["checkpoint_dir"] == str((jobs / "a" / "out" / "ck").resolve())
+    assert (jobs / "a" / "out" / "job.json").exists()
+    # a relative output_dir is the job's own directory, whatever it says
+    assert _accepted(control, "name: b\noutput_dir: ../../elsewhere")["output_dir"] == str(
+        (jobs / "b").resolve()
+    )
+    # ... and the submitter is told so, with the key and where the job writes instead
+    note = output_dir_note(jobspec.loads("name: b\noutput_dir: ../../elsewhere"), home)
+    assert "`$.output_dir`" in note and "'../../elsewhere'" in note and str((jobs / "b").resolve()) in note
+    assert output_dir_note(jobspec.loads(f"name: a\noutput_dir: {jobs / 'a'}"), home) is None
+
+
+# ---- numbers ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, overrides, key",
+    [
+        ("", ["algorithm.lr=.inf"], "$.algorithm.lr"),
+        ("algorithm: {lr: .nan}", [], "$.algorithm.lr"),
+        ("algorithm: {clip_eps: .inf}", [], "$.algorithm.clip_eps"),
+        ("tools: [{name: calculator, args: {x: -.inf}}]\nagent: {}", [], "$.tools[0].args.x"),
+        ("", ["bus.timeout_s=1e308"], "$.bus.timeout_s"),
+        ("", ["agent.tool_timeout_s=1e9"], "$.agent.tool_timeout_s"),
+        ("", ["algorithm.total_steps=99999999999999999999999"], "$.algorithm.total_steps"),
+        ("", ["dataset.seed=99999999999999999999999"], "$.dataset.seed"),
+        ("generators: {num_engines: 100000}", [], "$.generators.num_engines"),
+        ("generators: {num_workers: 4097}", [], "$.generators.num_workers"),
+        ("trainer: {num_trainers: 100000}", [], "$.trainer.num_trainers"),
+        ("", ["algorithm.groups_per_step=1e9"], "$.algorithm.groups_per_step"),
+        ("", ["algorithm.groups_per_step=65537"], "$.algorithm.groups_per_step"),
+        ("rollout: {sampling: {max_new_tokens: 1000000000}}", [], "$.rollout.sampling.max_new_tokens"),
+        ("", ["rollout.sampling.max_new_tokens=131073"], "$.rollout.sampling.max_new_tokens"),
+        ("eval: {max_new_tokens: 131073}", [], "$.eval.max_new_tokens"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_at_submit(control, spec, overrides, key):
+    msg = _refused(control, spec, overrides)
+    assert f"`{key}`" in msg, msg
+
+
+def test_the_largest_step_and_response_allowed_are_accepted(control, tmp_path):
+    # In an empty working directory: a model built at the default model.path (runs/demo/model, 64 tokens of
+    # context) would refuse this budget (jobspec.check_context).
+    spec = _accepted(
+        control,
+        "name: big\nalgorithm: {groups_per_step: 65536}\nrollout: {sampling: {max_new_tokens: 131072}}",
+        cwd=str(tmp_path),
+    )
+    assert spec["algorithm"]["groups_per_step"] == 65536
+    assert spec["rollout"]["sampling"]["max_new_tokens"] == 131072
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# just a comment\n"])
+def test_an_empty_spec_is_refused_not_run_as_the_default_job(control, tmp_path, capsys, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "empty spec" in err and str(path) in err and "Traceback" not in err, err
+    assert "empty spec" in _refused(control, text)
+    assert not control.store.exists("demo")  # no default job was created
+    # defaults plus overrides is a spec the user wrote out on the command line
+    assert _accepted(control, text, ["name=from-set"])["name"] == "from-set"
+
+
+@pytest.mark.parametrize(
+    "text, key, line, first",
+    [
+        ("name: a\nalgorithm:\n  lr: 1.0e-4\n  lr: 2.0e-4\n", "lr", 4, 3),
+        ("name: a\nrollout: {group_size: 4}\nname: b\n", "name", 3, 1),
+        ('{"name": "a", "name": "b"}', "name", 1, 1),
+    ],
+)
+def test_a_key_given_twice_is_refused_naming_the_key_and_line(
+    control, tmp_path, capsys, text, key, line, first
+):
+    path = tmp_path / "dup.yaml"
+    path.write_text(text)
+    assert cli.main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"duplicate key '{key}' (first on line {first})" in err and f"line {line}" in err, err
+    assert "Traceback" not in err, err
+    assert f"duplicate key '{key}'" in _refused(control, text)
+
+
+def _checkpoint(ckpts: Path, version: int) -> Path:
+    """A complete checkpoint as trainer/checkpoint.py leaves it (its state file and the `latest` pointer)."""
+    path = ckpts / f"step-{version:08d}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"version": version, "step": version}))
+    (ckpts / "latest").write_text(path.name)
+    return path
+
+
+def test_a_resumed_job_shows_the_version_it_resumes_from_while_it_starts(control):
+    ckpts = Path(control.home) / "jobs" / "again" / "checkpoints"
+    _checkpoint(ckpts, 5)
+    seven = _checkpoint(ckpts, 7)
+    _accepted(control, "name: again\ntrainer: {resume_from: latest}")
+    assert control.store.status("again").version == 7
+    _accepted(control, f"name: again\ntrainer: {{resume_from: {ckpts / 'step-00000005'}}}")
+    assert control.store.status("again").version == 5
+    _accepted(control, f"name: again\ntrainer: {{resume_from: {seven}}}")
+    assert control.store.status("again").version == 7
+    _accepted(control, "name: again")  # a fresh job starts at 0
+    assert control.store.status("again").version == 0
+
+
+def test_submit_and_scale_share_one_pool_cap(control):
+    assert jobspec.MAX_POOL == 4096
+    from slipstream.cluster.api import MAX_POOL
+
+    assert MAX_POOL is jobspec.MAX_POOL
+    _accepted(control, "name: pools\ngenerators: {num_engines: 4096, num_workers: 4096}")
+    control.store.update_status("pools", state="running")
+    before = control.store.desired("pools")
+    for key in ("generators", "trainers"):
+        with pytest.raises(ControlError, match="1 to 4096") as e:
+            control.scale("pools", **{key: 4097})
+        assert e.value.status == 422
+    assert control.store.desired("pools") == before
+    _refused(control, "name: pools2\ngenerators: {num_engines: 4097}")
+
+
+# ---- one rule for relative paths; no model built into examples/ -----------------------------------------
+
+
+def test_relative_paths_are_the_working_directorys_in_validate_and_submit(
+    control, tmp_path, monkeypatch, capsys
+):
+    import uvicorn
+
+    from slipstream.cluster.api import create_app
+
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "rel.yaml").write_text(
+        "name: rel\nmodel: {path: models/m}\ndataset: {name: jsonl, path: d.jsonl}\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert cli.main(["validate", str(specs / "rel.yaml")]) == 0
+    validated = json.loads(capsys.readouterr().out)
+    assert validated["model"]["path"] == str(work / "models" / "m")
+    assert validated["dataset"]["path"] == str(work / "d.jsonl")
+
+    # `slipstream submit` sends the working directory (was: the spec file's): the same paths result
+    token = "spec-" + os.urandom(4).hex()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(token, control), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "control API did not start"
+            time.sleep(0.02)
+        monkeypatch.setenv("SLIPSTREAM_API_TOKEN", token)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        assert cli.main(["submit", str(specs / "rel.yaml"), "--api-url", url]) == 1  # no Ray behind it
+        assert NO_RAY in capsys.readouterr().err
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    stored = json.loads(control.store.spec_json("rel"))
+    assert stored["model"]["path"] == validated["model"]["path"]
+    assert stored["dataset"]["path"] == validated["dataset"]["path"]
+
+
+def test_the_examples_never_build_a_model_inside_examples(monkeypatch, capsys):
+    examples = sorted((REPO / "examples").glob("*.yaml"))
+    assert examples
+    for path in examples:
+        spec = jobspec.resolve_paths(jobspec.load(path), REPO)  # from the project root, as documented
+        assert spec.model.build is not None
+        assert not Path(spec.model.path).is_relative_to(REPO / "examples"), spec.model.path
+    # run from inside examples/, a build there is refused with the key, before anything starts
+    monkeypatch.chdir(REPO / "examples")
+    assert cli.main(["validate", "demo.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "examples/" in err and "`$.model.path`" in err, err
+    assert not (REPO / "examples" / "runs").exists()
+
+
+BUILD = """
+import hashlib, logging, sys
+from pathlib import Path
+import jobspec
+from model_zoo.prepare import prepare_model
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+spec = jobspec.loads(sys.argv[1])
+prepare_model(spec.model, spec.dataset)
+# what this process would load: the weights in model.path once prepare_model returned
+print("LOADED", hashlib.sha256((Path(spec.model.path) / "model.safetensors").read_bytes()).hexdigest())
+"""
+
+
+def test_two_processes_building_one_model_build_it_once_and_read_it_whole(tmp_path):
+    model = tmp_path / "shared" / "model"
+    spec = json.dumps({"model": {"path": str(model), "build": "tiny-arith", "warmup_steps": 60}})
+    env = {**ENV, "PYTHONUNBUFFERED": "1"}
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    first = subprocess.Popen(
+        [sys.executable, "-c", BUILD, spec], env=env, stdout=logs[0].open("w"), stderr=subprocess.STDOUT
+    )
+    # the second starts once the first has saved its untrained model (before the SFT warm-up)
+    deadline = time.monotonic() + 300
+    while not ((model / "config.json").exists() or list(model.parent.glob(".model.building-*/config.json"))):
+        assert first.poll() is None, logs[0].read_text()
+        assert time.monotonic() < deadline, "the first build did not start"
+        time.sleep(0.05)
+    second = subprocess.Popen(
+        [sys.executable, "-c", BUILD, spec], env=env, stdout=logs[1].open("w"), stderr=subprocess.STDOUT
+    )
+    assert first.wait(600) == 0, logs[0].read_text()
+    assert second.wait(600) == 0, logs[1].read_text()
+    out = [log.read_text() for log in logs]
+    final = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
+    loaded = [next(ln.split()[1] for ln in o.splitlines() if ln.startswith("LOADED")) for o in out]
+    assert loaded == [final, final], out[1]  # the second never read the first's half-built model
+    assert "building tiny-arith model" in out[0] and "building tiny-arith model" not in out[1], out[1]
+    assert "being built by another job; waiting" in out[1] and "was built by another job" in out[1]
+    assert sorted(p.name for p in model.parent.iterdir()) == [".model.lock", "model"]  # no temp dir left
+
+
+# ---- on a real cluster: the driver and a failing job ------------------------------------------------------
+
+
+def _driver(info, job: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "slipstream.cluster.job_entry", "--home", info.home, "--job", job],
+        env=ENV, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+def test_a_driver_without_its_jobs_spec_fails_instead_of_running_defaults(info):
+    import redis
+
+    control = JobControl(info)
+    admin = redis.Redis.from_url(info.redis_admin_url)
+    keys_before = set(admin.keys("*"))
+    run = _driver(info, "ghost")  # never submitted: no credentials for its Redis user either
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no Redis credentials" in run.stderr and "ghost" in run.stderr, run.stderr
+    assert set(admin.keys("*")) == keys_before  # nothing made for it: no keys, no default job "demo"
+    assert not (Path(info.home) / "jobs" / "demo").exists()
+    control._job_credentials("ghost2")  # its Redis user exists, its spec does not
+    run = _driver(info, "ghost2")
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "no spec stored" in run.stderr and "ghost2" in run.stderr, run.stderr
+    assert not (Path(info.home) / "jobs" / "demo").exists()
+
+    # a record whose stored spec is another job's (or invalid) fails that job, with the reason
+    other = jobspec.to_json(jobspec.loads("name: someone-else"))
+    control.store.create("mixed", other, 1, 1)
+    control._job_credentials("mixed")
+    run = _driver(info, "mixed")
+    assert run.returncode == 1 and "someone-else" in run.stderr, run.stderr
+    st = control.store.status("mixed")
+    assert st.state == "failed" and "someone-else" in st.error, st
+    control.store.create("broken", '{"name": "broken", "algorithm": {"lr": -1}}', 1, 1)
+    control._job_credentials("broken")
+    assert _driver(info, "broken").returncode == 1
+    st = control.store.status("broken")
+    assert st.state == "failed" and "`$.algorithm.lr`" in st.error, st
+    # a name that is not one (the driver is never started with it by submit, but it refuses it too)
+    run = _driver(info, "nl\n")
+    assert run.returncode == 1 and "job name" in run.stderr, run.stderr
+
+
+def test_a_job_stopped_before_its_driver_starts_ends_stopped_without_ray(info, tmp_path):
+    """A stop (or a cluster down) right after submit can reach the job before its driver connects to Ray:
+    the driver ends the job as stopped, with what a resubmission starts from, before connecting to Ray."""
+    control = JobControl(info)
+    spec = jobspec.to_json(jobspec.loads(f"name: early\noutput_dir: {tmp_path / 'early'}"))
+    control.store.create("early", spec, 1, 1)
+    control._job_credentials("early")
+    control.store.request_stop("early", reason="cluster down")
+    run = _driver(info, "early")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "job early stopped before its driver started (cluster down)" in run.stdout, run.stdout
+    st = control.store.status("early")
+    assert st.state == "stopped" and st.checkpoint == "" and st.checkpoint_version is None, st
+    assert "no checkpoint was written" in st.note and st.pools["trainers"] == 0, st
+
+
+# What ray.init does while the GCS it dials is gone: block inside Ray's C++ client, where no Python signal
+# handler runs (a sleep stands in for it); the driver's watchdog is what ends the process.
+HUNG_CONNECT = """
+import sys, time
+import ray, redis
+from slipstream.job.store import JobStore
+from slipstream.cluster import job_entry
+ray.init = lambda **kw: time.sleep(600)
+job_entry.RAY_CONNECT_GRACE_S = 1.0
+job_entry._connect_ray(JobStore(redis.Redis.from_url(sys.argv[1])), sys.argv[2])
+"""
+
+
+def test_a_driver_stuck_connecting_to_ray_exits_once_its_stop_is_requested(info):
+    control = JobControl(info)
+    control.store.create("hung", jobspec.to_json(jobspec.loads("name: hung")), 1, 1)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HUNG_CONNECT, info.redis_admin_url, "hung"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # no stop requested: it waits for Ray
+        control.store.request_stop("hung")
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, out
+    assert "job hung: its stop was requested and Ray has not answered for 1 s since" in out, out
+
+
+def test_a_job_whose_trainer_fails_carries_the_real_cause(info, tmp_path, tiny_model_dir):
+    from slipstream.cli.jobs import ControlClient
+
+    client = ControlClient(info.api_url, info.api_token)
+    # 192.0.2.1 (TEST-NET-1) is no address of this host: the trainer cannot host the weight group's store
+    spec = f"""
+name: nobus
+model: {{path: {tiny_model_dir}}}
+rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
+algorithm: {{groups_per_step: 2, total_steps: 3}}
+bus: {{master_address: 192.0.2.1, timeout_s: 1}}
+"""
+    client.submit(spec, [], str(tmp_path))
+    deadline = time.monotonic() + 300
+    while (st := client.get("nobus"))["state"] not in ("succeeded", "failed", "stopped"):
+        assert time.monotonic() < deadline, st
+        time.sleep(1)
+    assert st["state"] == "failed", st
+    err = st["error"]
+    print(f"job error: {err}")
+    # Was: "... BusError: no weight update group could be built over [...]", the cause only in trainer-0.log
+    assert "no weight update group could be built" in err and "could not host its store on 192.0.2.1" in err
+    assert "\n" not in err and "\x1b" not in err  # one plain line: the traceback stays in the logs

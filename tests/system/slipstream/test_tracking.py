@@ -1,0 +1,241 @@
+"""Experiment tracking: TensorBoard event files and W&B offline runs in a job's output_dir, read back
+with TensorBoard's EventAccumulator and from W&B's offline run file; steps keyed by version, never
+duplicated across restarts and resumed attempts; a writer failure never fails the job."""
+
+import glob
+import json
+import struct
+
+import pytest
+
+import jobspec
+from slipstream.job.tracking import Tracker
+
+pytestmark = pytest.mark.usefixtures("shared_ray")  # run_job on the session's Ray
+
+
+def _spec(out, wandb=True, **extra) -> jobspec.JobSpec:
+    raw = {"name": "trk", "output_dir": str(out), "tracking": {"wandb": {"enabled": wandb}}, **extra}
+    return jobspec.from_dict(raw)
+
+
+def _events(out):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def _steps(acc, tag):
+    return [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)]
+
+
+def _wandb_history(out) -> list[dict]:
+    """The history rows of every W&B offline run under out/wandb (their `.wandb` files: W&B's record
+    log, 32 KiB blocks of checksum/length/type-framed protobuf records after a 7-byte header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        data = open(path, "rb").read()
+        assert data[:4] == b":W&B"
+        pos, buf, block = 7, b"", 32768
+        while pos + 7 <= len(data):
+            if block - pos % block < 7:
+                pos += block - pos % block
+                continue
+            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+            if kind in (1, 2):
+                buf = chunk
+            elif kind in (3, 4):
+                buf += chunk
+            if kind in (1, 4):
+                rec = pb.Record()
+                rec.ParseFromString(buf)
+                if rec.WhichOneof("record_type") == "history":
+                    rows.append(
+                        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
+                    )
+    return rows
+
+
+def _rec(version, reward, attempt=1):
+    return {"step": version, "version": version, "attempt": attempt, "run_id": "r1", "pool_id": "p",
+            "reward_mean": reward, "loss": -reward, "staleness_max": 0, "mfu": None, "samples": 8}  # fmt: skip
+
+
+def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
+    t = Tracker(_spec(tmp_path), {"run_id": "r1", "attempt": 1})
+    t.log_config()
+    for v in (1, 2, 3):
+        t.log_progress(_rec(v, 0.1 * v))
+    t.log_scalars({"accuracy": 0.5, "note": "not a number"}, version=2)
+    t.close()
+    assert t.status()["errors"] == {} and t.status()["writes"] == {"tensorboard": 4, "wandb": 4}
+
+    acc = _events(tmp_path)
+    tags = acc.Tags()["scalars"]
+    assert {
+        "train/reward_mean",
+        "train/loss",
+        "train/staleness_max",
+        "train/samples",
+        "eval/accuracy",
+    } <= set(tags)
+    assert "train/mfu" not in tags and "train/version" not in tags  # null, and the x-axis itself
+    assert _steps(acc, "train/reward_mean") == [(1, 0.1), (2, 0.2), (3, 0.3)]
+    assert _steps(acc, "eval/accuracy") == [(2, 0.5)]
+    assert "config/spec/text_summary" in acc.Tags()["tensors"]
+    text = acc.Tensors("config/spec/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"name": "trk"' in text
+    hp = acc.summary_metadata  # the hparams plugin's experiment and session summaries
+    assert any(m.plugin_data.plugin_name == "hparams" for m in hp.values())
+
+    rows = _wandb_history(tmp_path)
+    assert [(r["_step"], round(r["train/reward_mean"], 6)) for r in rows if "train/reward_mean" in r] == [
+        (1, 0.1), (2, 0.2), (3, 0.3)
+    ]  # fmt: skip
+    assert [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] == [0.5]
+
+
+def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
+    spec = _spec(tmp_path, wandb=False)
+    t = Tracker(spec, {"run_id": "r1", "attempt": 1})
+    t.log_config()
+    for v in (1, 2, 3, 4):
+        t.log_progress(_rec(v, v))
+    # the trainer pool restarted from the checkpoint at version 2: versions 3 and 4 are trained again
+    t.log_progress(_rec(3, 30))
+    t.close()
+    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 30)]
+
+    # a resumed attempt of the run (a new driver process): it reads the earlier attempt's records again,
+    # then its trainer resumes from the checkpoint at version 2
+    t = Tracker(spec, {"run_id": "r1", "attempt": 2})
+    t.log_config()  # written by the first attempt's driver already: not again
+    t.log_scalars({"accuracy": 0.9}, version=2)  # an eval result before any step of this attempt
+    for v, r in ((1, 1), (2, 2), (3, 30)):
+        t.log_progress(_rec(v, r, attempt=1))
+    for v in (3, 4, 5):
+        t.log_progress(_rec(v, 100 * v, attempt=2))
+    t.close()
+    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 300), (4, 400), (5, 500)]
+    assert json.loads((tmp_path / "tracking.json").read_text())["version"] == 5
+    assert _steps(_events(tmp_path), "eval/accuracy") == [(2, 0.9)]
+    assert len(_events(tmp_path).Tensors("config/spec/text_summary")) == 1
+
+    # a new run of the job (not a resumption) starts its curves afresh
+    t = Tracker(spec, {"run_id": "r2", "attempt": 1})
+    t.log_progress(_rec(1, 7))
+    t.close()
+    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 7)]
+
+
+def _eval_rec(version, accuracy, attempt=1):
+    """An evaluator's record as generator_fleet/evaluation.py writes it to the progress stream."""
+    scores = {"accuracy": accuracy, "pass@4": min(1.0, 2 * accuracy), "problems": 64.0, "duration_s": 2.5}
+    return {"kind": "eval", "version": version, "version_max": version, "eval": scores,
+            "elapsed_s": float(version), "attempt": attempt}  # fmt: skip
+
+
+def test_evaluation_records_become_eval_scalars_once_per_run(tmp_path):
+    spec = _spec(tmp_path, wandb=False)
+    t = Tracker(spec, {"run_id": "r1", "attempt": 1})
+    t.log_progress(_eval_rec(0, 0.25))  # version 0 is evaluated before the first step
+    for v in (1, 2):
+        t.log_progress(_rec(v, v))
+    t.log_progress(_eval_rec(2, 0.5))
+    t.close()
+    acc = _events(tmp_path)
+    assert _steps(acc, "eval/accuracy") == [(0, 0.25), (2, 0.5)]
+    assert _steps(acc, "eval/pass@4") == [(0, 0.5), (2, 1.0)]
+    assert {"eval/problems", "eval/duration_s"} <= set(acc.Tags()["scalars"])
+    assert "eval/version" not in acc.Tags()["scalars"] and "eval/attempt" not in acc.Tags()["scalars"]
+    assert _steps(acc, "train/reward_mean") == [(1, 1), (2, 2)]  # the steps' curves are untouched
+    assert json.loads((tmp_path / "tracking.json").read_text())["eval_version"] == 2
+
+    # a resumed attempt's driver reads the earlier attempt's evaluations again: not written twice
+    t = Tracker(spec, {"run_id": "r1", "attempt": 2})
+    for rec in (_eval_rec(0, 0.25), _rec(1, 1), _rec(2, 2), _eval_rec(2, 0.5)):
+        t.log_progress({**rec, "attempt": 1})
+    t.log_progress(_rec(3, 3, attempt=2))
+    t.log_progress(_eval_rec(3, 0.75, attempt=2))
+    t.close()
+    assert _steps(_events(tmp_path), "eval/accuracy") == [(0, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
+    tmp_path, redis_server, redis_client, job_id
+):
+    """The driver's own path: records in a real Redis progress stream, read by JobDriver.read_progress
+    (no pools started), land in TensorBoard as train/* and eval/* (evaluations were once dropped)."""
+    from slipstream.job.driver import JobDriver
+    from slipstream.job.store import JobStore
+
+    spec = jobspec.from_dict({"name": job_id, "output_dir": str(tmp_path)})
+    store = JobStore(redis_client)
+    store.create(job_id, jobspec.to_json(spec), 1, 1)
+    driver = JobDriver(spec, redis_server.url, store)
+    driver.begin_run()
+    stream = driver.buffer.keys.progress
+    step = {"reward_mean": 0.5, "staleness_mean": 0.0, "staleness_max": 0, "loss": 0.1, "samples": 4,
+            "response_tokens": 16, "run_id": driver.run_info["run_id"], "attempt": 1}  # fmt: skip
+    for rec in (_eval_rec(0, 0.25), {**step, "step": 1, "version": 1, "elapsed_s": 1.0}, _eval_rec(1, 0.5)):
+        redis_client.xadd(stream, {"j": json.dumps(rec)})
+    driver.read_progress(block_ms=0)
+    driver.tracker.close()
+    assert driver.last_eval["version"] == 1
+    acc = _events(tmp_path)
+    assert _steps(acc, "eval/accuracy") == [(0, 0.25), (1, 0.5)]
+    assert _steps(acc, "train/reward_mean") == [(1, 0.5)]
+
+
+def test_a_failing_writer_is_counted_and_logged_once_and_never_raises(tmp_path, caplog):
+    (tmp_path / "tensorboard").write_text("a file where the event directory should be")
+    t = Tracker(
+        _spec(tmp_path, wandb=False, trainer={"resume_from": "latest"}), {"run_id": "r1", "attempt": 1}
+    )
+    for v in (1, 2, 3):
+        t.log_progress(_rec(v, v))
+    t.close()
+    assert t.status()["errors"]["tensorboard"] >= 1
+    assert len([r for r in caplog.records if "tracking: tensorboard failed" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("bad", [{"mode": "upload"}, {"project": "no spaces"}, {"enable": True}])
+def test_bad_tracking_keys_name_their_path(bad):
+    with pytest.raises(jobspec.JobSpecError, match=r"\$\.tracking\.wandb\.(mode|project|enable)"):
+        jobspec.from_dict({"tracking": {"wandb": bad}})
+
+
+def test_a_short_job_tracks_every_step_in_tensorboard_and_wandb(tmp_path, tiny_model_dir):
+    from slipstream.job.local import run_job
+
+    out = tmp_path / "run"
+    spec = _spec(
+        out,
+        model={"path": str(tiny_model_dir)},
+        rollout={"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
+        generators={"num_engines": 1, "num_workers": 1},
+        algorithm={"groups_per_step": 2, "total_steps": 3},
+    )
+    result = run_job(spec)
+    assert result.version == 3
+    acc = _events(out)
+    for tag in (
+        "train/reward_mean",
+        "train/loss",
+        "train/staleness_mean",
+        "train/tokens_per_s",
+        "train/step_s",
+    ):
+        assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3], tag
+    assert [round(e.value, 6) for e in acc.Scalars("train/reward_mean")] == [
+        round(p["reward_mean"], 6) for p in result.progress
+    ]
+    assert "config/spec/text_summary" in acc.Tags()["tensors"]
+    rows = [r for r in _wandb_history(out) if "train/reward_mean" in r]
+    assert [r["_step"] for r in rows] == [1, 2, 3]
+    assert [round(r["train/loss"], 6) for r in rows] == [round(p["loss"], 6) for p in result.progress]
