@@ -15,6 +15,9 @@ from slipstream.cluster.state import ClusterInfo
 JOB_TIMEOUT_S = 300.0
 """How long a test waits for a job to reach a state (generous: a loaded 2-core CI box); never a measured value."""
 ENDED = ("succeeded", "failed", "stopped", "interrupted")
+QUICK_POLL_S = 0.25
+"""A poll interval for waits on a job's next steps or state: a tiny job trains several steps a second, so
+polling once a second would spend most of such a wait asleep; an API status read costs milliseconds."""
 
 
 @contextmanager

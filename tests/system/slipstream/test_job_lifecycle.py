@@ -9,7 +9,7 @@ name resumes from that checkpoint."""
 from pathlib import Path
 
 import pytest
-from cluster_helpers import ENDED, spec_text, wait_for
+from cluster_helpers import ENDED, QUICK_POLL_S, spec_text, wait_for
 
 from slipstream import cli
 from slipstream.cli.jobs import ApiError
@@ -26,7 +26,7 @@ def test_scale_is_checked_against_the_spec_and_stop_says_what_it_does(
 ):
     name = "plain"
     client.submit(spec_text(tiny_model_dir, name, trainer="{fsdp: false}"), [], str(tmp_path))
-    st = wait_for(client, name, "a first step", lambda s: s.get("version", 0) >= 1)
+    st = wait_for(client, name, "a first step", lambda s: s.get("version", 0) >= 1, poll_s=QUICK_POLL_S)
     out_dir = Path(st["output_dir"])
 
     # two trainer ranks need fsdp: refused with the spec's own reason, nothing recorded for the driver
@@ -42,7 +42,7 @@ def test_scale_is_checked_against_the_spec_and_stop_says_what_it_does(
     # stop --no-checkpoint: says nothing is saved, and the job's final status says so too
     assert cli.main(["stop", name, "--no-checkpoint", "--home", str(home)]) == 0
     assert "no checkpoint is written" in capsys.readouterr().out
-    st = wait_for(client, name, "the stop", lambda s: s["state"] in ENDED, ended_ok=True)
+    st = wait_for(client, name, "the stop", lambda s: s["state"] in ENDED, ended_ok=True, poll_s=QUICK_POLL_S)
     assert st["state"] == "stopped", st
     assert st["checkpoint"] == "" and "no checkpoint written at the stop" in st["note"], st
     assert not (out_dir / "checkpoints").exists()
@@ -60,7 +60,7 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
     name = "longrun"  # checkpoint_every is 0 (the default): only the stops write checkpoints
     spec = spec_text(tiny_model_dir, name)
     client.submit(spec, [], str(tmp_path))
-    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 2)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 2, poll_s=QUICK_POLL_S)
     out_dir = Path(st["output_dir"])
     trainer_log = out_dir / "logs" / "trainer-0.log"
 
@@ -84,12 +84,24 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
 
     # the same name resumes from it
     client.submit(spec, ["trainer.resume_from=latest"], str(tmp_path))
-    wait_for(client, name, "resumed steps", lambda s: s.get("version", 0) >= v1 + 2)
+    wait_for(client, name, "resumed steps", lambda s: s.get("version", 0) >= v1 + 2, poll_s=QUICK_POLL_S)
     assert f"resumed from {ckpt1} " in trainer_log.read_text()
     client.checkpoint(name)
-    wait_for(client, name, "a requested checkpoint", lambda s: _latest(out_dir) not in (None, ckpt1))
+    wait_for(
+        client,
+        name,
+        "a requested checkpoint",
+        lambda s: _latest(out_dir) not in (None, ckpt1),
+        poll_s=QUICK_POLL_S,
+    )
     ckpt2 = _latest(out_dir)
-    wait_for(client, name, "a step after it", lambda s: s["version"] > int(ckpt2.name.split("-")[1]))
+    wait_for(
+        client,
+        name,
+        "a step after it",
+        lambda s: s["version"] > int(ckpt2.name.split("-")[1]),
+        poll_s=QUICK_POLL_S,
+    )
 
     # a forced cluster restart kills the driver without a checkpoint: the job is marked interrupted at
     # the control API's start, with the reason and its latest checkpoint, instead of `running` forever
@@ -111,10 +123,14 @@ def test_cluster_down_stops_jobs_with_a_checkpoint_and_a_restart_leaves_none_stu
     # and the name is free again: resubmitted, it resumes from that checkpoint
     client.submit(spec, ["trainer.resume_from=latest"], str(tmp_path))
     v2 = int(ckpt2.name.split("-")[1])
-    wait_for(client, name, "steps after the second resume", lambda s: s.get("version", 0) > v2)
+    wait_for(
+        client, name, "steps after the second resume", lambda s: s.get("version", 0) > v2, poll_s=QUICK_POLL_S
+    )
     assert f"resumed from {ckpt2} " in trainer_log.read_text()
     client.stop(name)
-    st = wait_for(client, name, "the last stop", lambda s: s["state"] in ENDED, ended_ok=True)
+    st = wait_for(
+        client, name, "the last stop", lambda s: s["state"] in ENDED, ended_ok=True, poll_s=QUICK_POLL_S
+    )
     assert st["state"] == "stopped" and st["checkpoint_version"] == st["version"], st
 
 
