@@ -1,64 +1,19 @@
-"""Experiment tracking: TensorBoard event files and W&B offline runs in a job's output_dir, read back
-with TensorBoard's EventAccumulator and from W&B's offline run file; steps keyed by version, never
-duplicated across restarts and resumed attempts; a writer failure never fails the job."""
+"""Experiment tracking in one process: TensorBoard event files and W&B offline runs in a job's output_dir,
+read back with TensorBoard's EventAccumulator and from W&B's offline run file; steps keyed by version, never
+duplicated across restarts and resumed attempts; evaluation records become eval scalars, also through the
+driver's progress stream on a real Redis; a writer failure never raises; bad tracking keys name their path."""
 
-import glob
 import json
-import struct
 
 import pytest
+from tracking_files import tb_events, tracking_spec, wandb_history
 
 import jobspec
 from slipstream.job.tracking import Tracker
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # run_job on the session's Ray
-
-
-def _spec(out, wandb=True, **extra) -> jobspec.JobSpec:
-    raw = {"name": "trk", "output_dir": str(out), "tracking": {"wandb": {"enabled": wandb}}, **extra}
-    return jobspec.from_dict(raw)
-
-
-def _events(out):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return acc
-
 
 def _steps(acc, tag):
     return [(e.step, round(e.value, 6)) for e in acc.Scalars(tag)]
-
-
-def _wandb_history(out) -> list[dict]:
-    """The history rows of every W&B offline run under out/wandb (their `.wandb` files: W&B's record
-    log, 32 KiB blocks of checksum/length/type-framed protobuf records after a 7-byte header)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    rows = []
-    for path in sorted(glob.glob(str(out / "wandb" / "offline-run-*" / "run-*.wandb"))):
-        data = open(path, "rb").read()
-        assert data[:4] == b":W&B"
-        pos, buf, block = 7, b"", 32768
-        while pos + 7 <= len(data):
-            if block - pos % block < 7:
-                pos += block - pos % block
-                continue
-            _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
-            if kind in (1, 2):
-                buf = chunk
-            elif kind in (3, 4):
-                buf += chunk
-            if kind in (1, 4):
-                rec = pb.Record()
-                rec.ParseFromString(buf)
-                if rec.WhichOneof("record_type") == "history":
-                    rows.append(
-                        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item}
-                    )
-    return rows
 
 
 def _rec(version, reward, attempt=1):
@@ -67,7 +22,7 @@ def _rec(version, reward, attempt=1):
 
 
 def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
-    t = Tracker(_spec(tmp_path), {"run_id": "r1", "attempt": 1})
+    t = Tracker(tracking_spec(tmp_path), {"run_id": "r1", "attempt": 1})
     t.log_config()
     for v in (1, 2, 3):
         t.log_progress(_rec(v, 0.1 * v))
@@ -75,7 +30,7 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
     t.close()
     assert t.status()["errors"] == {} and t.status()["writes"] == {"tensorboard": 4, "wandb": 4}
 
-    acc = _events(tmp_path)
+    acc = tb_events(tmp_path)
     tags = acc.Tags()["scalars"]
     assert {
         "train/reward_mean",
@@ -93,7 +48,7 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
     hp = acc.summary_metadata  # the hparams plugin's experiment and session summaries
     assert any(m.plugin_data.plugin_name == "hparams" for m in hp.values())
 
-    rows = _wandb_history(tmp_path)
+    rows = wandb_history(tmp_path)
     assert [(r["_step"], round(r["train/reward_mean"], 6)) for r in rows if "train/reward_mean" in r] == [
         (1, 0.1), (2, 0.2), (3, 0.3)
     ]  # fmt: skip
@@ -101,7 +56,7 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
 
 
 def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
-    spec = _spec(tmp_path, wandb=False)
+    spec = tracking_spec(tmp_path, wandb=False)
     t = Tracker(spec, {"run_id": "r1", "attempt": 1})
     t.log_config()
     for v in (1, 2, 3, 4):
@@ -109,7 +64,7 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     # the trainer pool restarted from the checkpoint at version 2: versions 3 and 4 are trained again
     t.log_progress(_rec(3, 30))
     t.close()
-    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 30)]
+    assert _steps(tb_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 30)]
 
     # a resumed attempt of the run (a new driver process): it reads the earlier attempt's records again,
     # then its trainer resumes from the checkpoint at version 2
@@ -121,16 +76,16 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     for v in (3, 4, 5):
         t.log_progress(_rec(v, 100 * v, attempt=2))
     t.close()
-    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 300), (4, 400), (5, 500)]
+    assert _steps(tb_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 300), (4, 400), (5, 500)]
     assert json.loads((tmp_path / "tracking.json").read_text())["version"] == 5
-    assert _steps(_events(tmp_path), "eval/accuracy") == [(2, 0.9)]
-    assert len(_events(tmp_path).Tensors("config/spec/text_summary")) == 1
+    assert _steps(tb_events(tmp_path), "eval/accuracy") == [(2, 0.9)]
+    assert len(tb_events(tmp_path).Tensors("config/spec/text_summary")) == 1
 
     # a new run of the job (not a resumption) starts its curves afresh
     t = Tracker(spec, {"run_id": "r2", "attempt": 1})
     t.log_progress(_rec(1, 7))
     t.close()
-    assert _steps(_events(tmp_path), "train/reward_mean") == [(1, 7)]
+    assert _steps(tb_events(tmp_path), "train/reward_mean") == [(1, 7)]
 
 
 def _eval_rec(version, accuracy, attempt=1):
@@ -141,14 +96,14 @@ def _eval_rec(version, accuracy, attempt=1):
 
 
 def test_evaluation_records_become_eval_scalars_once_per_run(tmp_path):
-    spec = _spec(tmp_path, wandb=False)
+    spec = tracking_spec(tmp_path, wandb=False)
     t = Tracker(spec, {"run_id": "r1", "attempt": 1})
     t.log_progress(_eval_rec(0, 0.25))  # version 0 is evaluated before the first step
     for v in (1, 2):
         t.log_progress(_rec(v, v))
     t.log_progress(_eval_rec(2, 0.5))
     t.close()
-    acc = _events(tmp_path)
+    acc = tb_events(tmp_path)
     assert _steps(acc, "eval/accuracy") == [(0, 0.25), (2, 0.5)]
     assert _steps(acc, "eval/pass@4") == [(0, 0.5), (2, 1.0)]
     assert {"eval/problems", "eval/duration_s"} <= set(acc.Tags()["scalars"])
@@ -163,7 +118,7 @@ def test_evaluation_records_become_eval_scalars_once_per_run(tmp_path):
     t.log_progress(_rec(3, 3, attempt=2))
     t.log_progress(_eval_rec(3, 0.75, attempt=2))
     t.close()
-    assert _steps(_events(tmp_path), "eval/accuracy") == [(0, 0.25), (2, 0.5), (3, 0.75)]
+    assert _steps(tb_events(tmp_path), "eval/accuracy") == [(0, 0.25), (2, 0.5), (3, 0.75)]
 
 
 def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
@@ -187,7 +142,7 @@ def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
     driver.read_progress(block_ms=0)
     driver.tracker.close()
     assert driver.last_eval["version"] == 1
-    acc = _events(tmp_path)
+    acc = tb_events(tmp_path)
     assert _steps(acc, "eval/accuracy") == [(0, 0.25), (1, 0.5)]
     assert _steps(acc, "train/reward_mean") == [(1, 0.5)]
 
@@ -195,7 +150,8 @@ def test_the_driver_tracks_the_evaluations_in_its_progress_stream(
 def test_a_failing_writer_is_counted_and_logged_once_and_never_raises(tmp_path, caplog):
     (tmp_path / "tensorboard").write_text("a file where the event directory should be")
     t = Tracker(
-        _spec(tmp_path, wandb=False, trainer={"resume_from": "latest"}), {"run_id": "r1", "attempt": 1}
+        tracking_spec(tmp_path, wandb=False, trainer={"resume_from": "latest"}),
+        {"run_id": "r1", "attempt": 1},
     )
     for v in (1, 2, 3):
         t.log_progress(_rec(v, v))
@@ -208,34 +164,3 @@ def test_a_failing_writer_is_counted_and_logged_once_and_never_raises(tmp_path, 
 def test_bad_tracking_keys_name_their_path(bad):
     with pytest.raises(jobspec.JobSpecError, match=r"\$\.tracking\.wandb\.(mode|project|enable)"):
         jobspec.from_dict({"tracking": {"wandb": bad}})
-
-
-def test_a_short_job_tracks_every_step_in_tensorboard_and_wandb(tmp_path, tiny_model_dir):
-    from slipstream.job.local import run_job
-
-    out = tmp_path / "run"
-    spec = _spec(
-        out,
-        model={"path": str(tiny_model_dir)},
-        rollout={"group_size": 4, "concurrency": 4, "sampling": {"max_new_tokens": 4}},
-        generators={"num_engines": 1, "num_workers": 1},
-        algorithm={"groups_per_step": 2, "total_steps": 3},
-    )
-    result = run_job(spec)
-    assert result.version == 3
-    acc = _events(out)
-    for tag in (
-        "train/reward_mean",
-        "train/loss",
-        "train/staleness_mean",
-        "train/tokens_per_s",
-        "train/step_s",
-    ):
-        assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3], tag
-    assert [round(e.value, 6) for e in acc.Scalars("train/reward_mean")] == [
-        round(p["reward_mean"], 6) for p in result.progress
-    ]
-    assert "config/spec/text_summary" in acc.Tags()["tensors"]
-    rows = [r for r in _wandb_history(out) if "train/reward_mean" in r]
-    assert [r["_step"] for r in rows] == [1, 2, 3]
-    assert [round(r["train/loss"], 6) for r in rows] == [round(p["loss"], 6) for p in result.progress]
