@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from cluster_helpers import JOB_TIMEOUT_S, spec_text, wait_for
+from cluster_helpers import JOB_TIMEOUT_S, QUICK_POLL_S, spec_text, wait_for
 
 from slipstream import cli
 
@@ -60,12 +60,13 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     assert f"submitted job {name}" in out
     # the spec's relative `output_dir: out` is not used, and submit says so
     assert "note: output_dir 'out' is relative" in out and str(Path(info.home) / "jobs" / name) in out, out
-    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3)
+    st = wait_for(client, name, "first steps", lambda s: s.get("version", 0) >= 3, poll_s=QUICK_POLL_S)
     assert st["state"] == "running" and st["pools"] == {"generators": 1, "rollout_workers": 1, "trainers": 1}
     assert Path(st["output_dir"]) == Path(info.home) / "jobs" / name  # relative output_dir: under HOME
     print(f"running: version {st['version']}, reward {st['reward_mean']:.3f}")
 
-    # A second job shares the cluster: it runs to its end beside the first, on keys and files of its own.
+    # A second job shares the cluster: it runs to its end beside the first (while the first scales its
+    # generators), on keys and files of its own.
     from slipstream.cli.jobs import ApiError
 
     with pytest.raises(ApiError, match="is running; stop it first.*HTTP 409"):
@@ -75,13 +76,6 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
         ["algorithm.total_steps=4"],
         str(tmp_path),
     )
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (nb := client.get(other["name"]))["state"] not in ("succeeded", "failed", "stopped"):
-        assert time.monotonic() < deadline, nb
-        time.sleep(1)
-    assert nb["state"] == "succeeded" and nb["version"] == 4, nb
-    assert nb["buffer"]["steps"] == 4 and nb["output_dir"] != st["output_dir"]
-    assert client.get(name)["state"] == "running"
 
     # generators 1 -> 2: the new engine joins through the bus (current weights first), then takes traffic
     client.scale(name, generators=2, trainers=None)
@@ -92,30 +86,53 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
         name,
         "2 generators, the new one given the weights",
         lambda s: s["pools"]["generators"] == 2 and "joined ['http://" in trainer_log.read_text(),
+        poll_s=QUICK_POLL_S,
     )
     engine1 = (Path(st["output_dir"]) / "logs" / "engine-1.log").read_text()
     assert "weights updated" in engine1
     v0 = st["version"]
-    st = wait_for(client, name, "steps with 2 generators", lambda s: s["version"] > v0 + 2)
+    st = wait_for(
+        client, name, "steps with 2 generators", lambda s: s["version"] > v0 + 2, poll_s=QUICK_POLL_S
+    )
 
     # ... and back to 1
     client.scale(name, generators=1, trainers=None)
     v0 = st["version"]
     st = wait_for(
-        client, name, "1 generator", lambda s: s["pools"]["generators"] == 1 and s["version"] > v0 + 2
+        client,
+        name,
+        "1 generator",
+        lambda s: s["pools"]["generators"] == 1 and s["version"] > v0 + 2,
+        poll_s=QUICK_POLL_S,
     )
+
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while (nb := client.get(other["name"]))["state"] not in ("succeeded", "failed", "stopped"):
+        assert time.monotonic() < deadline, nb
+        time.sleep(QUICK_POLL_S)
+    assert nb["state"] == "succeeded" and nb["version"] == 4, nb
+    assert nb["buffer"]["steps"] == 4 and nb["output_dir"] != st["output_dir"]
+    assert client.get(name)["state"] == "running"
 
     # trainers 1 -> 2: checkpoint, restart with 2 gloo ranks resharded from it, carry on
     client.scale(name, generators=None, trainers=2)
     v0 = st["version"]
-    st = wait_for(client, name, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
+    st = wait_for(
+        client,
+        name,
+        "2 trainers",
+        lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2,
+        poll_s=QUICK_POLL_S,
+    )
     driver_log = Path(st["output_dir"]) / "logs" / "driver.log"
     assert "trainer pool: 2 ranks, resumed from" in driver_log.read_text()
 
     client.checkpoint(name)
     ckpts = Path(st["output_dir"]) / "checkpoints"
     before = set(ckpts.iterdir())
-    wait_for(client, name, "a requested checkpoint", lambda s: set(ckpts.iterdir()) - before)
+    wait_for(
+        client, name, "a requested checkpoint", lambda s: set(ckpts.iterdir()) - before, poll_s=QUICK_POLL_S
+    )
 
     assert cli.main(["logs", name, "--home", info.home, "--tail", "5"]) == 0
     assert "components: driver" in capsys.readouterr().out
@@ -126,7 +143,7 @@ def test_submit_scale_checkpoint_stop(info, client, tmp_path, tiny_model_dir, ca
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while (st := client.get(name))["state"] not in ("stopped", "failed", "succeeded"):
         assert time.monotonic() < deadline, st
-        time.sleep(1)
+        time.sleep(QUICK_POLL_S)
     assert st["state"] == "stopped", st
     # nothing lost or trained twice across the scalings and the trainer restart
     buf = st["buffer"]
