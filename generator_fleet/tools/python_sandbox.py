@@ -30,8 +30,8 @@ Kernel-enforced, holding even against code that defeats the Python-level hook:
      RLIMIT_FSIZE (writes past it fail with EFBIG), RLIMIT_CORE = 0. Every thread reserves its stack
      (RLIMIT_STACK, 8 MiB by default) and a malloc arena inside RLIMIT_AS, so at the default
      memory_mb=256 only 6 threads start besides the main one (with an 8 MiB stack limit; measured by
-     tests/system/slipstream/test_cli_ux.py), then `RuntimeError: can't start new thread`; a larger
-     memory_mb allows a few more. Code that needs many threads does not run here.
+     tests/integration/slipstream/test_sandbox_thread_limit.py), then `RuntimeError: can't start new
+     thread`; a larger memory_mb allows a few more. Code that needs many threads does not run here.
   5. From the parent: a wall-clock timeout that SIGKILLs the child's process group (also when the
      caller cancels), a cap on the bytes read from its pipes (the child is killed past it).
 
