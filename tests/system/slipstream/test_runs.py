@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from cluster_helpers import spec_text, wait_for
+from cluster_helpers import QUICK_POLL_S, spec_text, wait_for
 
 from replay_buffer import ReplayBuffer
 from replay_buffer.keys import TRAINER_GROUP
@@ -27,7 +27,12 @@ GROUPS_PER_STEP, GROUP_SIZE = 2, 4
 def _stop(client) -> dict:
     client.stop(NAME)
     return wait_for(
-        client, NAME, "the stop", lambda s: s["state"] in ("stopped", "failed", "succeeded"), ended_ok=True
+        client,
+        NAME,
+        "the stop",
+        lambda s: s["state"] in ("stopped", "failed", "succeeded"),
+        ended_ok=True,
+        poll_s=QUICK_POLL_S,
     )
 
 
@@ -70,12 +75,18 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
     client.submit(spec, [], str(tmp_path))
     # the first pool trains longer than the second will: a second pool whose elapsed_s restarted at 0
     # would show it going back
-    st = wait_for(client, NAME, "first steps", lambda s: s.get("version", 0) >= 8)
+    st = wait_for(client, NAME, "first steps", lambda s: s.get("version", 0) >= 8, poll_s=QUICK_POLL_S)
     first_run = st["run_id"]
     assert st["attempt"] == 1
     client.scale(NAME, generators=None, trainers=2)
     v0 = st["version"]
-    wait_for(client, NAME, "2 trainers", lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2)
+    wait_for(
+        client,
+        NAME,
+        "2 trainers",
+        lambda s: s["pools"]["trainers"] == 2 and s["version"] > v0 + 2,
+        poll_s=QUICK_POLL_S,
+    )
     st = _stop(client)
     assert st["state"] == "stopped", st
     records = _progress(client)["records"]
@@ -100,6 +111,7 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
         NAME,
         "steps after the resume",
         lambda s: s.get("attempt") == 2 and s["version"] >= resume_at + 6,
+        poll_s=QUICK_POLL_S,
     )
     assert st["run_id"] == first_run  # a resume continues the run
     st = _stop(client)
@@ -122,6 +134,7 @@ def test_resubmissions_are_runs_that_never_mix(info, client, tmp_path, tiny_mode
         "the new run's end",
         lambda s: s["state"] in ("succeeded", "failed", "stopped"),
         ended_ok=True,
+        poll_s=QUICK_POLL_S,
     )
     assert st["state"] == "succeeded" and st["version"] == 3, st
     assert st["run_id"] != first_run and st["attempt"] == 1
