@@ -1,27 +1,22 @@
-"""`tools[].impl` is checked before a job starts, from its source, without running any of it: at submit by
-the control API (a real cluster, started with an operator allow-list of tool modules) and by
-`slipstream validate/run`; the rollout workers enforce the allow-list again when they build the tools.
-`tools:` without `agent:` is a spec error."""
+"""`tools[].impl` is checked before a job starts, from its source, without running any of it: by the check
+itself and by `slipstream validate/run`; the allow-list of tool modules takes listed modules and their
+submodules only, and the rollout workers enforce it again when they build the tools. `tools:` without
+`agent:` is a spec error."""
 
 from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
-import httpx
 import pytest
+from tool_allow_list import ALLOWED
 
 import jobspec
 from generator_fleet.tools import ToolSpec, build_tools
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV, check_impl, check_tools
 from slipstream import cli
-from slipstream.cluster import services as cluster
-from slipstream.cluster.state import ray_env
 
-ALLOWED = ["generator_fleet.tools.examples"]
 TOOL_CLASS = """
 class {name}:
     def __init__(self, name="x"):
@@ -142,76 +137,3 @@ def test_validate_and_run_check_the_impl_before_anything_runs(tmp_path, capsys):
         assert cli.main([cmd, str(path)]) == 2
         err = capsys.readouterr().err
         assert "is not a class defined in module 'os' - at `$.tools[0].impl`" in err, err
-
-
-# ---- at submit, on a real cluster -------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def info():
-    home = Path(tempfile.mkdtemp(prefix="sstool-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False, tool_modules=ALLOWED)
-    try:
-        yield info
-    finally:
-        cluster.down(home)
-
-
-def _submit(info, text: str, cwd: Path) -> httpx.Response:
-    return httpx.post(
-        f"{info.api_url}/jobs",
-        headers={"Authorization": f"Bearer {info.api_token}"},
-        json={"spec": text, "cwd": str(cwd)},
-        timeout=60,
-    )
-
-
-def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(
-    info, tmp_path, tiny_model_dir, monkeypatch
-):
-    marker = tmp_path / "ran"
-    head = f"model: {{path: {tiny_model_dir}}}\nalgorithm: {{total_steps: 100000}}\n"
-    refused = {
-        # would run `touch` as the server's user in every rollout worker if it were imported and called
-        f"name: sys\nagent: {{}}\ntools: [{{name: t, impl: 'os:system', args: {{command: 'touch {marker}'}}}}]\n": (
-            "module 'os' is not allowed on this cluster (builtin tools and the modules "
-            "generator_fleet.tools.examples; the operator sets this with `slipstream cluster up --tool-modules`"
-        ),
-        "name: nope\nagent: {}\ntools: [{name: t, impl: 'generator_fleet.tools.examples:Nope'}]\n": (
-            "Nope is not a class defined in module 'generator_fleet.tools.examples' - at `$.tools[0].impl`"
-        ),
-        "name: noagent\ntools: [{name: echo, impl: 'generator_fleet.tools.examples:EchoTool'}]\n": (
-            "set `agent:` too - at `$.tools`"
-        ),
-    }
-    for text, message in refused.items():
-        r = _submit(info, head + text, tmp_path)
-        assert r.status_code == 422, r.text
-        assert message in r.json()["detail"], r.json()
-    jobs = httpx.get(
-        f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"}, timeout=30
-    ).json()
-    assert jobs == [] and not marker.exists()
-
-    # An allowed tool class is accepted, and its Ray job carries the allow-list to the rollout workers.
-    text = (
-        head
-        + "name: echo\nagent: {}\ntools: [{name: echo, impl: 'generator_fleet.tools.examples:EchoTool'}]\n"
-    )
-    r = _submit(info, text, tmp_path)
-    assert r.status_code == 201, r.text
-    for k, v in ray_env(info).items():  # for this test only: later tests start Ray instances of their own
-        monkeypatch.setenv(k, v)
-    from ray.job_submission import JobSubmissionClient
-
-    ray = JobSubmissionClient(info.dashboard_url, headers={"Authorization": f"Bearer {info.ray_auth_token}"})
-    try:
-        env = ray.get_job_info(r.json()["ray_job_id"]).runtime_env["env_vars"]
-        assert json.loads(env[TOOL_MODULES_ENV]) == ALLOWED
-    finally:
-        httpx.post(
-            f"{info.api_url}/jobs/echo/stop",
-            headers={"Authorization": f"Bearer {info.api_token}"},
-            json={"force": True},
-            timeout=60,
-        )
