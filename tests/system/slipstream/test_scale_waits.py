@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import redis
-from cluster_helpers import ENDED, spec_text, wait_for
+from cluster_helpers import ENDED, QUICK_POLL_S, spec_text, wait_for
 
 from replay_buffer import ReplayBuffer
 from slipstream.cluster.state import ray_env
@@ -64,14 +64,19 @@ def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path,
         f"generators: {{num_engines: 1, num_workers: 1, resources: {ROOM}}}",
     )
     client.submit(spec, [], str(tmp_path))
-    st = wait_for(client, name, "the first step", lambda s: s.get("version", 0) >= 1)
+    st = wait_for(client, name, "the first step", lambda s: s.get("version", 0) >= 1, poll_s=QUICK_POLL_S)
     driver_log = Path(st["output_dir"]) / "logs" / "driver.log"
 
     t0 = time.monotonic()
     client.scale(name, generators=2, trainers=None)
     assert time.monotonic() - t0 < 10  # the request is recorded; the driver does the rest
     st = wait_for(
-        client, name, "the waiting note", lambda s: "engine-1" in (s.get("waiting") or {}), timeout_s=120
+        client,
+        name,
+        "the waiting note",
+        lambda s: "engine-1" in (s.get("waiting") or {}),
+        timeout_s=120,
+        poll_s=QUICK_POLL_S,
     )
     note = st["waiting"]["engine-1"]
     assert note.startswith("added by a scale up; it has not started after 1"), note
@@ -85,11 +90,13 @@ def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path,
     assert 'slipstream_job_engines{state="waiting"} 1.0' in metrics, metrics
     assert 'slipstream_job_engines{state="running"} 1.0' in metrics, metrics
     v0 = st["version"]  # the loop goes on: the trainer trains on the engine there is
-    st = wait_for(client, name, "versions while the engine waits", lambda s: s["version"] >= v0 + 2)
+    st = wait_for(
+        client, name, "versions while the engine waits", lambda s: s["version"] >= v0 + 2, poll_s=QUICK_POLL_S
+    )
     assert "engine-1" in st["waiting"], st
 
     client.scale(name, generators=1, trainers=None)
-    st = wait_for(client, name, "the cancel", lambda s: not s.get("waiting"))
+    st = wait_for(client, name, "the cancel", lambda s: not s.get("waiting"), poll_s=QUICK_POLL_S)
     assert st["state"] == "running" and st["pools"] == {
         "generators": 1,
         "rollout_workers": 1,
@@ -98,15 +105,17 @@ def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path,
     assert "engine-1 cancelled before it started" in driver_log.read_text()
     assert _engine_actors(info) == ["ALIVE"]  # engine-0; engine-1's actor is gone, not queued
     v0 = st["version"]
-    wait_for(client, name, "a version after the cancel", lambda s: s["version"] > v0)
+    wait_for(client, name, "a version after the cancel", lambda s: s["version"] > v0, poll_s=QUICK_POLL_S)
 
     client.scale(name, generators=2, trainers=None)  # waits again, and the job is stopped meanwhile
     deadline = time.monotonic() + 60
     while "starting engines ['engine-2'] in the background" not in driver_log.read_text():
         assert time.monotonic() < deadline, driver_log.read_text()[-3000:]
-        time.sleep(0.5)
+        time.sleep(QUICK_POLL_S)
     client.stop(name)
-    st = wait_for(client, name, "the stop", lambda s: s.get("state") in ENDED, ended_ok=True)
+    st = wait_for(
+        client, name, "the stop", lambda s: s.get("state") in ENDED, ended_ok=True, poll_s=QUICK_POLL_S
+    )
     assert st["state"] == "stopped", st
     books = ReplayBuffer(redis.Redis.from_url(info.redis_url), name).stats()
     print(f"stopped at version {st['version']}: {books}")
