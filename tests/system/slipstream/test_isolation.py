@@ -3,7 +3,7 @@ tightened); each submitted job runs under its own Redis ACL user, which reaches 
 job's, not the control index), may not flush scripts, and whose password is on no command line, in no Ray job
 record and in no file others may read; Redis runs with the configured memory limit and `noeviction`.
 
-One cluster (Redis, Ray, control API) serves the module; two tiny jobs run on it to their end."""
+One cluster (Redis, Ray, control API) serves the module; two tiny jobs run on it, side by side, to their end."""
 
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def info(home):
 
 @pytest.fixture(scope="module")
 def jobs(info, tmp_path_factory, tiny_model_dir):
-    """Two tiny jobs, each run to its end: their names."""
+    """Two tiny jobs, run side by side to their end: their names."""
     client = ControlClient(info.api_url, info.api_token)
     tmp = tmp_path_factory.mktemp("iso-specs")
     names = ["iso-a", "iso-b"]
@@ -95,11 +95,12 @@ rollout: {{group_size: 2, concurrency: 2, sampling: {{max_new_tokens: 4}}}}
 generators: {{num_engines: 1, num_workers: 1}}
 algorithm: {{groups_per_step: 1, total_steps: 2, lr: 1.0e-3}}
 """
-        client.submit(spec, [], str(tmp))  # one after the other: the box has 2 cores
-        deadline = time.monotonic() + JOB_TIMEOUT_S
+        client.submit(spec, [], str(tmp))
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    for name in names:
         while (st := client.get(name))["state"] not in ("succeeded", "failed", "stopped"):
             assert time.monotonic() < deadline, st
-            time.sleep(1)
+            time.sleep(0.25)
         assert st["state"] == "succeeded" and st["version"] == 2, (st.get("error"), _driver_log(info, name))
     return names
 
