@@ -4,7 +4,6 @@ writes, and every panel's PromQL must return data for that job. A panel whose qu
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shutil
@@ -16,6 +15,7 @@ import httpx
 import pytest
 import redis
 import yaml
+from grafana_dashboards import DASHBOARDS, DEPLOY, board_panels, load_board
 from prom import start_prometheus
 
 import jobspec
@@ -26,9 +26,6 @@ from slipstream.job.local import run_job
 
 pytestmark = pytest.mark.usefixtures("shared_ray")  # run_job on the session's Ray
 
-REPO = Path(__file__).resolve().parents[3]
-DEPLOY = REPO / "deploy"
-DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 WAIT_S = 60.0
 """Upper bound on waiting for Prometheus; a timeout only, never a performance threshold."""
 SCRAPE_S = 1
@@ -55,21 +52,6 @@ def gpu_only(expr: str) -> bool:
     return bool(names) and names <= set(gpu_metrics.METRICS)
 
 
-def _load(path: Path) -> dict:
-    return json.loads(path.read_text())
-
-
-def _panels(board: dict) -> list[dict]:
-    """Every panel, rows' nested panels included, rows themselves excluded."""
-    out = []
-    for p in board["panels"]:
-        if p["type"] == "row":
-            out += p.get("panels", [])
-        else:
-            out.append(p)
-    return out
-
-
 def _substitute(expr: str) -> str:
     def sub(m: re.Match) -> str:
         name = m.group(1) or m.group(2)
@@ -79,37 +61,6 @@ def _substitute(expr: str) -> str:
     out = re.sub(r"\$\{(\w+)\}|\$(\w+)", sub, expr)
     assert "$" not in out, out
     return out
-
-
-def test_dashboards_parse_with_variables_and_datasource():
-    assert {p.name for p in DASHBOARDS} == {"staleness.json", "throughput.json"}
-    uids = set()
-    for path in DASHBOARDS:
-        board = _load(path)
-        uids.add(board["uid"])
-        assert board["schemaVersion"] >= 36, path
-        variables = {v["name"]: v for v in board["templating"]["list"]}
-        assert {"job", "replica"} <= variables.keys(), path
-        for v in variables.values():
-            assert v["type"] == "query" and v["datasource"]["uid"] == "prometheus", (path, v["name"])
-            assert v["query"]["query"].startswith("label_values("), (path, v["name"])
-        assert variables["replica"]["includeAll"] and variables["replica"]["allValue"] == ".*"
-        assert "$job" in variables["replica"]["query"]["query"]
-        panels = _panels(board)
-        assert len(panels) >= 6, path
-        ids = [p["id"] for p in board["panels"]] + [
-            q["id"] for p in board["panels"] for q in p.get("panels", [])
-        ]
-        assert len(set(ids)) == len(ids), f"{path}: panel ids repeat"
-        for p in panels:
-            assert p["datasource"] == {"type": "prometheus", "uid": "prometheus"}, (path, p["title"])
-            assert p["targets"], (path, p["title"])
-            for t in p["targets"]:
-                assert t["datasource"]["uid"] == "prometheus", (path, p["title"])
-                # every query is scoped to the selected job
-                selectors = re.findall(r"\{([^}]*)\}", t["expr"].replace("{{", "").replace("}}", ""))
-                assert selectors and all('job=~"$job"' in s for s in selectors), (path, p["title"], t["expr"])
-    assert len(uids) == len(DASHBOARDS)
 
 
 def _prometheus_config(tmp_path: Path) -> Path:
@@ -245,7 +196,7 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
         empty, skipped_gpu = [], []
         checked = 0
         for path in DASHBOARDS:
-            board = _load(path)
+            board = load_board(path)
             # the template variables' label_values(...) queries find the job and its replicas
             for v in board["templating"]["list"]:
                 m = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"]["query"])
@@ -260,7 +211,7 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
                     v["name"],
                     resp,
                 )
-            for panel in _panels(board):
+            for panel in board_panels(board):
                 for target in panel["targets"]:
                     expr = _substitute(target["expr"])
                     checked += 1
