@@ -526,7 +526,7 @@ def test_distributed_weight_update_mid_request(fresh_engine, models, load_format
     ref_a = greedy_reference(models.model_a, prompt, 8)
     ref_b = greedy_reference(models.model_b, prompt, 8)
     assert ref_a != ref_b, "test needs two models that decode differently"
-    n_new = 200
+    n_new = LONG  # still running when the pause lands, also on a loaded box
 
     async def scenario() -> None:
         async with EngineClient(engine.url, api_key=API_KEY) as client:
