@@ -31,9 +31,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; head -n 26 test-durations.txt 2>/dev/null; exit $$rc
 
-# The development tier: unit and light integration tests (no cluster or multi-process job runs).
+# The development tiers: tests/unit and tests/integration (no whole job; tests/system is the rest).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"; rc=$$?; head -n 16 test-durations.txt 2>/dev/null; exit $$rc
+	$(PY) -m pytest -q tests/unit tests/integration; rc=$$?; head -n 16 test-durations.txt 2>/dev/null; exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,6 +1,7 @@
 """The package rules of the code base, checked on the import graph drawn from the source (every import,
 module-level or inside a function): who may import whom, no import cycles between files, and no product
-module over MAX_LINES lines without a reason written at its top.
+module over MAX_LINES lines without a reason written at its top. And the test tree's own shape: tiers
+that mirror the packages, one place for harnesses.
 
     common/, models/                                  leaves: nothing project-internal
     replay_buffer/, weight_bus/, generator_fleet/,    components: leaves and the data / weight-route
@@ -209,3 +210,34 @@ def test_long_classes_and_functions_say_why():
         f"classes over {MAX_CLASS_LINES} or functions over {MAX_FUNCTION_LINES} lines without a '# Long:' "
         "reason right above them:\n" + "\n".join(wrong)
     )
+
+
+TESTS = ROOT / "tests"
+TIERS = ("unit", "integration", "system")
+TEST_AREAS = set(PACKAGES) | {"benchmarks", "deploy", "multinode"}
+"""What a tier's folders mirror: the packages, the benchmarks, the deployment files, several nodes."""
+
+
+def test_the_test_tree_is_tiers_mirroring_the_packages_and_one_harness():
+    """Every test file sits in tests/<tier>/<package or area>/ (the folder says the tier: tests/conftest.py
+    marks tests/system/ `slow`), basenames are unique (pytest imports them by name), helper modules live
+    in tests/harness/ only, and no test marks itself slow."""
+    misplaced, helpers, self_marked = [], [], []
+    names: dict[str, list[str]] = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS)
+        if rel.parts[0] == "harness" or rel == Path("conftest.py"):
+            continue
+        if not path.name.startswith("test_"):
+            helpers.append(str(rel))
+            continue
+        names.setdefault(path.name, []).append(str(rel))
+        tier_ok = rel.parts[0] in TIERS and (rel.parts[1] in TEST_AREAS if len(rel.parts) == 3 else False)
+        if not tier_ok and rel != Path("unit/test_structure.py"):
+            misplaced.append(str(rel))
+        if re.search(r"pytest\.mark\.slow\b", path.read_text()):
+            self_marked.append(str(rel))
+    assert not misplaced, f"test files outside tests/<tier>/<package>/ ({TIERS}): {misplaced}"
+    assert not helpers, f"helper modules belong in tests/harness/: {helpers}"
+    assert not self_marked, f"the folder says the tier; these mark themselves slow: {self_marked}"
+    assert not {n: p for n, p in names.items() if len(p) > 1}, "test file names must be unique"
