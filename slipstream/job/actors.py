@@ -353,23 +353,18 @@ class EvalActor:
 
 @ray.remote(num_cpus=0, max_concurrency=2)  # run() blocks; stop() must still get through
 class TrainerActor:
-    """One rank of the trainer pool (one GPU with device cuda: the trainer pool reserves it)."""
+    """One rank of the trainer pool (one GPU with device cuda: the trainer pool reserves it). Created before
+    the engines are up (its imports and model check overlap theirs); `setup` builds the trainer for the
+    engines of that moment."""
 
-    def __init__(
-        self,
-        config: TrainerConfig,
-        redis_url: str,
-        engine_urls: list[str],
-        api_key: str,
-        rank: int = 0,
-        world_size: int = 1,
-    ) -> None:
-        from trainer.trainer import Trainer
+    def __init__(self, config: TrainerConfig, redis_url: str, rank: int = 0, world_size: int = 1) -> None:
+        import trainer.trainer  # noqa: F401 - the heavy imports, while the engines start
 
         _setup_process(config, f"trainer-{rank}", redis_url, config.trainer.torch_threads)
         need = "a trainer rank loads it"
         local_model(config.model.path, f"trainer-{rank}", redis_url, config.name, need_weights=need)
-        self.trainer = Trainer(config, redis_url, engine_urls, api_key, rank, world_size)
+        self.config, self.redis_url, self.rank, self.world_size = config, redis_url, rank, world_size
+        self.trainer = None
         self._store = None
         """Rank 0 of several: the trainer group's store, hosted by `rendezvous` until `setup` joins it."""
 
@@ -380,11 +375,16 @@ class TrainerActor:
         from trainer.distributed import host_store
 
         host = host or ray.util.get_node_ip_address()
-        self._store = host_store(host, self.trainer.world_size)
+        self._store = host_store(host, self.world_size)
         return host, self._store.port
 
-    def setup(self, master: tuple[str, int] | None = None) -> None:
-        """Every rank at once: joining the group blocks until all ranks have."""
+    def setup(
+        self, engine_urls: list[str], api_key: str | None, master: tuple[str, int] | None = None
+    ) -> None:
+        """Every rank at once (joining the group blocks until all ranks have), publishing to `engine_urls`."""
+        from trainer.trainer import Trainer
+
+        self.trainer = Trainer(self.config, self.redis_url, engine_urls, api_key, self.rank, self.world_size)
         self.trainer.setup(master, self._store)
 
     def run(self) -> TrainerResult:
@@ -393,10 +393,12 @@ class TrainerActor:
         return result
 
     def stop(self, restart: bool = False, checkpoint: bool = True) -> None:
-        self.trainer.stop(restart, checkpoint)
+        if self.trainer is not None:  # else not set up: the pool kills a rank that never trained
+            self.trainer.stop(restart, checkpoint)
 
     def request_checkpoint(self) -> None:
-        self.trainer.request_checkpoint()
+        if self.trainer is not None:
+            self.trainer.request_checkpoint()
 
     def pid(self) -> int:
         return os.getpid()

@@ -185,6 +185,8 @@ class JobDriver:
         if self.r.get(self.buffer.keys.version) is None:
             self.buffer.set_version(0)
         n = self.spec.generators.num_engines if desired.generators is UNSET else desired.generators
+        m = self.spec.trainer.num_trainers if desired.trainers is UNSET else desired.trainers
+        self.trainers.spawn(m)  # the ranks' processes start beside the engines; set up once those are up
         self.report(phase=f"starting {n} generator(s) and their rollout workers")
         self.generators.start(n)
         self.generators.start_evaluator()
@@ -196,7 +198,6 @@ class JobDriver:
                 self.generators.evaluate_now()
             else:  # every engine waits for the trainer's weights (started on nodes without the model)
                 log.info("job %s: no engine holds version 0's weights yet: it is not evaluated", self.job)
-        m = self.spec.trainer.num_trainers if desired.trainers is UNSET else desired.trainers
         self.report(phase=f"starting {m} trainer rank(s)")
         self.trainers.start(m)
         self.report("running", phase=None)

@@ -77,6 +77,8 @@ class TrainerPool:
         self.restarts = restarts if restarts is not None else Restarts()
         self.run_id: str | None = None
         self.ranks: list = []
+        self._spawned: int | None = None
+        """`spawn(m)` created m ranks that `start(m)` sets up."""
         self.runs: list = []  # each rank's run() call, once the pool is set up and training
         self.closing = False
 
@@ -91,8 +93,25 @@ class TrainerPool:
         wait_all(refs, None, self.between)
         return ray.get(refs)
 
+    def spawn(self, m: int) -> None:
+        """Create m ranks' processes now, for `start(m)` to set up: their imports and the model check run
+        while the engines start (the engines' endpoints are not needed before `start`)."""
+        self.ranks = self._create(m)
+        self._spawned = m
+
     def start(self, m: int, resume_from: str | None = None) -> None:
         """m ranks (from `resume_from`, a checkpoint, if given), set up and training."""
+        if not (self._spawned == m and resume_from is None):
+            self.ranks = self._create(m, resume_from)
+        self._spawned = None
+        engine_urls, api_key = self.endpoints()
+        master = self._get([self.ranks[0].rendezvous.remote(self._master_host())])[0] if m > 1 else None
+        self._get([t.setup.remote(engine_urls, api_key, master) for t in self.ranks])
+        self.runs = [t.run.remote() for t in self.ranks]
+        log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+
+    def _create(self, m: int, resume_from: str | None = None) -> list:
+        """m rank actors (not set up yet)."""
         from slipstream.job.actors import TrainerActor
 
         trainer = {"num_trainers": m, **({"resume_from": resume_from} if resume_from else {})}
@@ -100,18 +119,9 @@ class TrainerPool:
             self.spec, trainer=msgspec.structs.replace(self.spec.trainer, **trainer)
         )
         require_resources("trainer.resources", spec.trainer.resources)
-        engine_urls, api_key = self.endpoints()
         config = spec.trainer_config()
-        self.ranks = [
-            TrainerActor.options(**self._resources(r)).remote(
-                config, self.redis_url, engine_urls, api_key, r, m
-            )
-            for r in range(m)
-        ]
-        master = self._get([self.ranks[0].rendezvous.remote(self._master_host())])[0] if m > 1 else None
-        self._get([t.setup.remote(master) for t in self.ranks])
-        self.runs = [t.run.remote() for t in self.ranks]
-        log.info("trainer pool: %d ranks%s", m, f", resumed from {resume_from}" if resume_from else "")
+        opts = [self._resources(r) for r in range(m)]
+        return [TrainerActor.options(**opts[r]).remote(config, self.redis_url, r, m) for r in range(m)]
 
     @staticmethod
     def _master_host() -> str | None:

@@ -65,3 +65,12 @@ def shared_ray(_shared_ray_session):
     yield
     if ray.is_initialized() and not _resources_free(ray):
         ray.shutdown()
+
+
+@pytest.fixture
+def own_ray():
+    """No shared Ray: the test's job starts a Ray of its own, whose processes inherit the environment the
+    test set (fault injection through the environment)."""
+    shutdown_shared_ray()
+    yield
+    shutdown_shared_ray()

@@ -14,7 +14,7 @@ import jobspec
 from generator_fleet.engine.faults import FAULT_ENV
 from slipstream.job import faults
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # run_job on the session's Ray
+pytestmark = pytest.mark.usefixtures("own_ray")  # its Ray processes inherit the fault set in the environment
 
 STICKY = "CUDA error: an illegal memory access was encountered"
 

@@ -16,7 +16,7 @@ from slipstream.job.supervise import GiveUp
 from trainer import checkpoint
 from trainer.faults import FAULT_ENV
 
-pytestmark = pytest.mark.usefixtures("shared_ray")  # run_job on the session's Ray
+pytestmark = pytest.mark.usefixtures("own_ray")  # its Ray processes inherit the fault set in the environment
 
 
 def _spec(tmp_path, model_dir) -> jobspec.JobSpec:
