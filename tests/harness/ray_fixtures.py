@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,14 @@ def _resources_free(ray) -> bool:
             log.warning("shared Ray: resources still taken after the test (%s): restarting it", taken)
             return False
         time.sleep(0.25)
+
+
+def pytest_runtest_teardown(item, nextitem) -> None:
+    """The shared Ray lives only across consecutive whole-job tests: the next test outside tests/system
+    (unit, integration) finds no Ray connected, as it would alone."""
+    system = Path(__file__).resolve().parents[1] / "system"
+    if nextitem is None or system not in Path(nextitem.fspath).parents:
+        shutdown_shared_ray()
 
 
 @pytest.fixture(scope="session")
