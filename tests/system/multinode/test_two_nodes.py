@@ -91,13 +91,19 @@ def redis_says(**kw):
 out["redis_none"] = redis_says()
 out["redis_wrong"] = redis_says(username="slipstream", password="wrong")
 ray_code = "import ray; ray.init(address=sys.argv[1], logging_level='ERROR'); print('joined')"
+# Ray's client tries the GCS about once a second, 20 times by default, before it gives up; both cases get the
+# same 5 tries: the one with the token joins within them, so the one without is refused for the token alone
 bare = {{k: v for k, v in __import__("os").environ.items() if not k.startswith("RAY_AUTH")}}
-for case, env in (("ray_none", bare), ("ray_token", {{**bare, **{cluster.ray_env!r}}})):
+bare["RAY_gcs_server_port_wait_time_s"] = "5"
+procs = {{case: subprocess.Popen([sys.executable, "-c", "import sys; " + ray_code, f"{{a}}:{{ports['ray']}}"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+         for case, env in (("ray_none", bare), ("ray_token", {{**bare, **{cluster.ray_env!r}}}))}}  # side by side
+for case, p in procs.items():
     try:
-        p = subprocess.run([sys.executable, "-c", "import sys; " + ray_code, f"{{a}}:{{ports['ray']}}"],
-                           capture_output=True, text=True, timeout=90, env=env)
-        out[case] = "joined" if "joined" in p.stdout else "refused: " + (p.stderr.strip().splitlines() or ["?"])[-1]
+        stdout, stderr = p.communicate(timeout=90)
+        out[case] = "joined" if "joined" in stdout else "refused: " + (stderr.strip().splitlines() or ["?"])[-1]
     except subprocess.TimeoutExpired:
+        p.kill()
         out[case] = "timed out"
 print(json.dumps(out))
 """
