@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
+import threading
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, HTTPException
@@ -216,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
             log.warning("jobs whose driver is gone, marked: %s", ", ".join(marked))
     except Exception as e:  # Redis or Ray not answering: get/list/stop/submit reconcile later
         log.warning("start-up reconcile of the jobs failed: %s", e)
+    threading.Thread(target=control.warm, name="ray-job-client", daemon=True).start()
     # Prometheus discovers every job's processes from the file this writes (deploy/prometheus.yml).
     targets = TargetWriter(control.r, Path(info.home) / "prometheus" / "targets")
     targets.start()

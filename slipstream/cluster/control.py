@@ -11,6 +11,7 @@ import os
 import secrets
 import shlex
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -91,6 +92,7 @@ class JobControl(DriverReconciler):
         )
         self.store = JobStore(self.r)
         self._ray = None
+        self._ray_lock = threading.Lock()
         self._admin = None
         self._submitting: set[str] = set()
         """Jobs this process is submitting right now: Ray may not know their submission yet."""
@@ -127,13 +129,22 @@ class JobControl(DriverReconciler):
     @property
     def ray(self):
         """Ray's job-submission client (token auth), made on first use."""
-        if self._ray is None:  # the token goes in the header: this process's environment stays its own
-            from ray.job_submission import JobSubmissionClient
+        with self._ray_lock:
+            if self._ray is None:  # the token goes in the header: this process's environment stays its own
+                from ray.job_submission import JobSubmissionClient
 
-            self._ray = JobSubmissionClient(
-                self.info.dashboard_url, headers={"Authorization": f"Bearer {self.info.ray_auth_token}"}
-            )
+                self._ray = JobSubmissionClient(
+                    self.info.dashboard_url, headers={"Authorization": f"Bearer {self.info.ray_auth_token}"}
+                )
         return self._ray
+
+    def warm(self) -> None:
+        """Make Ray's job-submission client now (its import and first connection take seconds), so the
+        first submit does not wait for it; if Ray does not answer yet, the first use makes it."""
+        try:
+            self.ray  # noqa: B018 - made for its side effect
+        except Exception as e:  # noqa: BLE001 - only an early start; the first use raises it
+            log.info("Ray's job client is made at first use (%s)", e)
 
     def _job(self, name: str, reconcile: bool = False) -> Status:
         """The job's status; `reconcile`: first mark an active job whose driver is gone (see reconcile)."""

@@ -134,6 +134,16 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return left
 
 
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(POLL_S / 2)
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -170,7 +180,8 @@ def stop_ray(pid: int | None, temp_dir: str) -> None:
                 os.killpg(pid, sig)
             except (ProcessLookupError, PermissionError):
                 break
-            time.sleep(1.0 if sig == signal.SIGTERM else 0)
+            if sig == signal.SIGTERM:  # a second for the group to go, no longer than it takes
+                _wait_group_gone(pid, 1.0)
         _wait_gone([pid], 5.0)
     if left := ray_leftovers(temp_dir):
         for p in left:

@@ -34,6 +34,7 @@ from slipstream.cluster.processes import (
 from slipstream.cluster.state import (
     JOB_PROGRESS_S,
     JOB_STOP_TIMEOUT_S,
+    POLL_S,
     PROMETHEUS_SKIPPED,
     RAY_DISCOVERY_FILE,
     RAY_SIDE_PORTS,
@@ -464,7 +465,7 @@ def stop_jobs(home: Path, state: ClusterState, timeout_s: float = JOB_STOP_TIMEO
                     for n in waiting
                 )
                 event(home, f"waiting for job(s) to stop with their checkpoint: {states}")
-            time.sleep(1.0)
+            time.sleep(POLL_S)
     finally:
         control.r.close()
 
