@@ -16,10 +16,9 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_runs import one_then_two_ranks, read_record
 
 import jobspec
-from common.net import free_port
 from replay_buffer import Sample, make_group
 
 STEPS = 3
@@ -130,26 +129,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     pool.close()
 
 
-def _spawn(world: int, model_dir, out, resume: str | None = None) -> None:
-    mp.start_processes(
-        _worker,
-        args=(world, free_port(), str(model_dir), str(out), resume),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    out = tmp_path_factory.mktemp("fsdp")
-    _spawn(1, tiny_model_dir, out)
-    _spawn(2, tiny_model_dir, out, resume=str(out / "ckpt-1"))
-    return out
-
-
-def _record(out, tag, world):
-    return json.loads((out / f"record-{tag}-{world}.json").read_text())
+    return one_then_two_ranks(_worker, tiny_model_dir, tmp_path_factory.mktemp("fsdp"))
 
 
 def _assert_params_close(a: dict, b: dict) -> None:
@@ -159,7 +141,7 @@ def _assert_params_close(a: dict, b: dict) -> None:
 
 
 def test_two_ranks_train_like_one(runs):
-    one, two = _record(runs, "fresh", 1), _record(runs, "fresh", 2)
+    one, two = read_record(runs, "fresh", 1), read_record(runs, "fresh", 2)
     assert max(one["mbs"]) > 1  # the budget really splits the step into several micro-batches
     for key in ("loss", "pg_loss", "value_loss", "kl_ref", "grad_norm"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
@@ -169,7 +151,7 @@ def test_two_ranks_train_like_one(runs):
 
 
 def test_one_rank_checkpoint_resumes_on_two_ranks(runs):
-    one, resumed = _record(runs, "fresh", 1), _record(runs, "resumed", 2)
+    one, resumed = read_record(runs, "fresh", 1), read_record(runs, "resumed", 2)
     for key in ("loss", "pg_loss", "value_loss", "grad_norm"):
         assert resumed[key] == pytest.approx(one[key][CHECKPOINT_AFTER:], rel=1e-4, abs=1e-6), key
     _assert_params_close(torch.load(runs / "params-fresh-1.pt"), torch.load(runs / "params-resumed-2.pt"))
@@ -192,7 +174,7 @@ def test_hf_export_loads_with_transformers_and_gives_same_logits(runs):
 
 
 def test_two_ranks_take_the_same_minibatch_steps_as_one(runs):
-    one, two = _record(runs, "minibatch", 1), _record(runs, "minibatch", 2)
+    one, two = read_record(runs, "minibatch", 1), read_record(runs, "minibatch", 2)
     assert one["optimizer_steps"] == two["optimizer_steps"] == [4] * STEPS
     for key in ("loss", "pg_loss", "value_loss", "kl_ref", "grad_norm", "clip_fraction"):
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
@@ -202,7 +184,7 @@ def test_two_ranks_take_the_same_minibatch_steps_as_one(runs):
     # the batch's first optimizer step is at pi_prox (no clip); later ones have moved, and the clip acts
     assert all(u[0]["clip_fraction"] == 0.0 for u in one["updates"])
     assert all(max(x["clip_fraction"] for x in u[1:]) > 0 for u in one["updates"])
-    assert one["loss"] != pytest.approx(_record(runs, "fresh", 1)["loss"])  # not the one-step path
+    assert one["loss"] != pytest.approx(read_record(runs, "fresh", 1)["loss"])  # not the one-step path
     _assert_params_close(
         torch.load(runs / "params-minibatch-1.pt"), torch.load(runs / "params-minibatch-2.pt")
     )

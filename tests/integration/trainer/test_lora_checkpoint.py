@@ -18,11 +18,10 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_runs import one_then_two_ranks, read_record
 from test_distributed import _groups
 
 import jobspec
-from common.net import free_port
 from models.config import LoraSpec
 
 STEPS = 3
@@ -104,30 +103,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     pool.close()
 
 
-def _spawn(world: int, model_dir, out, resume: str | None = None) -> None:
-    mp.start_processes(
-        _worker,
-        args=(world, free_port(), str(model_dir), str(out), resume),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    out = tmp_path_factory.mktemp("lora-fsdp")
-    _spawn(1, tiny_model_dir, out)
-    _spawn(2, tiny_model_dir, out, resume=str(out / "ckpt-1"))
-    return out
-
-
-def _record(out, tag, world):
-    return json.loads((out / f"record-{tag}-{world}.json").read_text())
+    return one_then_two_ranks(_worker, tiny_model_dir, tmp_path_factory.mktemp("lora-fsdp"))
 
 
 def test_one_rank_lora_checkpoint_resumes_on_two_ranks(runs):
-    one, resumed = _record(runs, "fresh", 1), _record(runs, "resumed", 2)
+    one, resumed = read_record(runs, "fresh", 1), read_record(runs, "resumed", 2)
     assert len(one["loss"]) == STEPS and len(resumed["loss"]) == STEPS - CHECKPOINT_AFTER
     for key in ("loss", "grad_norm"):
         assert resumed[key] == pytest.approx(one[key][CHECKPOINT_AFTER:], rel=1e-4, abs=1e-6), key

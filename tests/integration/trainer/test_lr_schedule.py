@@ -17,11 +17,10 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from oracles import lr_at
+from rank_runs import one_then_two_ranks, read_record
 
 import jobspec
-from common.net import free_port
 from replay_buffer import Sample, make_group
 from trainer.lr_schedule import lr_factor
 
@@ -226,26 +225,9 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out: str, resume: 
     pool.close()
 
 
-def _spawn(world: int, model_dir, out, resume: str | None = None) -> None:
-    mp.start_processes(
-        _worker,
-        args=(world, free_port(), str(model_dir), str(out), resume),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_model_dir):
-    out = tmp_path_factory.mktemp("recipe")
-    _spawn(1, tiny_model_dir, out)
-    _spawn(2, tiny_model_dir, out, resume=str(out / "ckpt-1"))
-    return out
-
-
-def _record(out, variant, tag, world):
-    return json.loads((out / f"record-{variant}-{tag}-{world}.json").read_text())
+    return one_then_two_ranks(_worker, tiny_model_dir, tmp_path_factory.mktemp("recipe"))
 
 
 def _assert_params_close(a: dict, b: dict) -> None:
@@ -256,7 +238,7 @@ def _assert_params_close(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_two_ranks_train_like_one_with_recipe_options(runs, variant):
-    one, two = _record(runs, variant, "fresh", 1), _record(runs, variant, "fresh", 2)
+    one, two = read_record(runs, variant, "fresh", 1), read_record(runs, variant, "fresh", 2)
     for key in KEYS:
         assert one[key] == pytest.approx(two[key], rel=1e-4, abs=1e-6), key
     alg = _spec("m", 1, variant).algorithm
@@ -271,7 +253,7 @@ def test_two_ranks_train_like_one_with_recipe_options(runs, variant):
 
 
 def test_resumed_job_continues_the_lr_schedule(runs):
-    one, resumed = _record(runs, RESUMED, "fresh", 1), _record(runs, RESUMED, "resumed", 2)
+    one, resumed = read_record(runs, RESUMED, "fresh", 1), read_record(runs, RESUMED, "resumed", 2)
     alg = _spec("m", 1, RESUMED).algorithm
     assert resumed["lr"] == pytest.approx([lr_at(i, alg) for i in range(CHECKPOINT_AFTER, STEPS)], rel=1e-12)
     assert lr_at(0, alg) != pytest.approx(lr_at(CHECKPOINT_AFTER, alg))  # a restart from 0 would show
@@ -286,7 +268,7 @@ def test_behav_kl_reports_kl_behav_to_trainer(runs):
     # step 0: the trainer's policy is the behaviour model itself, so the expected value is computable
     expected = json.loads((runs / "behav-kl-1.json").read_text())
     for variant in VARIANTS:
-        got = _record(runs, variant, "fresh", 1)["behav_kl"][0]
+        got = read_record(runs, variant, "fresh", 1)["behav_kl"][0]
         assert got == pytest.approx(expected["unbiased"], rel=1e-4)
         assert got != pytest.approx(expected["reverse"], rel=1e-2)
 
