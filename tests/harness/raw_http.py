@@ -4,6 +4,9 @@ httpx cannot send on purpose. Shared by the control API's and the engine's tests
 from __future__ import annotations
 
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def connect(url: str, timeout_s: float) -> socket.socket:
@@ -34,3 +37,28 @@ def send_chunks(s: socket.socket, total: int, chunk: int = 1 << 20) -> int:
     except (BrokenPipeError, ConnectionResetError):
         pass
     return sent
+
+
+@contextmanager
+def trickling(socks: list[socket.socket]) -> Iterator[None]:
+    """A slowloris: while inside, each of `socks` (each with a request head that never ends) gets a byte a
+    second, so the server sees them busy; on the way out the trickle stops and the sockets are closed."""
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(1.0):
+            for s in socks:
+                try:
+                    s.sendall(b"X")
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join()
+        for s in socks:
+            s.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from raw_http import connect, read_until_closed, send_chunks
+from raw_http import connect, read_until_closed, send_chunks, trickling
 
 REPO = Path(__file__).resolve().parents[3]
 HEADER_TIMEOUT_S = 2
@@ -83,26 +83,9 @@ def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
     # Over the concurrency limit: a complete request is refused with 503 instead of piling up.
     r = httpx.get(f"{url}/health", timeout=30)
     assert r.status_code == 503, r.text
-    stop = threading.Event()
-
-    def trickle() -> None:  # a slowloris keeps each connection busy with a byte a second
-        while not stop.wait(1.0):
-            for s in socks:
-                try:
-                    s.sendall(b"X")
-                except OSError:
-                    pass
-
-    t = threading.Thread(target=trickle, daemon=True)
-    t.start()
-    try:
+    with trickling(socks):  # a slowloris keeps each connection busy with a byte a second
         for s in socks:
             assert read_until_closed(s) == b""  # closed (recv would block until BOUND_S otherwise)
-    finally:
-        stop.set()
-        t.join()
-        for s in socks:
-            s.close()
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
     assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import httpx
-from raw_http import connect, read_until_closed, send_chunks
+from raw_http import connect, read_until_closed, send_chunks, trickling
 
 from slipstream.cluster.api import MAX_BODY_BYTES
 
@@ -113,27 +113,10 @@ def test_slow_partial_requests_are_closed_and_a_normal_request_still_works(info)
     socks = [_connect(info) for _ in range(SLOW)]
     for s in socks:
         s.sendall(b"POST /jobs HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
-    stop = threading.Event()
-
-    def trickle() -> None:  # a slowloris keeps each connection busy with a byte a second
-        while not stop.wait(1.0):
-            for s in socks:
-                try:
-                    s.sendall(b"X")
-                except OSError:
-                    pass
-
-    t = threading.Thread(target=trickle, daemon=True)
-    t.start()
-    try:
+    with trickling(socks):  # a slowloris keeps each connection busy with a byte a second
         # While they are open, a normal request is served.
         r = httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30)
         assert r.status_code == 200
         for s in socks:  # each is closed by the server (recv would block until BOUND_S otherwise)
             assert read_until_closed(s) == b""
-    finally:
-        stop.set()
-        t.join()
-        for s in socks:
-            s.close()
     assert httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30).status_code == 200
