@@ -169,13 +169,13 @@ def _pids_named(listeners: list[Listener], actor: str) -> set[int]:
     return {x.pid for x in listeners if x.process.startswith(f"ray::{actor}"[:15])}
 
 
-def test_a_job_with_generators_on_node_b_and_the_trainer_on_node_a(cluster, tiny_model_dir, tmp_path):
-    name = "across"
-    spec = tmp_path / "across.yaml"
+def _submit_across(cluster, tmp_path, name: str, model) -> None:
+    """A job whose engine and rollout worker run on node B and whose trainer runs on node A."""
+    spec = tmp_path / f"{name}.yaml"
     spec.write_text(
         f"""
 name: {name}
-model: {{path: {tiny_model_dir}}}
+model: {{path: {model}}}
 rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
 generators: {{num_engines: 1, num_workers: 1, resources: {{{NODE_B_RESOURCE}: 1}}}}
 trainer: {{resources: {{"node:{cluster.a.address}": 0.01}}}}
@@ -184,6 +184,11 @@ buffer: {{max_staleness: 1}}
 """
     )
     assert f"submitted job {name}" in cluster.cli("submit", str(spec))
+
+
+def test_a_job_with_generators_on_node_b_and_the_trainer_on_node_a(cluster, tiny_model_dir, tmp_path):
+    name = "across"
+    _submit_across(cluster, tmp_path, name, tiny_model_dir)
     st = _wait(cluster, name, "weight versions", lambda s: s.get("version", 0) >= 3)
     assert st["state"] == "running" and st.get("reward_mean") is not None, st
 
@@ -245,19 +250,7 @@ def test_a_node_without_the_model_gets_its_files_from_the_head_and_its_weights_o
     model = cluster.private / "model"
     shutil.copytree(tiny_model_dir, model)
     name = "blind"
-    spec = tmp_path / "blind.yaml"
-    spec.write_text(
-        f"""
-name: {name}
-model: {{path: {model}}}
-rollout: {{group_size: 4, concurrency: 4, sampling: {{max_new_tokens: 4}}}}
-generators: {{num_engines: 1, num_workers: 1, resources: {{{NODE_B_RESOURCE}: 1}}}}
-trainer: {{resources: {{"node:{cluster.a.address}": 0.01}}}}
-algorithm: {{groups_per_step: 2, total_steps: 100000, lr: 1.0e-3}}
-buffer: {{max_staleness: 1}}
-"""
-    )
-    assert f"submitted job {name}" in cluster.cli("submit", str(spec))
+    _submit_across(cluster, tmp_path, name, model)
     st = _wait(cluster, name, "weight versions", lambda s: s.get("version", 0) >= 3, ended_ok=True)
     assert st["state"] == "running" and st.get("reward_mean") is not None, st
     logs = cluster.home / "jobs" / name / "logs"
@@ -270,6 +263,7 @@ buffer: {{max_staleness: 1}}
     assert books["steps"] >= 3
 
     name = "blind-trainer"
+    spec = tmp_path / f"{name}.yaml"
     spec.write_text(
         f"""
 name: {name}
