@@ -83,3 +83,14 @@ def own_ray():
     shutdown_shared_ray()
     yield
     shutdown_shared_ray()
+
+
+@pytest.fixture(scope="module")
+def one_cpu_ray():
+    """A quiet private Ray of one logical CPU for a module's supervision tests (not the shared one)."""
+    import ray
+
+    shutdown_shared_ray()
+    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import ray
-from ray_fixtures import shutdown_shared_ray
 
 import jobspec
 from slipstream.job import generators as generators_mod
@@ -19,14 +18,6 @@ CAUSE = "No module named 'math_verify'"
 @ray.remote
 def _broken_worker():
     raise ModuleNotFoundError(CAUSE)
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    shutdown_shared_ray()  # its own Ray, not the job tests' shared one
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 class BrokenWorkers(GeneratorPool):
@@ -53,7 +44,7 @@ def _supervise(pool: GeneratorPool, deaths: int) -> int:
     return replaced
 
 
-def test_workers_dying_at_start_fail_the_job_with_the_cause(local_ray, monkeypatch, tmp_path):
+def test_workers_dying_at_start_fail_the_job_with_the_cause(one_cpu_ray, monkeypatch, tmp_path):
     monkeypatch.setattr(generators_mod, "kill", lambda actor: None)
     pool = _pool(tmp_path)
     pool.add_workers(1)
@@ -66,7 +57,7 @@ def test_workers_dying_at_start_fail_the_job_with_the_cause(local_ray, monkeypat
     )  # replaced until the loop was seen
 
 
-def test_workers_dying_later_are_replaced(local_ray, monkeypatch, tmp_path):
+def test_workers_dying_later_are_replaced(one_cpu_ray, monkeypatch, tmp_path):
     monkeypatch.setattr(generators_mod, "kill", lambda actor: None)
     monkeypatch.setattr(generators_mod, "EARLY_DEATH_S", 0.0)  # every death counts as after a while
     pool = _pool(tmp_path)

@@ -15,7 +15,6 @@ import pytest
 import ray
 import torch
 from prometheus_client import REGISTRY
-from ray_fixtures import shutdown_shared_ray
 
 import jobspec
 from slipstream.job.supervise import (
@@ -29,14 +28,6 @@ from slipstream.job.supervise import (
 )
 from slipstream.job.trainers import TrainerPool
 from trainer.faults import OOM_MESSAGE
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    shutdown_shared_ray()  # its own Ray, not the job tests' shared one
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @ray.remote
@@ -89,7 +80,7 @@ def _restarts_counted(kind: str, cls: str) -> float:
     return REGISTRY.get_sample_value("slipstream_job_restarts_total", labels) or 0.0
 
 
-def test_errors_raised_in_ray_processes_are_classified(local_ray, tmp_path):
+def test_errors_raised_in_ray_processes_are_classified(one_cpu_ray, tmp_path):
     oom = error_of(_out_of_memory.remote(0))
     assert classify(oom) == (OUT_OF_MEMORY, OOM_MESSAGE)
     full = error_of(_disk_full.remote(str(tmp_path / "ckpt")))
@@ -110,7 +101,7 @@ def test_a_memory_plan_that_cannot_fit_is_an_out_of_memory_failure():
 
 
 def test_a_repeated_out_of_memory_fails_the_job_after_its_restarts_with_the_cause_and_the_fix(
-    local_ray, tmp_path
+    one_cpu_ray, tmp_path
 ):
     seen = []
     spec = _spec(tmp_path, "trainer: {micro_batch_tokens: 4096}")
@@ -138,7 +129,7 @@ def test_a_repeated_out_of_memory_fails_the_job_after_its_restarts_with_the_caus
     assert restarts.latest is err.value.failure and restarts.latest.version == 7
 
 
-def test_a_full_disk_fails_the_job_at_once_with_the_path_and_its_free_space(local_ray, tmp_path):
+def test_a_full_disk_fails_the_job_at_once_with_the_path_and_its_free_space(one_cpu_ray, tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-00000004" / "__0_0.distcp"
     (tmp_path / "checkpoints").mkdir()
 
