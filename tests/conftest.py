@@ -68,13 +68,20 @@ TOOLS_WARMUP_STEPS = 200
 def tools_model_dir(tmp_path_factory):
     """The tiny tool model (ChatML, calculator calls) after a short SFT warm-up: it calls the calculator on
     some easy word problems and guesses on others."""
+    import torch
+
     from generator_fleet.tasks.word_problems import WordProblemTask
     from model_zoo.tiny_tools import build_tiny_tools
 
     path = tmp_path_factory.mktemp("tools_model")
-    build_tiny_tools(
-        path, WordProblemTask(2000, seed=1, difficulty="easy").problems, warmup_steps=TOOLS_WARMUP_STEPS
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # the SFT warm-up on every core, whatever ran before
+    try:
+        build_tiny_tools(
+            path, WordProblemTask(2000, seed=1, difficulty="easy").problems, warmup_steps=TOOLS_WARMUP_STEPS
+        )
+    finally:
+        torch.set_num_threads(threads)
     return path
 
 

@@ -58,6 +58,8 @@ class EngineServer:
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._threads_before: int | None = None
+        """torch's thread count before start set `torch_threads`, restored by stop."""
 
     @property
     def model_path(self) -> str:
@@ -69,8 +71,9 @@ class EngineServer:
 
     def start(self, timeout_s: float = 120.0) -> EngineServer:
         o = self.options
-        if o.torch_threads:
-            torch.set_num_threads(o.torch_threads)  # process-wide: one engine per process in production
+        if o.torch_threads:  # process-wide (one engine per process in production); given back at stop
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(o.torch_threads)
         self.runner = Runner.from_options(o)
         self.runner.on_fatal.append(self._on_fatal)
         self.runner.start()
@@ -137,6 +140,9 @@ class EngineServer:
         if self._thread is not None:
             self._thread.join(10.0)
         self._stopped.set()
+        if self._threads_before is not None:  # an engine in a process that goes on (a test, a notebook)
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         log.info("engine at %s stopped", self.url)
 
     def serve_forever(self) -> None:

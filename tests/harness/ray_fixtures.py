@@ -21,11 +21,18 @@ RELEASE_WAIT_S = 15.0
 """How long a finished job's actors may take to give their resources back before Ray is restarted."""
 
 
+_started = False
+"""Whether the Ray this process is connected to is the shared one (started by `shared_ray`)."""
+
+
 def shutdown_shared_ray() -> None:
+    """Stop the shared Ray if it is up (a module's own Ray, started by its fixture, is left alone)."""
+    global _started
     import ray
 
-    if ray.is_initialized():
+    if _started and ray.is_initialized():
         ray.shutdown()
+    _started = False
 
 
 def _resources_free(ray) -> bool:
@@ -69,11 +76,13 @@ def shared_ray(_shared_ray_session):
 
     from slipstream.job.prepare import init_local_ray
 
+    global _started
     if not ray.is_initialized():
         init_local_ray(num_cpus=max(SHARED_CPUS, os.cpu_count() or 1))
+        _started = True
     yield
-    if ray.is_initialized() and not _resources_free(ray):
-        ray.shutdown()
+    if _started and ray.is_initialized() and not _resources_free(ray):
+        shutdown_shared_ray()
 
 
 @pytest.fixture

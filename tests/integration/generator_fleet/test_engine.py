@@ -595,3 +595,20 @@ def test_distributed_weight_update_mid_request(fresh_engine, models, load_format
         assert metric(engine, "slipstream_engine_weight_updates_total") == 2
 
     asyncio.run(scenario())
+
+
+@pytest.mark.builtin_only
+def test_an_engine_in_a_process_that_goes_on_gives_its_torch_threads_back(models):
+    """`torch_threads` is process-wide while the engine serves; a test or notebook process keeps its own
+    count once the engine stopped."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        server = EngineServer(str(models.path_a), api_key=API_KEY, torch_threads=1).start()
+        try:
+            assert torch.get_num_threads() == 1
+        finally:
+            server.stop()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
