@@ -43,9 +43,8 @@ def pipeline_bounds(
     G = spec.rollout.group_size
     gps = spec.algorithm.groups_per_step
     try:
-        if (
-            ray.is_initialized()
-        ):  # the bounds' actors need this session's env (the engine key): a Ray of its own
+        # the bounds' actors need the engine key in their environment: a Ray of their own
+        if ray.is_initialized():
             ray.shutdown()
         init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
         # generator-only: the workers fill the buffer; no trainer exists yet
