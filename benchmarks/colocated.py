@@ -264,6 +264,7 @@ def colocated_raw(args, model: Path, task: str) -> dict[str, Any]:
         bus_backend="ipc",
         placement="colocated",
         engine_max_batch=256,
+        engine_prefill_wait_steps=None,
     )
     return base_spec(ns, model, task)
 

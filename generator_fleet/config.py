@@ -155,6 +155,9 @@ class GeneratorsSpec(Spec):
     """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
     max_batch_size: BatchSize = engine_default("max_batch_size")
     """Most requests an engine decodes together."""
+    prefill_wait_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = engine_default("prefill_wait_steps")
+    """`builtin`: with a nearly full batch, decode steps a queued request may wait so that prefills take
+    several requests at once (the engine's --prefill-wait-steps); 0 = prefill whenever a slot is free."""
     gpus_per_engine: NonNeg = 0
     """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
     `sglang` engines take `sglang.gpus_per_engine`."""
@@ -356,6 +359,7 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
     return EngineOptions(
         model_path=model.path,
         max_batch_size=generators.max_batch_size,
+        prefill_wait_steps=generators.prefill_wait_steps,
         torch_threads=generators.torch_threads,
         mem_fraction_static=generators.mem_fraction_static,
         fp32_lm_head=generators.fp32_lm_head,

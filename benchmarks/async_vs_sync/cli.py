@@ -231,7 +231,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                     log(
                         f"max_staleness {ms}: {m['samples_per_s']:.1f} samples/s, {m['tokens_per_s']:.0f} tokens/s, "
                         f"trainer busy {m['trainer_busy_fraction']:.2f}, generator busy "
-                        f"{m['generator']['busy_fraction']}, staleness {m['staleness_histogram']}"
+                        f"{m['generator']['busy_fraction']}, decode batch "
+                        f"{m['generator'].get('mean_decode_batch')}, prefill time share "
+                        f"{m['generator'].get('prefill_time_share')}, staleness {m['staleness_histogram']}"
                     )
                     save()
             if not args.learning_only and args.phase in ("all", "bounds"):
@@ -382,6 +384,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--full-vocab", action="store_true", help="cuda: keep the shape's real vocabulary")
     p.add_argument("--max-new-tokens", type=int, default=256, help="cuda: tokens per model turn")
     p.add_argument("--engine-max-batch", type=int, default=256, help="cuda: engine --max-batch-size")
+    p.add_argument(
+        "--engine-prefill-wait-steps",
+        type=int,
+        default=None,
+        help="cuda: engine --prefill-wait-steps (default: the engine's; 0 = prefill whenever a slot is free)",
+    )
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--engine-gpu", type=int, default=1)
     p.add_argument(

@@ -95,6 +95,8 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
         raw["bus"] = {"backend": "ipc", "pause_mode": "in_place"}
         if args.device == "cuda":
             raw["generators"] |= {"gpus_per_engine": 1, "max_batch_size": args.engine_max_batch}
+            if args.engine_prefill_wait_steps is not None:
+                raw["generators"]["prefill_wait_steps"] = args.engine_prefill_wait_steps
             raw["trainer"] = {"device": "cuda", "micro_batch_tokens": 16384}
     elif args.device == "cpu":
         raw["generators"] = {"engine": "builtin", "num_engines": 1, "num_workers": 1}
@@ -187,6 +189,8 @@ class ExternalEngine:
         cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model), "--port", "0"]
         cmd += ["--api-key", api_key, "--device", "cuda", "--dtype", "bfloat16", "--log-level", "WARNING"]
         cmd += ["--max-batch-size", str(args.engine_max_batch)]
+        if args.engine_prefill_wait_steps is not None:
+            cmd += ["--prefill-wait-steps", str(args.engine_prefill_wait_steps)]
         if fp32_lm_head:
             cmd.append("--fp32-lm-head")
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.engine_gpu), "HF_HUB_OFFLINE": "1"}

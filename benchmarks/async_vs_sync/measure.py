@@ -19,7 +19,7 @@ class EngineSampler:
 
     def __init__(self, out_dir: Path, job: str, interval_s: float, url: str | None = None) -> None:
         self.out_dir, self.job, self.interval_s, self.url = out_dir, job, interval_s, url
-        self.samples: list[tuple[float, bool, float]] = []
+        self.samples: list[tuple[float, bool, float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -55,12 +55,15 @@ class EngineSampler:
                     for fam in text_string_to_metric_families(client.get(self.url + "/metrics").text):
                         for s in fam.samples:
                             vals[s.name] = vals.get(s.name, 0.0) + s.value
+                            if "kind" in s.labels:  # the engine's step counters, by kind
+                                k = f'{s.name}{{kind="{s.labels["kind"]}"}}'
+                                vals[k] = vals.get(k, 0.0) + s.value
                     if "sglang:num_running_reqs" in vals:
                         busy = vals["sglang:num_running_reqs"] - vals.get("sglang:num_paused_reqs", 0) > 0
                         tokens = vals.get(
                             "sglang:generation_tokens_total", vals.get("sglang:generation_tokens", 0)
                         )
-                        self.samples.append((t, busy, tokens))
+                        self.samples.append((t, busy, tokens, _step_counters(vals)))
             except Exception:  # noqa: BLE001 - engine starting or gone; keep polling
                 pass
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
@@ -74,11 +77,34 @@ class EngineSampler:
         inside = [s for s in self.samples if t0 <= s[0] <= t1]
         if len(inside) < 2:
             return {"busy_fraction": None, "generated_tokens_per_s": None, "samples": len(inside)}
+        first, last = inside[0][3], inside[-1][3]
+        d = {k: last.get(k, 0.0) - first.get(k, 0.0) for k in last}
+        steps = d.get("decode_steps", 0.0) + d.get("prefill_steps", 0.0)
+        seconds = d.get("decode_s", 0.0) + d.get("prefill_s", 0.0)
         return {
             "busy_fraction": sum(s[1] for s in inside) / len(inside),
             "generated_tokens_per_s": (inside[-1][2] - inside[0][2]) / (inside[-1][0] - inside[0][0]),
             "samples": len(inside),
+            "mean_decode_batch": d["decode_rows"] / d["decode_steps"] if d.get("decode_steps") else None,
+            "prefill_step_share": d["prefill_steps"] / steps if steps else None,
+            "requests_per_prefill": d["prefill_rows"] / d["prefill_steps"]
+            if d.get("prefill_steps")
+            else None,
+            "prefill_time_share": d["prefill_s"] / seconds if seconds else None,
         }
+
+
+def _step_counters(vals: dict[str, float]) -> dict[str, float]:
+    """The built-in engine's step counters in one scrape (engine/metrics.py; empty for other engines)."""
+    names = {
+        "decode_rows": 'slipstream_engine_step_rows_total{kind="decode"}',
+        "prefill_rows": 'slipstream_engine_step_rows_total{kind="prefill"}',
+        "decode_steps": 'slipstream_engine_steps_total{kind="decode"}',
+        "prefill_steps": 'slipstream_engine_steps_total{kind="prefill"}',
+        "decode_s": 'slipstream_engine_step_seconds_total{kind="decode"}',
+        "prefill_s": 'slipstream_engine_step_seconds_total{kind="prefill"}',
+    }
+    return {k: vals[v] for k, v in names.items() if v in vals}
 
 
 def rates(progress: list[dict], arrivals: list[float], warmup: int, samples_per_step: int) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 # result file per shape). Usage, on a 2-GPU machine (trainer on GPU 0, one engine on GPU 1):
 #   KIND=nvidia-h200-x2 STEPS="memory sync-0.5b async-0.5b bounds-0.5b" bash benchmarks/gpu/scale_out.sh
 # Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds}-{0.5b,1.5b} (async_vs_sync phases;
-# AVS_EXTRA adds options, e.g. "--max-new-tokens 512"), scale-{generators,trainers,ab} (scale_run phases on
+# AVS_EXTRA adds options, e.g. "--max-new-tokens 512", and LABEL a suffix to the result file's label), scale-{generators,trainers,ab} (scale_run phases on
 # 4 GPUs: 1+1 -> 2+1 -> 3+1, 2+1 -> 2+2, async vs sync at 2+2, appending to one file labelled "scale").
 set -u
 OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
@@ -26,7 +26,7 @@ for s in $STEPS; do
         async-*) phase=(--phase staleness --staleness "$ASYNC") ;;
         bounds-*) phase=(--phase bounds) ;;
       esac
-      step "$s" "${T_PHASE:-280}" "${AVS[@]}" --model-shape "qwen2.5-$shape-shape" --label "$shape" "${phase[@]}" --append ;;
+      step "$s" "${T_PHASE:-280}" "${AVS[@]}" --model-shape "qwen2.5-$shape-shape" --label "$shape${LABEL:+-$LABEL}" "${phase[@]}" --append ;;
     scale-*)
       step "$s" "${T_PHASE:-280}" python benchmarks/scale_run.py --device cuda --device-kind "$KIND" \
         --steps "${SCALE_STEPS:-10}" --warmup "${SCALE_WARMUP:-2}" --out-dir "$OUT" --phase "${s#scale-}" \

@@ -114,6 +114,34 @@ class _SchedulerCollector(Collector):
             c = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             c.add_metric([self.model_name], float(value))
             yield c
+        yield from self._steps(stats)
+
+    def _steps(self, stats: RunnerStats) -> Iterator[Metric]:
+        """Prefill and decode steps, their host time and their rows: the mean decode batch and the share
+        of time in prefills say whether a steady stream of requests keeps the batch full."""
+        c = CounterMetricFamily(
+            "slipstream_engine_steps", "Generation steps by kind.", labels=["model_name", "kind"]
+        )
+        c.add_metric([self.model_name, "prefill"], float(stats.num_prefill_steps_total))
+        c.add_metric([self.model_name, "decode"], float(stats.num_decode_steps_total))
+        yield c
+        c = CounterMetricFamily(
+            "slipstream_engine_step_seconds",
+            "Host time in generation steps by kind (including the GPU time a step waits on for its tokens).",
+            labels=["model_name", "kind"],
+        )
+        c.add_metric([self.model_name, "prefill"], stats.prefill_seconds_total)
+        c.add_metric([self.model_name, "decode"], stats.decode_seconds_total)
+        yield c
+        c = CounterMetricFamily(
+            "slipstream_engine_step_rows",
+            "Requests in generation steps by kind, summed over steps (/ steps = the mean decode batch, the "
+            "requests per prefill).",
+            labels=["model_name", "kind"],
+        )
+        c.add_metric([self.model_name, "prefill"], float(stats.prefill_rows_total))
+        c.add_metric([self.model_name, "decode"], float(stats.decode_rows_total))
+        yield c
 
 
 class EngineMetrics:

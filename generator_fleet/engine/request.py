@@ -219,6 +219,14 @@ class RunnerStats:
         self.num_aborted_requests_total = 0
         self.num_retractions_total = 0
         self.num_decode_steps_total = 0
+        self.num_prefill_steps_total = 0
+        self.decode_rows_total = 0
+        """Rows of all decode steps (/ num_decode_steps_total: the mean decode batch)."""
+        self.prefill_rows_total = 0
+        """Requests of all prefill steps (/ num_prefill_steps_total: requests per prefill)."""
+        self.prefill_seconds_total = 0.0
+        self.decode_seconds_total = 0.0
+        """Host time in each kind of step, including the GPU time the step waits on for its sampled tokens."""
         self.graph_captures_deferred_total = 0
         """Decode steps run eagerly because their bucket's graph capture had to wait for a weight operation."""
         self.gen_throughput = 0.0

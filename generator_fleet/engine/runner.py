@@ -36,7 +36,7 @@ from generator_fleet.engine.model import DecodeGraphs, PagedForward, check_suppo
 from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
-from generator_fleet.engine.runner_steps import RunnerSteps, abort_reason, fill_tokens
+from generator_fleet.engine.runner_steps import RunnerSteps, abort_reason
 from generator_fleet.engine.runner_weights import RunnerWeights
 from models.config import LoraSpec
 from models.tokenizers import load_tokenizer
@@ -85,6 +85,7 @@ class Runner(RunnerWeights, RunnerSteps):
             json_any_whitespace=not o.constrained_json_disable_any_whitespace,
             lora=o.lora,
             max_loras=o.max_loras,
+            prefill_wait_steps=o.prefill_wait_steps,
         )
 
     # Long: the scheduler's state declared in one place, each field with what it guards
@@ -108,6 +109,7 @@ class Runner(RunnerWeights, RunnerSteps):
         lora: LoraSpec | None = None,
         max_loras: int = 1,
         json_any_whitespace: bool = True,
+        prefill_wait_steps: int = 8,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -121,7 +123,8 @@ class Runner(RunnerWeights, RunnerSteps):
         `lora`: serve up to `max_loras` LoRA adapters of this shape (max rank, target modules); decode then
         runs eagerly (no CUDA graphs), the adapter deltas being per-row inputs the graphs do not take.
         `json_any_whitespace`: json_schema grammars allow any whitespace between JSON tokens (SGLang's
-        default); False allows the compact and `json.dumps` separators only."""
+        default); False allows the compact and `json.dumps` separators only.
+        `prefill_wait_steps`: EngineOptions.prefill_wait_steps."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -186,6 +189,9 @@ class Runner(RunnerWeights, RunnerSteps):
         self._updating = False
         self._stopping = False
         self._last_was_prefill = False
+        self.prefill_wait_steps = prefill_wait_steps
+        self._decodes_since_prefill = 0
+        """Decode steps since the last prefill: a deferred prefill runs once this reaches prefill_wait_steps."""
         self._released: set[str] = set()
         """Memory tags released (release_memory): no step runs while any is."""
         self._update_lock = threading.Lock()
@@ -486,42 +492,6 @@ class Runner(RunnerWeights, RunnerSteps):
         """Finish running requests that were asked to abort (caller holds _cv, no step in flight)."""
         for r in [r for r in self._running if r.abort_message is not None]:
             self._finish(r, abort_reason(r.abort_message))
-
-    def _admit(self) -> list[Request]:
-        """Move queued requests into the running set for one prefill step (caller holds _cv): in queue order
-        (priority, then FIFO), while
-        the batch has room, the padded prefill fits the token budget and the pool has blocks for the
-        prompt plus the first decoded token. Prefill and decode steps alternate while both have work."""
-        if not self._queue or (self._last_was_prefill and self._running):
-            self._last_was_prefill = False
-            return []
-        admitted: list[Request] = []
-        width = 0
-        while self._queue and len(self._running) < self.max_batch_size:
-            r = self._queue[0]
-            n = len(fill_tokens(r))
-            w = max(width, n)
-            if admitted and w * (len(admitted) + 1) > self.max_prefill_tokens:
-                break
-            need = blocks_for(n + 1, self.cache.block_size)
-            if need > self.cache.capacity_blocks:
-                self._queue.popleft()
-                self._finish(
-                    r,
-                    abort_reason(
-                        f"request needs {n + 1} KV slots; the engine's pool holds {self.max_total_num_tokens}"
-                    ),
-                )
-                continue
-            if need > self.cache.free_blocks:
-                break  # waits for running requests to free blocks
-            self._queue.popleft()
-            r.blocks = self.cache.allocate(need)
-            self._running.append(r)
-            admitted.append(r)
-            width = w
-        self._last_was_prefill = bool(admitted)
-        return admitted
 
     # ---- finishing (callers hold _cv or are the generation thread) -------------------------------
 

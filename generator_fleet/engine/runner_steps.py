@@ -19,10 +19,74 @@ from generator_fleet.engine.sampler import Choice, sample
 log = logging.getLogger(__name__)
 
 
+PREFILL_BATCH_FRACTION = 8
+"""With a nearly full batch, a prefill waits for 1/PREFILL_BATCH_FRACTION of the batch to be free (or the
+whole queue to fit, or prefill_wait_steps decode steps)."""
+
+
 class RunnerSteps:
-    """The Runner's prefill and decode steps (engine/runner.py holds the state they use)."""
+    """The Runner's admission, prefill and decode steps (engine/runner.py holds the state they use)."""
+
+    def _admit(self) -> list[Request]:
+        """Move queued requests into the running set for one prefill step (caller holds _cv): in queue order
+        (priority, then FIFO), while the batch has room, the padded prefill fits the token budget and the
+        pool has blocks for the prompt plus the first decoded token. Prefill and decode steps alternate
+        while both have work, and while the running batch is nearly full a prefill waits (`_prefill_due`)
+        so that it takes several requests instead of the one or two that finished last step."""
+        if not self._queue or (self._last_was_prefill and self._running):
+            self._last_was_prefill = False
+            return []
+        if self._running and not self._prefill_due():
+            return []
+        admitted: list[Request] = []
+        width = 0
+        while self._queue and len(self._running) < self.max_batch_size:
+            r = self._queue[0]
+            n = len(fill_tokens(r))
+            w = max(width, n)
+            if admitted and w * (len(admitted) + 1) > self.max_prefill_tokens:
+                break
+            need = blocks_for(n + 1, self.cache.block_size)
+            if need > self.cache.capacity_blocks:
+                self._queue.popleft()
+                self._finish(
+                    r,
+                    abort_reason(
+                        f"request needs {n + 1} KV slots; the engine's pool holds {self.max_total_num_tokens}"
+                    ),
+                )
+                continue
+            if need > self.cache.free_blocks:
+                break  # waits for running requests to free blocks
+            self._queue.popleft()
+            r.blocks = self.cache.allocate(need)
+            self._running.append(r)
+            admitted.append(r)
+            width = w
+        self._last_was_prefill = bool(admitted)
+        if admitted:
+            self._decodes_since_prefill = 0
+        return admitted
+
+    def _prefill_due(self) -> bool:
+        """Whether queued requests join a running batch now: once the free batch slots take the whole queue
+        or an eighth of the batch, or after `prefill_wait_steps` decode steps. A prefill is a whole forward
+        pass, so with a full batch under a steady stream of requests (an RL fleet's), admitting each
+        finished slot's successor alone would spend every other step on a prefill of one or two rows."""
+        free = self.max_batch_size - len(self._running)
+        if free <= 0:
+            return False
+        enough = min(len(self._queue), max(1, self.max_batch_size // PREFILL_BATCH_FRACTION))
+        return free >= enough or self._decodes_since_prefill >= self.prefill_wait_steps
 
     def _prefill(self, rows: list[Request], version: str) -> None:
+        t0 = time.monotonic()
+        self._prefill_rows(rows, version)
+        self.stats.num_prefill_steps_total += 1
+        self.stats.prefill_rows_total += len(rows)
+        self.stats.prefill_seconds_total += time.monotonic() - t0
+
+    def _prefill_rows(self, rows: list[Request], version: str) -> None:
         fills = [fill_tokens(r) for r in rows]
         slots = [s for r, f in zip(rows, fills, strict=True) for s in self.cache.slots(r.blocks, 0, len(f))]
         hidden = self.fwd.prefill(
@@ -98,6 +162,8 @@ class RunnerSteps:
         for r in rows:
             r.kv_len += 1
         self.stats.num_decode_steps_total += 1
+        self.stats.decode_rows_total += len(rows)
+        self._decodes_since_prefill += 1
         constrained = self.grammar.mask([r.constraint for r in rows], logits)
         if constrained and choice is not None:
             # The graph sampled every row from the raw logits: rows with a grammar are sampled again
@@ -107,7 +173,9 @@ class RunnerSteps:
                 choice.tokens[i] = sub.tokens[j]
                 choice.logprobs[i] = sub.logprobs[j]
         self._record(rows, choice or sample(rows, logits, self.eos_token_ids), version)
-        self.stats.gen_throughput = len(rows) / max(time.monotonic() - t0, 1e-9)
+        took = time.monotonic() - t0
+        self.stats.decode_seconds_total += took
+        self.stats.gen_throughput = len(rows) / max(took, 1e-9)
 
     def _grow_blocks(self) -> list[Request]:
         """Give every running request room for one more token, retracting the newest ones while the
