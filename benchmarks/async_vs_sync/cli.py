@@ -236,13 +236,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                         f"{m['generator'].get('prefill_time_share')}, staleness {m['staleness_histogram']}"
                     )
                     save()
-            if not args.learning_only and args.phase in ("all", "bounds"):
+            if not args.learning_only and args.phase in ("all", "bounds", "generator-only"):
 
                 def bound(res: dict) -> None:
                     result["metrics"] |= res
                     save()
 
-                pipeline_bounds(args, raw, model, work, samples_per_step, on_bound=bound)
+                trainer = args.phase != "generator-only"
+                pipeline_bounds(args, raw, model, work, samples_per_step, on_bound=bound, trainer=trainer)
             if not args.learning_only:
                 summarise(result)
                 save()
@@ -435,10 +436,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument(
         "--phase",
-        choices=["all", "staleness", "bounds"],
+        choices=["all", "staleness", "bounds", "generator-only"],
         default="all",
         help="run one part only, each short enough for one command on a GPU machine: staleness (the jobs of "
-        "--staleness), bounds (generator-only then trainer-only); all: both, then the learning jobs",
+        "--staleness), bounds (generator-only then trainer-only), generator-only (the first bound alone: one "
+        "GPU will do); all: staleness and bounds, then the learning jobs",
     )
     p.add_argument("--label", help="result file label (e.g. the model shape: one file per shape)")
     p.add_argument(
@@ -487,7 +489,8 @@ def main(argv: list[str] | None = None) -> dict:
             sys.exit(
                 "the cuda job's reward needs the math-verify package (on the GPU machine: carry its wheels)"
             )
-        if args.placement == "disaggregated" and args.trainer_gpu == args.engine_gpu:
+        one_gpu_ok = args.phase == "generator-only"  # no trainer, so no weight bus
+        if args.placement == "disaggregated" and args.trainer_gpu == args.engine_gpu and not one_gpu_ok:
             sys.exit(
                 f"--trainer-gpu and --engine-gpu are both {args.trainer_gpu}: the disaggregated weight bus is "
                 "an NCCL group, which cannot hold two ranks on one GPU (use --placement colocated on one GPU)"

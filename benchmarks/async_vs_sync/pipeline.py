@@ -13,10 +13,17 @@ from benchmarks.async_vs_sync.measure import EngineSampler, _with_urls, rates, s
 
 
 def pipeline_bounds(
-    args, raw: dict, model: Path, work: Path, samples_per_step: int, on_bound=lambda res: None
+    args,
+    raw: dict,
+    model: Path,
+    work: Path,
+    samples_per_step: int,
+    on_bound=lambda res: None,
+    trainer: bool = True,
 ) -> dict[str, Any]:
     """Generator-only, then trainer-only on the filled buffer, in one session (package docstring).
-    `on_bound(res)` after each bound, so a phase cut short by its timeout keeps the generator-only one."""
+    `on_bound(res)` after each bound, so a phase cut short by its timeout keeps the generator-only one.
+    `trainer=False`: the generator-only bound alone (it needs no second GPU)."""
     import ray
 
     from replay_buffer.redis_server import ManagedRedis
@@ -66,6 +73,8 @@ def pipeline_bounds(
             f"prefill time share {gen.get('prefill_time_share')})"
         )
         on_bound(res)
+        if not trainer:
+            return res
         # trainer-only: the buffer holds every batch it needs
         progress, arrivals = [], []
 
