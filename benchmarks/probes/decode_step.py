@@ -3,6 +3,8 @@
 - `attention`: the Triton paged decode attention against gather + SDPA for the Qwen2.5 shapes' head
   layouts at one batch (correctness in bf16 against an fp32 reference, and the time of one layer's call
   under CUDA-graph replay, so launch gaps stay out), for a few split counts and tile sizes.
+- `prefill<rows>`: one prefill step of `rows` prompts of 100-400 tokens and their last logits (wall ms, kernel
+  µs, top kernels), e.g. `prefill16`.
 - `step`: a Runner with random weights (`load_format="dummy"`) of a shape decodes `concurrency` requests of
   `new_tokens` greedy tokens; it reports the wall time per decode step, the GPU time of one replay of the
   step's captured graph (CUDA events over many replays: the difference is host time), and a
@@ -142,6 +144,69 @@ def _model_dir(path: Path, shape: str) -> None:
     tok.save_pretrained(path)
 
 
+def _kernel_summary(fn, n: int = 10) -> dict:
+    """torch.profiler over `n` calls of `fn`: kernels and kernel µs per call, the top 15 kernels."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof_ctx
+
+    with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            c = per.setdefault(ev.name, [0, 0.0])
+            c[0] += 1
+            c[1] += ev.device_time_total
+    top = sorted(per.items(), key=lambda kv: -kv[1][1])[:15]
+    return {
+        "kernels_per_step": sum(c for c, _ in per.values()) / n,
+        "kernel_us_per_step": sum(u for _, u in per.values()) / n,
+        "top_kernels": [
+            {"name": k[:120], "calls_per_step": c / n, "us_per_step": u / n} for k, (c, u) in top
+        ],
+    }
+
+
+def prefill(shape: str, rows: int, profile: bool, lo: int = 100, hi: int = 400) -> dict:
+    """One prefill step of `rows` prompts of lo..hi tokens (a multi-turn fleet's later turns) and the
+    logits of their last tokens, as the engine's step runs them: wall ms per step, kernel µs per step (the
+    difference is host time between kernels) and the top kernels."""
+    from generator_fleet.engine.kv_cache import blocks_for
+    from generator_fleet.engine.runner import Runner
+
+    with tempfile.TemporaryDirectory() as d:
+        _model_dir(Path(d), shape)
+        runner = Runner(d, device="cuda", dtype=torch.bfloat16, load_format="dummy", context_length=hi + 64)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(lo, hi + 1, (rows,), generator=g).tolist()
+    seqs = [torch.randint(3, 150000, (n,), generator=g).tolist() for n in lens]
+    bs = runner.cache.block_size
+    blocks = [runner.cache.allocate(blocks_for(n + 1, bs)) for n in lens]
+    flat = [s for b, n in zip(blocks, lens, strict=True) for s in runner.cache.slots(b, 0, n)]
+    slots = torch.tensor(flat, dtype=torch.long, device="cuda")
+    last = torch.tensor(lens, device="cuda").cumsum(0) - 1
+
+    def run() -> None:
+        with torch.inference_mode():
+            h = runner.fwd.prefill(seqs, slots)
+            runner.fwd.logits(h[last]).float().argmax(-1).tolist()
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        run()
+    ms = (time.perf_counter() - t) / 10 * 1e3
+    out = {"shape": shape, "rows": rows, "tokens": sum(lens), "padded": rows * max(lens), "step_ms": ms}
+    out["tokens_per_s"] = sum(lens) / ms * 1e3
+    if profile:
+        out["profile"] = _kernel_summary(run)
+    return out
+
+
 def step(shape: str, concurrency: int, new_tokens: int, profile: bool) -> dict:
     from generator_fleet.engine.request import Request, SamplingParams
     from generator_fleet.engine.runner import Runner
@@ -201,28 +266,7 @@ def step(shape: str, concurrency: int, new_tokens: int, profile: bool) -> dict:
                 times.append(a.elapsed_time(b) / 20)
             out["graph_replay_ms"] = statistics.median(times)
             if profile:
-                from torch.profiler import ProfilerActivity
-                from torch.profiler import profile as prof_ctx
-
-                n = 10
-                with prof_ctx(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(n):
-                        graph.replay()
-                    torch.cuda.synchronize()
-                per: dict[str, list] = {}
-                for ev in prof.events():
-                    if ev.device_type == torch.autograd.DeviceType.CUDA:
-                        c = per.setdefault(ev.name, [0, 0.0])
-                        c[0] += 1
-                        c[1] += ev.device_time_total
-                top = sorted(per.items(), key=lambda kv: -kv[1][1])[:15]
-                out["profile"] = {
-                    "kernels_per_step": sum(c for c, _ in per.values()) / n,
-                    "kernel_us_per_step": sum(u for _, u in per.values()) / n,
-                    "top_kernels": [
-                        {"name": k[:120], "calls_per_step": c / n, "us_per_step": u / n} for k, (c, u) in top
-                    ],
-                }
+                out["profile"] = _kernel_summary(graph.replay)
     finally:
         runner.stop()
 
@@ -244,11 +288,12 @@ def main(argv: list[str] | None = None) -> None:
         for part in args.parts.split(","):
             t = time.perf_counter()
             try:
-                r = (
-                    attention(shape, args.concurrency)
-                    if part == "attention"
-                    else step(shape, args.concurrency, args.new_tokens, args.profile)
-                )
+                if part == "attention":
+                    r = attention(shape, args.concurrency)
+                elif part.startswith("prefill"):  # prefill<rows>, e.g. prefill16
+                    r = prefill(shape, int(part.removeprefix("prefill") or 16), args.profile)
+                else:
+                    r = step(shape, args.concurrency, args.new_tokens, args.profile)
             except Exception as exc:  # keep the other measurements
                 r = {"shape": shape, "error": repr(exc)}
             r["part"], r["seconds"] = part, time.perf_counter() - t
