@@ -41,7 +41,10 @@ default on CUDA; CPU always gathers)."""
 
 
 FUSED_DECODE_ENV = "SLIPSTREAM_ENGINE_FUSED_DECODE"
-"""Set to 0 to decode on CUDA with the unfused PyTorch ops (the fused Triton kernels are the default)."""
+"""Set to 0 to decode and prefill on CUDA with the unfused PyTorch ops (the fused Triton kernels are the
+default; FUSED_PREFILL_ENV turns them off for prefill alone)."""
+FUSED_PREFILL_ENV = "SLIPSTREAM_ENGINE_FUSED_PREFILL"
+"""Set to 0 to prefill with the PyTorch ops while decode keeps the fused kernels (for comparison)."""
 
 
 def check_supported(config) -> None:
@@ -115,6 +118,7 @@ class PagedForward:
         """Every weight in one buffer (engine/arena.py); None when the model could not be laid out."""
         self.fuse_weights()
         self._fused_kernels = self._fused_kernels_usable()
+        self._fused_prefill = self._fused_kernels and os.environ.get(FUSED_PREFILL_ENV, "1") != "0"
         log.info(
             "decode path: attention %s, %s",
             "Triton paged" if _paged_attention(cache) is not None else "gather + SDPA",
@@ -269,6 +273,10 @@ class PagedForward:
         valid = col[None] < torch.tensor(lens, device=dev)[:, None]
         pad_index = torch.where(valid, starts[:, None] + col[None], 0)
         flat_valid = valid.reshape(-1)
+        if self._fused_prefill and self.lora is None and self.qkv_w is not None:
+            from generator_fleet.engine import fused_forward
+
+            return fused_forward.prefill(self, ids, positions, slots, pad_index, flat_valid)
         h = self.decoder.embed_tokens(ids)
         rope = self.rope(positions)
         for i, layer in enumerate(self.decoder.layers):
@@ -295,7 +303,9 @@ class PagedForward:
         if self.lora is not None:
             self._select_lora(lora_slots if lora_slots is not None else [-1] * B, None, x.seq_lens.device)
         if self._fused_kernels and self.lora is None and self.qkv_w is not None:
-            return self._decode_fused(x)
+            from generator_fleet.engine import fused_forward
+
+            return fused_forward.decode(self, x)
         L = MB * self.cache.block_size
         paged = _paged_attention(self.cache)
         mask = None
@@ -328,47 +338,6 @@ class PagedForward:
             )
             h = self._layer_tail(layer, residual, o.reshape(B, -1), i)
         return self.logits(h).float()
-
-    def _decode_fused(self, x: DecodeInputs) -> torch.Tensor:
-        """CUDA decode with the fused kernels: per layer add+norm, one q/k/v GEMM, RoPE + pool write, paged
-        attention (two kernels), o_proj, add+norm, one gate/up GEMM, SwiGLU, down_proj. The residual
-        stream is carried as (delta, residual) so each add happens inside the next norm."""
-        from generator_fleet.engine import decode_attention, fused_ops
-
-        B = x.block_tables.shape[0]
-        delta = self.decoder.embed_tokens(x.input_ids)
-        res = None
-        for i, layer in enumerate(self.decoder.layers):
-            norm = layer.input_layernorm
-            normed, res = fused_ops.add_rms_norm(delta, res, norm.weight, norm.variance_epsilon)
-            qkv = F.linear(normed, self.qkv_w[i], self.qkv_b[i])
-            q = fused_ops.rope_kv_write(
-                qkv,
-                x.positions,
-                self.cos,
-                self.sin,
-                x.slots,
-                self.cache.k[i],
-                self.cache.v[i],
-                self.num_heads,
-            )
-            o = decode_attention.paged_decode_attention(
-                q,
-                self.cache.k[i],
-                self.cache.v[i],
-                x.block_tables,
-                x.seq_lens,
-                block_size=self.cache.block_size,
-                scale=self.scaling,
-            )
-            a = layer.self_attn.o_proj(o.view(B, -1))
-            norm = layer.post_attention_layernorm
-            normed, res = fused_ops.add_rms_norm(a, res, norm.weight, norm.variance_epsilon)
-            gate_up = F.linear(normed, self.gate_up_w[i], self.gate_up_b[i])
-            delta = layer.mlp.down_proj(fused_ops.silu_mul(gate_up))
-        norm = self.decoder.norm
-        normed, _ = fused_ops.add_rms_norm(delta, res, norm.weight, norm.variance_epsilon)
-        return self._head(normed).float()
 
 
 def _fuse_linears(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

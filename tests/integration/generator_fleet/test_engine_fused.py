@@ -130,6 +130,60 @@ def test_fused_kernels_match_torch_on_gpu():
     _check_ops("cuda", torch.float32, 1e-5)
 
 
+def _check_prefill(model_dir: str, device: str, dtype: torch.dtype, tol: float) -> None:
+    """The fused prefill (engine/fused_forward.py) against the PyTorch-op prefill of the same forward:
+    hidden states and the K/V written to the pools, for packed prompts of different lengths."""
+    from generator_fleet.engine import fused_forward
+
+    runner = Runner(model_dir, device=device, dtype=dtype, context_length=256, max_batch_size=8)
+    fwd, cache = runner.fwd, runner.cache
+    g = torch.Generator().manual_seed(11)
+    seqs = [torch.randint(3, 15, (n,), generator=g).tolist() for n in (5, 23, 1, 17)]
+    blocks = [cache.allocate((len(s) + cache.block_size) // cache.block_size) for s in seqs]
+    flat = [x for b, s in zip(blocks, seqs, strict=True) for x in cache.slots(b, 0, len(s))]
+    slots = torch.tensor(flat, dtype=torch.long, device=device)
+    fwd._fused_prefill = False
+    with torch.inference_mode():
+        want = fwd.prefill(seqs, slots)
+        kv_want = [(cache.k[i][slots].clone(), cache.v[i][slots].clone()) for i in range(len(cache.k))]
+        for t in (*cache.k, *cache.v):
+            t.zero_()
+        fwd._fused_prefill = True
+        got = fwd.prefill(seqs, slots)
+    runner.stop()
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert got.shape == want.shape and rel(got, want) < tol, rel(got, want)
+    for i, (k, v) in enumerate(kv_want):
+        assert rel(cache.k[i][slots], k) < tol and rel(cache.v[i][slots], v) < tol, i
+    assert fused_forward.prefill  # the path under test
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the compiled kernels (the GPU test)")
+def test_fused_prefill_matches_the_torch_prefill_on_cpu_interpreted(model_dir):
+    """In a fresh process: Triton picks its interpreter when first imported."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[3]
+    code = (
+        "import sys, torch\nfrom test_engine_fused import _check_prefill\n"
+        "_check_prefill(sys.argv[1], 'cpu', torch.float32, 1e-5)\n"
+    )
+    path = os.pathsep.join(map(str, (root, root / "tests" / "harness", Path(__file__).parent)))
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(model_dir)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_prefill_matches_the_torch_prefill_on_gpu(model_dir):
+    _check_prefill(str(model_dir), "cuda", torch.bfloat16, 2e-2)
+    _check_prefill(str(model_dir), "cuda", torch.float32, 1e-5)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("fused")
