@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 FLATTENED_BUCKET = "flattened_bucket"
 WAIT_POLL_S = 5e-5
-"""How often a streamed update's host thread checks that its last receive completed."""
+"""How often a streamed update's host thread checks that its receives completed."""
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -149,29 +149,29 @@ class WeightReceiver:
         target: Callable[[StreamBucket], torch.Tensor | None],
         load: Callable[[StreamBucket, Named], None],
     ) -> list[float]:
-        """Receive every bucket of `req.stream`, in order, one broadcast each, and return once the last
-        one is in (each wait bounded by the group's timeout). A bucket for which `target` gives a tensor
-        (a byte range of the engine's weight arena) is received straight into it: these broadcasts are
-        all posted at once and complete back to back. Any other is a flattened bucket of named tensors,
-        received into a reused buffer (CUDA: the _Ring, overlapping the next receive with this copy) and
-        handed to `load(bucket, named)`. A failure breaks the group, as in `receive`. Returns perf_counter
-        marks: the first broadcast posted, the last posted, every one done."""
+        """Receive every bucket of `req.stream`, in order, one broadcast each, and return once every one
+        is in (each wait bounded by the group's timeout). A bucket for which `target` gives a tensor (a
+        byte range of the engine's weight arena) is received straight into it: these broadcasts are all
+        posted at once and each is waited for, as they may complete in any order (gloo runs a group's
+        collectives on two worker threads: the last may be in before an earlier one began). Any other is
+        a flattened bucket of named tensors, received into a reused buffer (CUDA: the _Ring, overlapping
+        the next receive with this copy) and handed to `load(bucket, named)`. A failure breaks the group,
+        as in `receive`. Returns perf_counter marks: the first broadcast posted, the last posted, every
+        one done."""
         group = self._group(req.group_name)
         timeout_s = self.timeouts.get(req.group_name, DEFAULT_TIMEOUT_S)
         marks: list[float] = []
         try:
-            last = None
+            posted: list[dist.Work] = []  # arena receives not yet waited for
             for b in req.stream:
                 dest = target(b)
                 if dest is not None:
                     with self.gpu_lock:
-                        last = broadcast_async(group, dest)
+                        posted.append(broadcast_async(group, dest))
                     if not marks:
                         marks.append(time.perf_counter())
                     continue
-                if last is not None:  # a named bucket's buffer must not wait behind unfinished receives
-                    _wait(last, timeout_s)
-                    last = None
+                _wait_all(posted, timeout_s)  # a named bucket's buffer must not wait behind them
                 one = UpdateWeightsFromDistributed(
                     names=b.names, dtypes=b.dtypes, shapes=b.shapes, group_name=req.group_name,
                     load_format=FLATTENED_BUCKET,
@@ -180,8 +180,7 @@ class WeightReceiver:
                 if not marks:
                     marks.append(time.perf_counter())
             marks.append(time.perf_counter())
-            if last is not None:
-                _wait(last, timeout_s)
+            _wait_all(posted, timeout_s)
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # named buckets' copies are done
         except Exception as e:  # a load that failed too: later buckets were never received
@@ -250,15 +249,19 @@ class WeightReceiver:
         return out
 
 
-def _wait(work: dist.Work, timeout_s: float) -> None:
-    """Wait (host) until a receive is complete, bounded: TimeoutError past `timeout_s`; its error if it
-    failed."""
+def _wait_all(works: list[dist.Work], timeout_s: float) -> None:
+    """Wait (host) until every receive in `works` is complete, all within `timeout_s`: TimeoutError
+    past it; the first one's error if one failed. Empties `works`. Completing the last one posted says
+    nothing of the others: on gloo they run on several threads, so each is waited for."""
     deadline = time.monotonic() + timeout_s
-    while not work.is_completed():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"a weight broadcast did not complete within {timeout_s:.0f} s")
-        time.sleep(WAIT_POLL_S)
-    work.wait()
+    while works:
+        work = works[0]
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"a weight broadcast did not complete within {timeout_s:.0f} s")
+            time.sleep(WAIT_POLL_S)
+        work.wait()
+        works.pop(0)
 
 
 class _LoadFailed(Exception):

@@ -1,9 +1,10 @@
 """Streamed weight updates (weight_bus/stream.py) against real built-in engines over HTTP + gloo: after the
 first update the bus sends each update as one call per engine, its buckets byte ranges of the engines'
 weight arena received in place (or, without one, named buckets); bit for bit on several engines, cast to
-the engine dtype, tied weights included, staged beside the serving weights on request, and an engine
-killed mid-stream is dropped while the survivors are parked and made whole by the next update. The
-planning and packing are checked without engines too, on a model of mixed dtypes."""
+the engine dtype, tied weights included, staged beside the serving weights on request, whole when the
+engine answers whatever order its receives complete in, and an engine killed mid-stream is dropped while
+the survivors are parked and made whole by the next update. The planning and packing are checked without
+engines too, on a model of mixed dtypes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prometheus_client import REGISTRY
 
 from generator_fleet.engine import EngineServer
 from generator_fleet.engine.arena import lay_out
-from weight_bus import WeightBus
+from weight_bus import WeightBus, receiver
 from weight_bus.packing import pack
 from weight_bus.schema import WeightLayout
 from weight_bus.stream import arena_plan, named_plan, pack_arena
@@ -91,6 +92,59 @@ def test_streamed_updates_cast_to_a_bf16_engine_and_can_be_staged(models):
     finally:
         bus.close()
         server.stop()
+
+
+class LandsWhenSeen:
+    """A receive whose bytes reach their destination only once the receiver sees it complete: all that a
+    collective promises (its output is defined after is_completed() or wait()), and what gloo does when a
+    worker thread begins an earlier bucket after the last one is already in."""
+
+    def __init__(self, work, scratch: torch.Tensor, dest: torch.Tensor) -> None:
+        self.work, self.scratch, self.dest = work, scratch, dest
+
+    def is_completed(self) -> bool:
+        done = self.work.is_completed()
+        if done:
+            self._land()
+        return done
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self._land()
+        return True
+
+    def _land(self) -> None:
+        if self.scratch is not None:
+            self.dest.copy_(self.scratch)
+            self.scratch = None
+
+
+@pytest.mark.parametrize("stage", [True, False])
+def test_a_streamed_update_is_whole_when_the_engine_answers_whatever_order_buckets_land(
+    engines, models, monkeypatch, stage
+):
+    """The last bucket's receive completing says nothing of the others (gloo runs a group's collectives
+    on two threads): the engine waits for every one, so the staging arena it swaps in, or the weights it
+    received into in place, hold the whole update when it answers."""
+    _, ms = models
+    real = receiver.broadcast_async
+
+    def lands_when_seen(group, dest, src=0):
+        scratch = torch.empty_like(dest)
+        return LandsWhenSeen(real(group, scratch, src), scratch, dest)
+
+    monkeypatch.setattr(receiver, "broadcast_async", lands_when_seen)
+    server = engines[0]
+    bus = WeightBus([server.url], api_key=KEY, bucket_bytes=64 * 1024, stage=stage)
+    bus.connect()
+    try:
+        publish_bounded(bus, ms[0].named_parameters(), 1)
+        stats = publish_bounded(bus, ms[3].named_parameters(), 2)
+        assert stats.stream == "arena" and stats.staged == stage and stats.buckets > 2
+        assert_holds(server, ms[3])
+        assert version(server.url) == "2"
+    finally:
+        bus.close()
 
 
 def test_engine_killed_mid_stream_is_dropped_and_survivors_are_made_whole_next_time(models, tmp_path):
