@@ -48,7 +48,7 @@ def prefill(
     flat_valid: torch.Tensor,
 ) -> torch.Tensor:
     """Packed sequences from position 0 (PagedForward.prefill's inputs: `pad_index` [N, width] maps the
-    padded batch to flat tokens); K/V land in the pools at `slots` and attention reads them back padded,
+    padded batch to flat tokens, `flat_valid` lists the padded positions that are real tokens); K/V land in the pools at `slots` and attention reads them back padded,
     one gather per pool. Returns the final hidden states [T, hidden] (before the last norm)."""
     n, width = pad_index.shape
     pad_slots = slots[pad_index]  # [N, width]: the pool slot of every padded position

@@ -272,7 +272,9 @@ class PagedForward:
         col = torch.arange(width, device=dev)
         valid = col[None] < torch.tensor(lens, device=dev)[:, None]
         pad_index = torch.where(valid, starts[:, None] + col[None], 0)
-        flat_valid = valid.reshape(-1)
+        # the padded rows' real tokens as indices, found once: a boolean mask per layer would make the host
+        # wait for the device at every layer (nonzero), leaving the GPU idle while it launches the next
+        flat_valid = valid.reshape(-1).nonzero().squeeze(1)
         if self._fused_prefill and self.lora is None and self.qkv_w is not None:
             from generator_fleet.engine import fused_forward
 
