@@ -6,19 +6,21 @@ carried as (delta, residual) so each add happens inside the next norm. Functions
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from generator_fleet.engine import decode_attention, fused_ops
 
-if TYPE_CHECKING:
-    from generator_fleet.engine.model import DecodeInputs, PagedForward
+PagedForward = Any
+"""engine/model.py's PagedForward, whose fused weights, cache and rotary tables these passes use (not
+imported: model.py imports this module)."""
 
 
-def decode(fwd: PagedForward, x: DecodeInputs) -> torch.Tensor:
-    """One token per sequence through the fused layers and paged decode attention; fp32 logits [B, vocab]."""
+def decode(fwd: PagedForward, x) -> torch.Tensor:
+    """One token per sequence (`x`: engine/model.py's DecodeInputs) through the fused layers and paged
+    decode attention; fp32 logits [B, vocab]."""
     B = x.block_tables.shape[0]
 
     def attend(i: int, q: torch.Tensor) -> torch.Tensor:

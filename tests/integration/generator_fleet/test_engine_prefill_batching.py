@@ -27,10 +27,13 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
-def run(path, wait_steps: int, requests: list[tuple[list[int], int]]) -> tuple[Runner, list]:
-    """Queue every (prompt, tokens) request, then start the runner; returns it stopped with the outputs."""
+def run(path, wait_steps: int, requests: list[tuple[list[int], int]], before=None) -> tuple[Runner, list]:
+    """Queue every (prompt, tokens) request, then start the runner; returns it stopped with the outputs.
+    `before(runner, reqs)` runs before they are queued."""
     runner = Runner(str(path), context_length=256, max_batch_size=BATCH, prefill_wait_steps=wait_steps)
     reqs = [Request(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(requests)]
+    if before is not None:
+        before(runner, reqs)
     futs = [runner.submit(r) for r in reqs]
     runner.start()
     try:
@@ -69,16 +72,15 @@ def test_a_queued_request_waits_at_most_prefill_wait_steps(model, wait_steps):
     requests = [([7, 8], 2)] + [([3 + i % 12, 5], 40) for i in range(BATCH - 1)]
     requests += [([9, 4 + i], 3) for i in range(BATCH // PREFILL_BATCH_FRACTION + 1)]
     joined: list[int] = []
-    runner = Runner(str(path), context_length=256, max_batch_size=BATCH, prefill_wait_steps=wait_steps)
-    reqs = [Request(f"r{i}", p, greedy(n)) for i, (p, n) in enumerate(requests)]
-    first_queued = reqs[BATCH]
-    first_queued.listener = lambda: joined.append(runner.stats.num_decode_steps_total) if not joined else None
-    futs = [runner.submit(r) for r in reqs]
-    runner.start()
-    try:
-        outs = [f.result(120).output_ids for f in futs]
-    finally:
-        runner.stop()
+
+    def watch_first_queued(runner: Runner, reqs: list[Request]) -> None:
+        def first_token() -> None:
+            if not joined:
+                joined.append(runner.stats.num_decode_steps_total)
+
+        reqs[BATCH].listener = first_token
+
+    _, outs = run(path, wait_steps, requests, before=watch_first_queued)
     assert outs == [greedy_reference(m, p, n) for p, n in requests]
     # the short request finishes at decode step 1; its slot is filled then (0) or once the wait is over
     assert joined == [max(1, wait_steps)]
