@@ -111,6 +111,11 @@ class PagedKVCache:
 
     # ---- tensor access (inside forward passes) -----------------------------------------------------
 
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at slots `src` copied to slots `dst` (a prompt computed once for several rows)."""
+        for pool in (*self.k, *self.v):
+            pool.index_copy_(0, dst, pool.index_select(0, src))
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)

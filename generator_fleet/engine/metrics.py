@@ -142,6 +142,14 @@ class _SchedulerCollector(Collector):
         c.add_metric([self.model_name, "prefill"], float(stats.prefill_rows_total))
         c.add_metric([self.model_name, "decode"], float(stats.decode_rows_total))
         yield c
+        c = CounterMetricFamily(
+            "slipstream_engine_prefill_shared_tokens",
+            "Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a group's "
+            "samples) instead of computing them.",
+            labels=["model_name"],
+        )
+        c.add_metric([self.model_name], float(stats.prefill_shared_tokens_total))
+        yield c
 
 
 class EngineMetrics:

@@ -224,6 +224,9 @@ class RunnerStats:
         """Rows of all decode steps (/ num_decode_steps_total: the mean decode batch)."""
         self.prefill_rows_total = 0
         """Requests of all prefill steps (/ num_prefill_steps_total: requests per prefill)."""
+        self.prefill_shared_tokens_total = 0
+        """Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a group's
+        samples) instead of computing them."""
         self.prefill_seconds_total = 0.0
         self.decode_seconds_total = 0.0
         """Host time in each kind of step, including the GPU time the step waits on for its sampled tokens."""

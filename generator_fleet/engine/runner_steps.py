@@ -88,14 +88,34 @@ class RunnerSteps:
 
     def _prefill_rows(self, rows: list[Request], version: str) -> None:
         fills = [fill_tokens(r) for r in rows]
-        slots = [s for r, f in zip(rows, fills, strict=True) for s in self.cache.slots(r.blocks, 0, len(f))]
+        # A GRPO group's samples share their prompt: a fresh prompt seen earlier in this step (same tokens,
+        # same adapter) is computed once; its copies take its K/V (one pool-to-pool copy per layer) and
+        # its hidden states. A retracted request (output so far in its fill) is its own.
+        first: dict[tuple, int] = {}
+        src = [
+            first.setdefault((r.lora_name, *f) if not r.output_ids else (id(r),), i)
+            for i, (r, f) in enumerate(zip(rows, fills, strict=True))
+        ]
+        computed = [i for i, j in enumerate(src) if i == j]
+        row_slots = [self.cache.slots(r.blocks, 0, len(f)) for r, f in zip(rows, fills, strict=True)]
+        slots = [s for i in computed for s in row_slots[i]]
         hidden = self.fwd.prefill(
-            fills, torch.tensor(slots, dtype=torch.long, device=self.device), self._lora_slots(rows)
+            [fills[i] for i in computed],
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+            self._lora_slots([rows[i] for i in computed]),
         )
-        ends = list(itertools.accumulate(len(f) for f in fills))
+        end_of = dict(zip(computed, itertools.accumulate(len(fills[i]) for i in computed), strict=True))
+        ends = [end_of[j] for j in src]  # where each row's tokens end in `hidden` (a copy: its source's)
+        if copies := [i for i, j in enumerate(src) if i != j]:
+            dev = self.device
+            self.cache.copy_slots(
+                torch.tensor([s for i in copies for s in row_slots[src[i]]], dtype=torch.long, device=dev),
+                torch.tensor([s for i in copies for s in row_slots[i]], dtype=torch.long, device=dev),
+            )
+            self.stats.prefill_shared_tokens_total += sum(len(fills[i]) for i in copies)
         for r, f in zip(rows, fills, strict=True):
             r.kv_len = len(f)
-        self.stats.prompt_tokens_total += len(slots)
+        self.stats.prompt_tokens_total += sum(len(f) for f in fills)
         fresh = [i for i, r in enumerate(rows) if not r.output_ids]
         if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):
             self._input_logprobs(rows, fills, hidden, ends)

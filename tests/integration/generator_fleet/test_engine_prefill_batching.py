@@ -1,6 +1,6 @@
-"""Prefill batching under a steady stream: with the running batch nearly full, queued requests wait for an
-eighth of the batch to be free (or `prefill_wait_steps` decode steps) instead of a prefill per freed slot;
-outputs are the same either way. The engine's generation thread runs for real (CPU, tiny model); requests
+"""Prefill under a steady stream: with the running batch nearly full, queued requests wait for an eighth of
+the batch to be free (or `prefill_wait_steps` decode steps) instead of a prefill per freed slot; identical
+prompts in one prefill (a group's samples) are computed once. Outputs are the same either way. The engine's generation thread runs for real (CPU, tiny model); requests
 are queued before it starts, so the order of steps is fixed and counted exactly."""
 
 from __future__ import annotations
@@ -84,3 +84,37 @@ def test_a_queued_request_waits_at_most_prefill_wait_steps(model, wait_steps):
     assert outs == [greedy_reference(m, p, n) for p, n in requests]
     # the short request finishes at decode step 1; its slot is filled then (0) or once the wait is over
     assert joined == [max(1, wait_steps)]
+
+
+def test_a_groups_identical_prompts_are_computed_once_with_the_same_tokens_and_logprobs(model):
+    """Eight samples of one prompt and two others in one prefill: the seven copies take the first one's
+    K/V; greedy outputs equal the reference, and input logprobs and seeded samples equal those of the
+    prompt computed alone."""
+    path, m = model
+    prompt, other = [4, 9, 6, 11, 3], [5, 7, 7]
+    runner = Runner(str(path), context_length=256, max_batch_size=BATCH)
+    greedy_rows = [Request(f"g{i}", prompt, greedy(6)) for i in range(8)] + [Request("o", other, greedy(6))]
+    logprob_rows = [
+        Request(f"l{i}", prompt, greedy(1), return_logprob=True, logprob_start_len=0) for i in range(2)
+    ]
+    seeded = SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=7, ignore_eos=True)
+    seeded_rows = [Request(f"s{i}", other, seeded) for i in range(2)]
+    reqs = greedy_rows + logprob_rows + seeded_rows
+    futs = [runner.submit(r) for r in reqs]
+    runner.start()
+    try:
+        outs = [f.result(120) for f in futs]
+        alone = runner.submit(Request("alone", prompt, greedy(1), return_logprob=True, logprob_start_len=0))
+        alone = alone.result(60)
+    finally:
+        runner.stop()
+    assert runner.stats.num_prefill_steps_total == 2  # the batch, then `alone`
+    # shared: 7 + 2 copies of `prompt`, 2 of `other` (the two seeded rows after the greedy one)
+    assert runner.stats.prefill_shared_tokens_total == 9 * len(prompt) + 2 * len(other)
+    for c in outs[:8]:
+        assert c.output_ids == greedy_reference(m, prompt, 6)
+    assert outs[8].output_ids == greedy_reference(m, other, 6)
+    for c in outs[9:11]:
+        assert c.input_logprobs == pytest.approx(alone.input_logprobs, abs=1e-5)  # another batch: fp32 noise
+        assert c.output_ids == alone.output_ids
+    assert outs[11].output_ids == outs[12].output_ids  # the same seed draws the same tokens
