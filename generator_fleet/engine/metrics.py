@@ -93,25 +93,27 @@ class _SchedulerCollector(Collector):
             g.add_metric([self.model_name], float(len(self.runner.lora.names)))
             yield g
         counters = {
-            "prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
-            "generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
-            "num_requests": ("Finished requests (any finish reason).", stats.num_requests_total),
-            "num_aborted_requests": ("Aborted requests.", stats.num_aborted_requests_total),
-            "num_retractions": (
+            "sglang:prompt_tokens": ("Prefilled prompt tokens.", stats.prompt_tokens_total),
+            "sglang:generation_tokens": ("Generated tokens.", stats.generation_tokens_total),
+            "sglang:num_requests": ("Finished requests (any finish reason).", stats.num_requests_total),
+            "sglang:num_aborted_requests": ("Aborted requests.", stats.num_aborted_requests_total),
+            "sglang:num_retractions": (
                 "Requests retracted (KV freed, re-prefilled later).",
                 stats.num_retractions_total,
             ),
+            "slipstream_engine_graph_captures_deferred": (
+                "Decode steps run without a CUDA graph because a weight operation held the device (the "
+                "bucket's graph is captured at a later step).",
+                stats.graph_captures_deferred_total,
+            ),
+            "slipstream_engine_prefill_shared_tokens": (
+                "Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a "
+                "group's samples) instead of computing them.",
+                stats.prefill_shared_tokens_total,
+            ),
         }
-        c = CounterMetricFamily(
-            "slipstream_engine_graph_captures_deferred",
-            "Decode steps run without a CUDA graph because a weight operation held the device (the "
-            "bucket's graph is captured at a later step).",
-            labels=["model_name"],
-        )
-        c.add_metric([self.model_name], float(stats.graph_captures_deferred_total))
-        yield c
         for name, (doc, value) in counters.items():
-            c = CounterMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self.model_name], float(value))
             yield c
         yield from self._steps(stats)
@@ -141,14 +143,6 @@ class _SchedulerCollector(Collector):
         )
         c.add_metric([self.model_name, "prefill"], float(stats.prefill_rows_total))
         c.add_metric([self.model_name, "decode"], float(stats.decode_rows_total))
-        yield c
-        c = CounterMetricFamily(
-            "slipstream_engine_prefill_shared_tokens",
-            "Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a group's "
-            "samples) instead of computing them.",
-            labels=["model_name"],
-        )
-        c.add_metric([self.model_name], float(stats.prefill_shared_tokens_total))
         yield c
 
 
