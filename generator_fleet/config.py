@@ -22,7 +22,7 @@ from common.config import (
     bad,
     check_resources,
 )
-from generator_fleet.engine.options import BatchSize, EngineOptions, engine_default
+from generator_fleet.engine.options import BatchSize, EngineOptions, PrefillWaitSteps, engine_default
 from generator_fleet.launch_options import SGLangOptions
 from generator_fleet.tasks import REWARDS, TASKS, check_name
 from generator_fleet.tools.spec import ToolSpec
@@ -155,7 +155,7 @@ class GeneratorsSpec(Spec):
     """Rollout worker processes (asyncio); each drives every engine (at most 4096)."""
     max_batch_size: BatchSize = engine_default("max_batch_size")
     """Most requests an engine decodes together."""
-    prefill_wait_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = engine_default("prefill_wait_steps")
+    prefill_wait_steps: PrefillWaitSteps = engine_default("prefill_wait_steps")
     """`builtin`: with a nearly full batch, decode steps a queued request may wait so that prefills take
     several requests at once (the engine's --prefill-wait-steps); 0 = prefill whenever a slot is free."""
     gpus_per_engine: NonNeg = 0

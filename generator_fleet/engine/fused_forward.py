@@ -52,18 +52,11 @@ def prefill(
     """Packed sequences from position 0 (PagedForward.prefill's inputs: `pad_index` [N, width] maps the
     padded batch to flat tokens, `flat_valid` lists the padded positions that are real tokens); K/V land in the pools at `slots` and attention reads them back padded,
     one gather per pool. Returns the final hidden states [T, hidden] (before the last norm)."""
-    n, width = pad_index.shape
     pad_slots = slots[pad_index]  # [N, width]: the pool slot of every padded position
 
     def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-        qp = q[pad_index].transpose(1, 2)  # [N, H, width, D]
-        kp = fwd.cache.k[i][pad_slots].transpose(1, 2)
-        vp = fwd.cache.v[i][pad_slots].transpose(1, 2)
-        if fwd.group > 1:
-            kp = kp.repeat_interleave(fwd.group, dim=1)
-            vp = vp.repeat_interleave(fwd.group, dim=1)
-        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=fwd.scaling)
-        return o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
+        k, v = fwd.cache.k[i][pad_slots], fwd.cache.v[i][pad_slots]
+        return fwd.padded_attention(q[pad_index], k, v, flat_valid)
 
     delta, res = _layers(fwd, fwd.decoder.embed_tokens(ids), positions, slots, attend)
     return delta + res

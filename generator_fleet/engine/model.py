@@ -263,7 +263,7 @@ class PagedForward:
         dev = slots.device
         lens = [len(s) for s in seqs]
         self._select_lora(lora_slots, lens, dev)
-        n, width, total = len(seqs), max(lens), sum(lens)
+        width, total = max(lens), sum(lens)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
         positions = torch.cat([torch.arange(n_, device=dev) for n_ in lens])
         # Flat token index of every (row, column) of the padded batch; pads point at token 0 (masked out
@@ -285,16 +285,24 @@ class PagedForward:
             residual = h
             q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope, i)
             self.cache.write(i, slots, k, v)
-            qp, kp, vp = (x[pad_index].transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
-            if self.group > 1:
-                kp = kp.repeat_interleave(self.group, dim=1)
-                vp = vp.repeat_interleave(self.group, dim=1)
-            o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)
-            o = o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
+            o = self.padded_attention(q[pad_index], k[pad_index], v[pad_index], flat_valid)
             h = self._layer_tail(layer, residual, o, i)
-            del q, k, v, qp, kp, vp
+            del q, k, v
         assert h.shape[0] == total
         return h
+
+    def padded_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Causal attention of a padded prefill batch: q [N, width, H, D], k/v [N, width, KV, D] →
+        [real tokens, H·D], keeping the padded positions `flat_valid` lists."""
+        n, width = q.shape[:2]
+        qp, kp, vp = (x.transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
+        if self.group > 1:
+            kp = kp.repeat_interleave(self.group, dim=1)
+            vp = vp.repeat_interleave(self.group, dim=1)
+        o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scaling)
+        return o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
 
     # ---- decode ------------------------------------------------------------------------------------
 

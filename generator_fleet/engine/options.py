@@ -23,6 +23,8 @@ MAX_BATCH = 1 << 20
 
 BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
 """Most requests an engine decodes together."""
+PrefillWaitSteps = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+"""Decode steps a queued request may wait for a batched prefill (EngineOptions.prefill_wait_steps)."""
 
 
 class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +44,7 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Weights and KV cache dtype; null = bf16 on CUDA, fp32 on CPU."""
     max_batch_size: BatchSize = 256
     """Most requests decoded together."""
-    prefill_wait_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 8
+    prefill_wait_steps: PrefillWaitSteps = 8
     """While the running batch is nearly full, decode steps a queued request may wait so that a prefill
     takes several requests: it runs once the free batch slots hold the queue or an eighth of the batch, or
     after this many steps. 0 = whenever a slot is free (every other step under a steady stream)."""
