@@ -449,6 +449,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="add to today's result file of the same device and label instead of starting it again (phase "
         "commands run one after another; the ratios are recomputed from everything measured)",
     )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of every job's spec, e.g. --set buffer.admission=version (repeatable; VALUE is YAML)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="parent of the temporary job directories (default: system temp)")
     p.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks" / "results")

@@ -111,6 +111,10 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
         raw["bus"] = {"backend": args.bus_backend, "pause_mode": "in_place"}
     raw["algorithm"]["groups_per_step"] = args.groups_per_step
     raw["trainer"] = {**raw.get("trainer", {}), "export_hf": False}
+    if getattr(args, "overrides", None):
+        from jobspec.loader import apply_overrides
+
+        apply_overrides(raw, args.overrides)
     return raw
 
 
@@ -124,7 +128,7 @@ def make_spec(raw: dict, *, name: str, out: Path, max_staleness: int, total_step
 
     raw = json.loads(json.dumps(raw))
     raw["name"], raw["output_dir"] = name, str(out)
-    raw["buffer"] = {"max_staleness": max_staleness}
+    raw["buffer"] = {**raw.get("buffer", {}), "max_staleness": max_staleness}
     raw["algorithm"]["total_steps"] = total_steps
     for key, value in over.items():  # dotted: algorithm.loss=ppo
         section, field = key.split("__")
