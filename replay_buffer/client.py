@@ -26,6 +26,10 @@ from common import tls
 OUTAGE_S = 60.0
 """How long a client keeps retrying one command (backoff 0.05 s doubling to 1 s, then 1 s apart)."""
 _RETRIES = int(OUTAGE_S)
+ASYNC_MAX_CONNECTIONS = 64
+"""Connections an asyncio client opens at most; more concurrent commands wait (up to OUTAGE_S) for a free
+one instead of failing with `Too many connections` (a rollout worker runs one coroutine per group in
+flight, `rollout.concurrency` of them, and every command is a short round trip)."""
 _ERRORS = [ConnectionError, TimeoutError]
 
 
@@ -40,8 +44,12 @@ def connect(url: str, **kw) -> redis.Redis:
     return redis.Redis.from_url(url, **{**tls.redis_kwargs(url), **kw})
 
 
-def connect_async(url: str, **kw) -> aioredis.Redis:
-    """The asyncio counterpart of `connect`."""
+def connect_async(url: str, max_connections: int = ASYNC_MAX_CONNECTIONS, **kw) -> aioredis.Redis:
+    """The asyncio counterpart of `connect`, on a pool of at most `max_connections` that makes a command
+    wait for a free connection rather than fail."""
     kw.setdefault("retry", AsyncRetry(_backoff(), _RETRIES))
     kw.setdefault("retry_on_error", _ERRORS)
-    return aioredis.Redis.from_url(url, **{**tls.redis_kwargs(url), **kw})
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=OUTAGE_S, **{**tls.redis_kwargs(url), **kw}
+    )
+    return aioredis.Redis.from_pool(pool)

@@ -140,3 +140,31 @@ def test_a_jobs_user_survives_a_redis_restart(tmp_path):
             r.get("slipstream:other:version")
         with pytest.raises(redis.exceptions.AuthenticationError):  # the default user still needs the password
             redis.Redis(host=server.host, port=server.port).ping()
+
+
+def test_an_async_client_under_more_concurrent_commands_than_connections_waits_instead_of_failing(
+    redis_server,
+):
+    """A rollout worker runs a coroutine per group in flight (`rollout.concurrency`, e.g. 128): more
+    commands at once than its pool has connections queue for one (redis-py's own pool raised `Too many
+    connections` past 100 and killed the worker), and the client never opens more than its cap."""
+    from replay_buffer.client import ASYNC_MAX_CONNECTIONS, connect_async
+
+    admin = redis.Redis.from_url(redis_server.admin_url)
+    before = admin.info("clients")["connected_clients"]
+    n = 3 * ASYNC_MAX_CONNECTIONS + 10
+
+    async def run():
+        r = connect_async(redis_server.url)
+        try:  # each BLPOP holds its connection for 0.2 s, so all n overlap
+            got = await asyncio.gather(
+                *(r.blpop([f"slipstream:{secrets.token_hex(4)}:none"], timeout=0.2) for _ in range(n))
+            )
+            opened = admin.info("clients")["connected_clients"] - before
+            return got, opened
+        finally:
+            await r.aclose()
+
+    got, opened = asyncio.run(run())
+    assert got == [None] * n
+    assert 0 < opened <= ASYNC_MAX_CONNECTIONS
