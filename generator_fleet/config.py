@@ -158,6 +158,9 @@ class GeneratorsSpec(Spec):
     prefill_wait_steps: PrefillWaitSteps = engine_default("prefill_wait_steps")
     """`builtin`: with a nearly full batch, decode steps a queued request may wait so that prefills take
     several requests at once (the engine's --prefill-wait-steps); 0 = prefill whenever a slot is free."""
+    prefix_cache: bool = True
+    """`builtin`: keep finished requests' K/V for requests that start with the same tokens (the next turn
+    of an episode prefills only its new tokens); false = the engine's --disable-radix-cache."""
     gpus_per_engine: NonNeg = 0
     """`builtin`: GPUs Ray reserves for each engine (0: CPU, or whatever devices the process sees);
     `sglang` engines take `sglang.gpus_per_engine`."""
@@ -360,6 +363,7 @@ def engine_options(model: ModelSpec, generators: GeneratorsSpec) -> EngineOption
         model_path=model.path,
         max_batch_size=generators.max_batch_size,
         prefill_wait_steps=generators.prefill_wait_steps,
+        disable_radix_cache=not generators.prefix_cache,
         torch_threads=generators.torch_threads,
         mem_fraction_static=generators.mem_fraction_static,
         fp32_lm_head=generators.fp32_lm_head,

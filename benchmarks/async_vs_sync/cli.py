@@ -233,7 +233,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
                         f"trainer busy {m['trainer_busy_fraction']:.2f}, generator busy "
                         f"{m['generator']['busy_fraction']}, decode batch "
                         f"{m['generator'].get('mean_decode_batch')}, prefill time share "
-                        f"{m['generator'].get('prefill_time_share')}, staleness {m['staleness_histogram']}"
+                        f"{m['generator'].get('prefill_time_share')}, prefix hit share "
+                        f"{m['generator'].get('prefix_hit_share')}, staleness {m['staleness_histogram']}"
                     )
                     save()
             if not args.learning_only and args.phase in ("all", "bounds", "generator-only"):

@@ -91,6 +91,9 @@ class EngineSampler:
             if d.get("prefill_steps")
             else None,
             "prefill_time_share": d["prefill_s"] / seconds if seconds else None,
+            "prefix_hit_share": d["prefix_cached_tokens"] / d["prompt_tokens"]
+            if d.get("prompt_tokens") and "prefix_cached_tokens" in d
+            else None,
         }
 
 
@@ -103,6 +106,8 @@ def _step_counters(vals: dict[str, float]) -> dict[str, float]:
         "prefill_steps": 'slipstream_engine_steps_total{kind="prefill"}',
         "decode_s": 'slipstream_engine_step_seconds_total{kind="decode"}',
         "prefill_s": 'slipstream_engine_step_seconds_total{kind="prefill"}',
+        "prompt_tokens": "sglang:prompt_tokens_total",
+        "prefix_cached_tokens": "slipstream_engine_prefix_cached_tokens_total",
     }
     return {k: vals[v] for k, v in names.items() if v in vals}
 

@@ -70,7 +70,7 @@ def pipeline_bounds(
         log(
             f"generator-only: {g1 - g0} groups in {t1 - t0:.1f} s = {res['generator_only']['samples_per_s']:.1f} "
             f"samples/s (engine busy {gen['busy_fraction']}, decode batch {gen.get('mean_decode_batch')}, "
-            f"prefill time share {gen.get('prefill_time_share')})"
+            f"prefill time share {gen.get('prefill_time_share')}, prefix hit share {gen.get('prefix_hit_share')})"
         )
         on_bound(res)
         if not trainer:

@@ -48,15 +48,18 @@ def prefill(
     slots: torch.Tensor,
     pad_index: torch.Tensor,
     flat_valid: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Packed sequences from position 0 (PagedForward.prefill's inputs: `pad_index` [N, width] maps the
-    padded batch to flat tokens, `flat_valid` lists the padded positions that are real tokens); K/V land in the pools at `slots` and attention reads them back padded,
-    one gather per pool. Returns the final hidden states [T, hidden] (before the last norm)."""
-    pad_slots = slots[pad_index]  # [N, width]: the pool slot of every padded position
+    """Packed sequences (PagedForward.prefill's inputs: `pad_index` [N, width] maps the padded batch to
+    flat tokens, `flat_valid` lists the padded positions that are real tokens; `context`, after cached
+    prefixes: every row's context slots and the attention mask); K/V land in the pools at `slots` and
+    attention reads them back padded, one gather per pool. Returns the final hidden states [T, hidden]
+    (before the last norm)."""
+    kv_slots, mask = context if context is not None else (slots[pad_index], None)
 
     def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-        k, v = fwd.cache.k[i][pad_slots], fwd.cache.v[i][pad_slots]
-        return fwd.padded_attention(q[pad_index], k, v, flat_valid)
+        k, v = fwd.cache.k[i][kv_slots], fwd.cache.v[i][kv_slots]
+        return fwd.padded_attention(q[pad_index], k, v, flat_valid, mask)
 
     delta, res = _layers(fwd, fwd.decoder.embed_tokens(ids), positions, slots, attend)
     return delta + res

@@ -68,6 +68,14 @@ class _SchedulerCollector(Collector):
         g.add_metric([self.model_name], version)
         yield g
         g = GaugeMetricFamily(
+            "slipstream_engine_prefix_cache_tokens",
+            "Tokens whose K/V the prefix cache holds for later requests (whole blocks; given back first "
+            "when the pool runs short).",
+            labels=["model_name"],
+        )
+        g.add_metric([self.model_name], float(snap["prefix_cached_tokens"]))
+        yield g
+        g = GaugeMetricFamily(
             "slipstream_engine_healthy",
             "1 while the engine serves; 0 once a fatal CUDA error made it unhealthy (it then exits).",
             labels=["model_name"],
@@ -105,6 +113,18 @@ class _SchedulerCollector(Collector):
                 "Decode steps run without a CUDA graph because a weight operation held the device (the "
                 "bucket's graph is captured at a later step).",
                 stats.graph_captures_deferred_total,
+            ),
+            "slipstream_engine_prefix_cached_tokens": (
+                "Prompt tokens whose K/V a prefill took from the prefix cache (an earlier request's: the "
+                "previous turn of an episode) instead of computing them; / sglang:prompt_tokens = the hit "
+                "rate.",
+                stats.prefix_cached_tokens_total,
+            ),
+            "slipstream_engine_prefix_evicted_tokens": (
+                "Tokens the prefix cache gave back to the KV pool for running requests.",
+                self.runner.prefix.evicted_blocks_total * self.runner.cache.block_size
+                if self.runner.prefix
+                else 0,
             ),
             "slipstream_engine_prefill_shared_tokens": (
                 "Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a "

@@ -48,6 +48,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """While the running batch is nearly full, decode steps a queued request may wait so that a prefill
     takes several requests: it runs once the free batch slots hold the queue or an eighth of the batch, or
     after this many steps. 0 = whenever a slot is free (every other step under a steady stream)."""
+    disable_radix_cache: bool = False
+    """Turn the prefix cache off (SGLang's flag): finished requests' K/V then leaves the pool with them, and
+    every multi-turn turn prefills its whole context again."""
     torch_threads: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
     """torch intra-op threads (process-wide); null = torch's default."""
     weight_version: str = "0"

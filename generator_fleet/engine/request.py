@@ -192,9 +192,14 @@ class Request:
         self.listener: Callable[[], None] | None = None
         """Called from the generation thread after each new token and at finish (streaming)."""
         self.blocks: list[int] = []
-        """KV pool blocks this request owns while running."""
+        """KV pool blocks this request holds while running (the first len(prefix) shared with the prefix
+        cache, the rest its own)."""
         self.kv_len = 0
         """Tokens whose K/V are in the cache (all but the last sampled one while decoding)."""
+        self.prefix: list = []
+        """The prefix cache's nodes (engine/prefix_cache.py) whose blocks start `blocks`, referenced."""
+        self.prefix_epoch = -1
+        """The prefix cache's epoch at admission: the K/V goes back into the cache only if still current."""
         self.num_retractions = 0
 
 
@@ -224,6 +229,9 @@ class RunnerStats:
         """Rows of all decode steps (/ num_decode_steps_total: the mean decode batch)."""
         self.prefill_rows_total = 0
         """Requests of all prefill steps (/ num_prefill_steps_total: requests per prefill)."""
+        self.prefix_cached_tokens_total = 0
+        """Tokens whose K/V a prefill took from the prefix cache (an earlier request's) instead of computing
+        them."""
         self.prefill_shared_tokens_total = 0
         """Prompt tokens whose K/V a prefill copied from an identical prompt of the same step (a group's
         samples) instead of computing them."""

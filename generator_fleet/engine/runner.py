@@ -35,6 +35,7 @@ from generator_fleet.engine.memory import (
 from generator_fleet.engine.model import DecodeGraphs, PagedForward, check_supported
 from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.options import EngineOptions
+from generator_fleet.engine.prefix_cache import PrefixCache
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.runner_steps import RunnerSteps, abort_reason
 from generator_fleet.engine.runner_weights import RunnerWeights
@@ -86,6 +87,7 @@ class Runner(RunnerWeights, RunnerSteps):
             lora=o.lora,
             max_loras=o.max_loras,
             prefill_wait_steps=o.prefill_wait_steps,
+            prefix_cache=not o.disable_radix_cache,
         )
 
     # Long: the scheduler's state declared in one place, each field with what it guards
@@ -110,6 +112,7 @@ class Runner(RunnerWeights, RunnerSteps):
         max_loras: int = 1,
         json_any_whitespace: bool = True,
         prefill_wait_steps: int = 8,
+        prefix_cache: bool = True,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -124,7 +127,9 @@ class Runner(RunnerWeights, RunnerSteps):
         runs eagerly (no CUDA graphs), the adapter deltas being per-row inputs the graphs do not take.
         `json_any_whitespace`: json_schema grammars allow any whitespace between JSON tokens (SGLang's
         default); False allows the compact and `json.dumps` separators only.
-        `prefill_wait_steps`: EngineOptions.prefill_wait_steps."""
+        `prefill_wait_steps`: EngineOptions.prefill_wait_steps.
+        `prefix_cache`: keep finished requests' K/V for requests that start with the same tokens
+        (engine/prefix_cache.py; EngineOptions.disable_radix_cache turns it off)."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -144,6 +149,8 @@ class Runner(RunnerWeights, RunnerSteps):
         lay_out_weights(self.model)  # before the KV pool sizes itself from the free memory
         self.cache = self._build_cache(kv_cache_tokens, block_size, mem_fraction, mem_fraction_static)
         self.fwd = PagedForward(self.model, self.cache, self.context_length, fp32_lm_head=fp32_lm_head)
+        self.prefix = PrefixCache(self.cache) if prefix_cache else None
+        """Finished requests' K/V by their tokens, for the next turn of an episode (None: off)."""
         # Live views of the parameters keyed by HF name (tied weights appear under both names), taken
         # after the forward fused the projections, so a weight update is an in-place copy_ into the fused
         # tensors and never re-allocates what the forward pass (and the captured CUDA graphs) use.
@@ -362,7 +369,7 @@ class Runner(RunnerWeights, RunnerSteps):
         """Scheduler state for /server_info internal_states and the gauges of /metrics."""
         with self._cv:
             running = len(self._running)
-            used_blocks = self.cache.capacity_blocks - self.cache.free_blocks
+            used_blocks = self.cache.capacity_blocks - self.cache.free_blocks - self._evictable()
             return {
                 "num_running_reqs": running,
                 "num_queue_reqs": len(self._queue),
@@ -378,6 +385,8 @@ class Runner(RunnerWeights, RunnerSteps):
                 "max_total_num_tokens": self.max_total_num_tokens,
                 "num_used_tokens": used_blocks * self.cache.block_size,
                 "token_usage": used_blocks / self.cache.capacity_blocks,
+                "prefix_cached_tokens": (self.prefix.cached_blocks if self.prefix else 0)
+                * self.cache.block_size,
             }
 
     @property

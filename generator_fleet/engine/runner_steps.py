@@ -40,13 +40,12 @@ class RunnerSteps:
             return []
         admitted: list[Request] = []
         width = 0
+        bs = self.cache.block_size
         while self._queue and len(self._running) < self.max_batch_size:
             r = self._queue[0]
-            n = len(fill_tokens(r))
-            w = max(width, n)
-            if admitted and w * (len(admitted) + 1) > self.max_prefill_tokens:
-                break
-            need = blocks_for(n + 1, self.cache.block_size)
+            fill = fill_tokens(r)
+            n = len(fill)
+            need = blocks_for(n + 1, bs)
             if need > self.cache.capacity_blocks:
                 self._queue.popleft()
                 self._finish(
@@ -56,10 +55,17 @@ class RunnerSteps:
                     ),
                 )
                 continue
-            if need > self.cache.free_blocks:
-                break  # waits for running requests to free blocks
+            chain = self._match_prefix(r, fill)
+            w = max(width, n - len(chain) * bs)
+            if (admitted and w * (len(admitted) + 1) > self.max_prefill_tokens) or (
+                need - len(chain) > self.cache.free_blocks + self._evictable()
+            ):
+                self.prefix.unref(chain) if chain else None
+                break  # the next step takes it, or it waits for running requests to free blocks
             self._queue.popleft()
-            r.blocks = self.cache.allocate(need)
+            r.blocks = [x.block for x in chain] + self._allocate(need - len(chain))
+            r.prefix = chain
+            r.prefix_epoch = self.prefix.epoch if self.prefix is not None else -1
             self._running.append(r)
             admitted.append(r)
             width = w
@@ -67,6 +73,26 @@ class RunnerSteps:
         if admitted:
             self._decodes_since_prefill = 0
         return admitted
+
+    def _match_prefix(self, r: Request, fill: list[int]) -> list:
+        """The prefix cache's blocks that `fill` starts with (referenced), leaving at least its last token
+        to compute (its hidden state gives the first sampled token) and every token whose input logprob
+        the request asked for."""
+        if self.prefix is None:
+            return []
+        limit = len(fill) - 1
+        if not r.output_ids and r.return_logprob and r.logprob_start_len >= 0:
+            limit = min(limit, max(r.logprob_start_len - 1, 0))
+        return self.prefix.match(r.lora_name, fill, limit)
+
+    def _evictable(self) -> int:
+        return self.prefix.evictable if self.prefix is not None else 0
+
+    def _allocate(self, n: int) -> list[int]:
+        """`n` free blocks, evicting the prefix cache's least recently used first when the pool is short."""
+        if (short := n - self.cache.free_blocks) > 0 and self.prefix is not None:
+            self.prefix.evict(short)
+        return self.cache.allocate(n)
 
     def _prefill_due(self) -> bool:
         """Whether queued requests join a running batch now: once the free batch slots take the whole queue
@@ -88,23 +114,28 @@ class RunnerSteps:
 
     def _prefill_rows(self, rows: list[Request], version: str) -> None:
         fills = [fill_tokens(r) for r in rows]
+        bs = self.cache.block_size
+        past = [len(r.prefix) * bs for r in rows]  # tokens whose K/V came from the prefix cache
         # A GRPO group's samples share their prompt: a fresh prompt seen earlier in this step (same tokens,
-        # same adapter) is computed once; its copies take its K/V (one pool-to-pool copy per layer) and
-        # its hidden states. A retracted request (output so far in its fill) is its own.
+        # same adapter, same cached prefix) is computed once; its copies take its K/V (one pool-to-pool
+        # copy per layer) and its hidden states. A retracted request (output so far in its fill) is its own.
         first: dict[tuple, int] = {}
         src = [
-            first.setdefault((r.lora_name, *f) if not r.output_ids else (id(r),), i)
-            for i, (r, f) in enumerate(zip(rows, fills, strict=True))
+            first.setdefault((r.lora_name, p, *f) if not r.output_ids else (id(r),), i)
+            for i, (r, p, f) in enumerate(zip(rows, past, fills, strict=True))
         ]
         computed = [i for i, j in enumerate(src) if i == j]
-        row_slots = [self.cache.slots(r.blocks, 0, len(f)) for r, f in zip(rows, fills, strict=True)]
+        row_slots = [self.cache.slots(r.blocks, p, len(f)) for r, p, f in zip(rows, past, fills, strict=True)]
         slots = [s for i in computed for s in row_slots[i]]
         hidden = self.fwd.prefill(
-            [fills[i] for i in computed],
+            [fills[i][past[i] :] for i in computed],
             torch.tensor(slots, dtype=torch.long, device=self.device),
             self._lora_slots([rows[i] for i in computed]),
+            [self.cache.slots(rows[i].blocks, 0, past[i]) for i in computed] if any(past) else None,
         )
-        end_of = dict(zip(computed, itertools.accumulate(len(fills[i]) for i in computed), strict=True))
+        end_of = dict(
+            zip(computed, itertools.accumulate(len(fills[i]) - past[i] for i in computed), strict=True)
+        )
         ends = [end_of[j] for j in src]  # where each row's tokens end in `hidden` (a copy: its source's)
         if copies := [i for i, j in enumerate(src) if i != j]:
             dev = self.device
@@ -112,13 +143,14 @@ class RunnerSteps:
                 torch.tensor([s for i in copies for s in row_slots[src[i]]], dtype=torch.long, device=dev),
                 torch.tensor([s for i in copies for s in row_slots[i]], dtype=torch.long, device=dev),
             )
-            self.stats.prefill_shared_tokens_total += sum(len(fills[i]) for i in copies)
+            self.stats.prefill_shared_tokens_total += sum(len(fills[i]) - past[i] for i in copies)
+        self.stats.prefix_cached_tokens_total += sum(past)
         for r, f in zip(rows, fills, strict=True):
             r.kv_len = len(f)
         self.stats.prompt_tokens_total += sum(len(f) for f in fills)
         fresh = [i for i, r in enumerate(rows) if not r.output_ids]
         if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):
-            self._input_logprobs(rows, fills, hidden, ends)
+            self._input_logprobs(rows, fills, past, hidden, ends)
         for i in fresh:
             if rows[i].params.max_new_tokens == 0:  # prefill only
                 self._finish(rows[i], {"type": "length", "length": 0})
@@ -131,16 +163,22 @@ class RunnerSteps:
             self._record(picked, sample(picked, logits, self.eos_token_ids), version)
 
     def _input_logprobs(
-        self, rows: list[Request], fills: list[list[int]], hidden: torch.Tensor, ends: list[int]
+        self,
+        rows: list[Request],
+        fills: list[list[int]],
+        past: list[int],
+        hidden: torch.Tensor,
+        ends: list[int],
     ) -> None:
-        for r, f, end in zip(rows, fills, ends, strict=True):
+        """Prompt logprobs from logprob_start_len (the prefix cache computed none of them: _match_prefix)."""
+        for r, f, p, end in zip(rows, fills, past, ends, strict=True):
             if r.output_ids or not (r.return_logprob and r.logprob_start_len >= 0):
                 continue
             n = len(f)
-            lp = torch.log_softmax(self.fwd.logits(hidden[end - n : end - 1]).float(), dim=-1)
-            nxt = torch.tensor(f[1:], dtype=torch.long, device=self.device)
+            lp = torch.log_softmax(self.fwd.logits(hidden[end - (n - p) : end - 1]).float(), dim=-1)
+            nxt = torch.tensor(f[p + 1 :], dtype=torch.long, device=self.device)
             got = lp.gather(1, nxt[:, None]).squeeze(1).tolist()
-            full: list[float | None] = [None, *got]
+            full: list[float | None] = [None] * (p + 1) + got
             r.input_logprobs = full[min(r.logprob_start_len, n) :]
 
     def _decode(self, version: str) -> None:
@@ -208,7 +246,7 @@ class RunnerSteps:
                     continue  # retracted below to make room for an older request
                 while len(r.blocks) < blocks_for(r.kv_len + 1, bs):
                     try:
-                        r.blocks.extend(self.cache.allocate(1))
+                        r.blocks.extend(self._allocate(1))
                     except OutOfBlocks:
                         victim = self._running[-1]
                         self._retract(victim)
@@ -228,7 +266,17 @@ class RunnerSteps:
     def _drop(self, r: Request) -> None:
         if r in self._running:
             self._running.remove(r)
-        self.cache.release(r.blocks)
+        px = self.prefix
+        if px is None:
+            self.cache.release(r.blocks)
+        else:  # its K/V goes into the prefix cache, unless the weights changed since it was admitted
+            if r.prefix_epoch == px.epoch and r.kv_len:
+                rest = px.insert(r.lora_name, (r.prompt_ids + r.output_ids)[: r.kv_len], r.blocks, r.prefix)
+            else:
+                px.unref(r.prefix)
+                rest = r.blocks[len(r.prefix) :]
+            self.cache.release(rest)
+            r.blocks, r.prefix = [], []
         r.kv_len = 0
 
     def _record(self, rows: list[Request], choice: Choice, version: str) -> None:

@@ -41,6 +41,14 @@ class RunnerWeights:
     def set_weight_version(self, version: str) -> None:
         with self._cv:
             self._weight_version = str(version)
+            self.weights_changed()
+
+    def weights_changed(self) -> None:
+        """K/V computed with the old weights is no use to requests admitted from now on: the prefix cache
+        lets it go (engine/prefix_cache.py; blocks running requests hold go when they finish)."""
+        if self.prefix is not None:
+            with self._cv:
+                self.prefix.flush()
 
     def at_step_boundary(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` while no forward pass is in flight and none can start (the writer side of SGLang's
@@ -100,6 +108,7 @@ class RunnerWeights:
             self._copy.copy(named_tensors, self._destinations)
         if weight_version is not None:
             self._weight_version = str(weight_version)
+        self.weights_changed()
 
     # ---- the weight arena (engine/arena.py) ---------------------------------------------------------
 
@@ -151,6 +160,7 @@ class RunnerWeights:
             torch.cuda.current_stream(self.device).synchronize()
         if weight_version is not None:
             self._weight_version = str(weight_version)
+        self.weights_changed()
 
     def _destinations(self, names: list[str]) -> list[torch.Tensor]:
         """The parameters of these HF names (the destinations of a weight load)."""
@@ -195,6 +205,7 @@ class RunnerWeights:
             self._lora_sources[name] = source
             if weight_version is not None:
                 self._weight_version = str(weight_version)
+            self.weights_changed()
             return slot
 
         return self.at_step_boundary(apply)
@@ -217,6 +228,7 @@ class RunnerWeights:
                 self._reap_aborted()
             self.fwd.lora.unload(name)
             self._lora_sources.pop(name, None)
+            self.weights_changed()  # a later adapter of this name is another one
             return n
 
         return self.at_step_boundary(apply)
@@ -266,6 +278,7 @@ class RunnerWeights:
                 running = len(self._running)
                 for r in reversed(list(self._running)):
                     self._retract(r)
+                self.weights_changed()  # the pool (or the weights its K/V came from) goes
             t0 = time.monotonic()
             freed = dict.fromkeys(new, 0)
             with self.gpu_lock:  # a graph capture never overlaps (DecodeGraphs' discipline)

@@ -175,6 +175,7 @@ def receive_stream(state: EngineState, body: UpdateWeightsFromDistributed, t1: f
         if live:
             if body.weight_version is not None:
                 runner.set_weight_version(body.weight_version)
+            runner.weights_changed()  # a bucket of a multi-part update changed weights too
             held[0] = time.perf_counter() - t
 
     def swap() -> None:

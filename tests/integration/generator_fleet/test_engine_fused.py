@@ -6,6 +6,7 @@ weights) changes the engine's outputs exactly as it changes the HF model's."""
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import subprocess
 import sys
@@ -161,14 +162,59 @@ def _check_prefill(model_dir: str, device: str, dtype: torch.dtype, tol: float) 
     assert fused_forward.prefill  # the path under test
 
 
+def _check_prefix_prefill(model_dir: str, device: str, dtype: torch.dtype, tol: float, fused: bool) -> None:
+    """A prefill after cached prefixes (the prefix cache's: `past`) against one prefill of the whole
+    sequences: the new tokens' hidden states and the K/V they write, fused or PyTorch-op."""
+    runner = Runner(model_dir, device=device, dtype=dtype, context_length=256, max_batch_size=8)
+    fwd, cache = runner.fwd, runner.cache
+    g = torch.Generator().manual_seed(12)
+    seqs = [torch.randint(3, 15, (n,), generator=g).tolist() for n in (21, 40, 17, 33)]
+    cut = [16, 32, 0, 5]  # cached tokens before each (0: a row without a prefix in the same batch)
+    blocks = [cache.allocate((len(s) + cache.block_size) // cache.block_size) for s in seqs]
+    slots_of = [cache.slots(b, 0, len(s)) for b, s in zip(blocks, seqs, strict=True)]
+    flat = torch.tensor([x for sl in slots_of for x in sl], dtype=torch.long, device=device)
+    fwd._fused_prefill = False
+    with torch.inference_mode():
+        want = fwd.prefill(seqs, flat)
+        kv_want = [(cache.k[i][flat].clone(), cache.v[i][flat].clone()) for i in range(len(cache.k))]
+        for t in (*cache.k, *cache.v):
+            t.zero_()
+        fwd._fused_prefill = fused
+        heads = [i for i, c in enumerate(cut) if c]
+        head_slots = [x for i in heads for x in slots_of[i][: cut[i]]]
+        fwd.prefill([seqs[i][: cut[i]] for i in heads], torch.tensor(head_slots, device=device))
+        tail_slots = [x for sl, c in zip(slots_of, cut, strict=True) for x in sl[c:]]
+        got = fwd.prefill(
+            [s[c:] for s, c in zip(seqs, cut, strict=True)],
+            torch.tensor(tail_slots, device=device),
+            past=[sl[:c] for sl, c in zip(slots_of, cut, strict=True)],
+        )
+    runner.stop()
+    starts = [0, *itertools.accumulate(len(s) for s in seqs)][:-1]
+    rows = [st + j for st, s, c in zip(starts, seqs, cut, strict=True) for j in range(c, len(s))]
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    assert rel(got, want[rows]) < tol, rel(got, want[rows])
+    for i, (k, v) in enumerate(kv_want):
+        assert rel(cache.k[i][flat], k) < tol and rel(cache.v[i][flat], v) < tol, i
+
+
+def test_a_prefill_after_a_cached_prefix_matches_the_whole_prefill(model_dir):
+    """The PyTorch-op path (the fused one: the interpreted and GPU tests below)."""
+    _check_prefix_prefill(str(model_dir), "cpu", torch.float32, 1e-5, fused=False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the compiled kernels (the GPU test)")
 def test_fused_prefill_matches_the_torch_prefill_on_cpu_interpreted(model_dir):
     """In a fresh process: Triton picks its interpreter when first imported."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[3]
     code = (
-        "import sys, torch\nfrom test_engine_fused import _check_prefill\n"
+        "import sys, torch\nfrom test_engine_fused import _check_prefill, _check_prefix_prefill\n"
         "_check_prefill(sys.argv[1], 'cpu', torch.float32, 1e-5)\n"
+        "_check_prefix_prefill(sys.argv[1], 'cpu', torch.float32, 1e-5, fused=True)\n"
     )
     path = os.pathsep.join(map(str, (root, root / "tests" / "harness", Path(__file__).parent)))
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
@@ -182,6 +228,9 @@ def test_fused_prefill_matches_the_torch_prefill_on_cpu_interpreted(model_dir):
 def test_fused_prefill_matches_the_torch_prefill_on_gpu(model_dir):
     _check_prefill(str(model_dir), "cuda", torch.bfloat16, 2e-2)
     _check_prefill(str(model_dir), "cuda", torch.float32, 1e-5)
+    for fused in (False, True):
+        _check_prefix_prefill(str(model_dir), "cuda", torch.bfloat16, 2e-2, fused)
+        _check_prefix_prefill(str(model_dir), "cuda", torch.float32, 1e-5, fused)
 
 
 @pytest.fixture(scope="module")

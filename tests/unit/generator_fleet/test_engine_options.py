@@ -108,3 +108,13 @@ def test_mem_fraction_static_is_sglangs_flag_and_a_builtin_generators_key():
         "generators: {engine: sglang, sglang: {enable_memory_saver: true, enable_weights_cpu_backup: true}}\n"
     )
     assert spec.generators.sglang.enable_memory_saver and spec.generators.sglang.enable_weights_cpu_backup
+
+
+def test_the_prefix_cache_is_on_unless_sglangs_flag_or_the_job_turns_it_off():
+    assert not EngineOptions(model_path="/m").disable_radix_cache
+    assert from_args(_parser().parse_args(["--model", "/m", "--disable-radix-cache"])).disable_radix_cache
+    assert not jobspec.engine_options(jobspec.loads("model: {path: /p}\n")).disable_radix_cache
+    spec = jobspec.loads("model: {path: /p}\ngenerators: {prefix_cache: false}\n")
+    assert jobspec.engine_options(spec).disable_radix_cache
+    with pytest.raises(jobspec.JobSpecError, match=r"generators\.prefix_cache"):
+        jobspec.loads("generators: {prefix_cache: 3}\n")

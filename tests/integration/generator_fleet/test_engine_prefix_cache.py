@@ -1,0 +1,119 @@
+"""The engine's prefix cache with its generation thread running for real (CPU, tiny model): the next turn of
+an episode (the previous prompt, its response and a tool's output) prefills only its new tokens and
+generates what a cold engine generates; a weight update empties the cache; a pool too small for the work
+evicts the cache first and loses no block; prompt logprobs asked for are still computed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from tiny_engine_model import build_noisy_model, greedy_reference
+
+from generator_fleet.engine.request import Request, SamplingParams
+from generator_fleet.engine.runner import Runner
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prefix") / "m"
+    m, _ = build_noisy_model(path, seed=9)
+    return path, m
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def runner(model):
+    r = Runner(str(model[0]), context_length=512, max_batch_size=16, block_size=BS)
+    r.start()
+    yield r
+    r.stop()
+
+
+def ask(runner: Runner, rid: str, prompt: list[int], n: int, **kw):
+    return runner.submit(Request(rid, prompt, greedy(n), return_logprob=True, **kw)).result(120)
+
+
+def idle_accounted(runner: Runner) -> None:
+    """Idle: every block is free or in the prefix cache."""
+    px, cache = runner.prefix, runner.cache
+    assert cache.free_blocks + px.cached_blocks == cache.capacity_blocks
+    assert px.evictable == px.cached_blocks
+
+
+def test_the_next_turn_prefills_only_its_new_tokens_and_generates_the_same(model, runner):
+    path, m = model
+    prompt = [3 + i % 11 for i in range(21)]
+    first = ask(runner, "t1", prompt, 20)
+    turn2 = prompt + first.output_ids + [5, 6, 7, 8, 9]  # the response, then a tool's output
+    second = ask(runner, "t2", turn2, 12)
+    kv_len = len(prompt) + 20 - 1  # the last sampled token was never fed
+    assert runner.stats.prefix_cached_tokens_total == kv_len // BS * BS
+    assert second.output_ids == greedy_reference(m, turn2, 12)
+    cold = Runner(str(path), context_length=512, max_batch_size=16, block_size=BS, prefix_cache=False)
+    cold.start()
+    try:
+        want = cold.submit(Request("c", turn2, greedy(12), return_logprob=True)).result(120)
+    finally:
+        cold.stop()
+    assert cold.prefix is None and cold.stats.prefix_cached_tokens_total == 0
+    assert second.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-4)
+    idle_accounted(runner)
+
+
+def test_a_weight_update_empties_the_cache(model, runner):
+    path, m = model
+    prompt = [4 + i % 7 for i in range(40)]
+    first = ask(runner, "a", prompt, 4)
+    # other weights: the cached K/V would now be wrong
+    named = [(n, t * 0.5 if "mlp" in n else t.clone()) for n, t in m.state_dict().items()]
+    runner.load_weights(named, weight_version="1")
+    m2 = copy.deepcopy(m)
+    m2.load_state_dict(dict(named))
+    assert runner.prefix.cached_blocks == 0 and runner.cache.free_blocks == runner.cache.capacity_blocks
+    cached = runner.stats.prefix_cached_tokens_total
+    again = ask(runner, "b", prompt + first.output_ids, 4)
+    assert runner.stats.prefix_cached_tokens_total == cached  # nothing from before the update
+    assert again.weight_version == "1"
+    assert again.output_ids == greedy_reference(m2, prompt + first.output_ids, 4)
+    idle_accounted(runner)
+
+
+def test_a_small_pool_evicts_the_cache_first_and_loses_no_block(model):
+    """Episodes of three turns each on a pool of a few sequences: the cache gives way (evictions), the
+    outputs equal the reference and, idle, every block is free or cached."""
+    path, m = model
+    runner = Runner(str(path), context_length=512, max_batch_size=8, block_size=BS, kv_cache_tokens=12 * BS)
+    runner.start()
+    try:
+        episodes = [[3 + (i * 5 + j) % 10 for j in range(18 + i)] for i in range(6)]
+        for turn in range(3):
+            futs = [runner.submit(Request(f"e{i}-{turn}", p, greedy(10))) for i, p in enumerate(episodes)]
+            outs = [f.result(120).output_ids for f in futs]
+            for i, (p, o) in enumerate(zip(episodes, outs, strict=True)):
+                assert o == greedy_reference(m, p, 10), (i, turn)
+                episodes[i] = p + o + [4, 4]
+        assert runner.stats.prefix_cached_tokens_total > 0
+        assert runner.prefix.evicted_blocks_total > 0
+        idle_accounted(runner)
+    finally:
+        runner.stop()
+
+
+def test_prompt_logprobs_asked_for_are_computed_not_taken_from_the_cache(model, runner):
+    prompt = [5 + i % 9 for i in range(40)]
+    ask(runner, "w", prompt, 2)
+    start = 30
+    got = ask(runner, "l", prompt + [7, 7], 1, logprob_start_len=start)
+    cached = runner.stats.prefix_cached_tokens_total
+    assert 0 < cached <= start - 1  # the blocks before the first logprob asked for
+    runner.prefix.flush()
+    cold = ask(runner, "l2", prompt + [7, 7], 1, logprob_start_len=start)
+    assert runner.stats.prefix_cached_tokens_total == cached
+    assert len(got.input_logprobs) == len(prompt) + 2 - start
+    assert got.input_logprobs == pytest.approx(cold.input_logprobs, abs=1e-4)
