@@ -117,3 +117,34 @@ def test_prompt_logprobs_asked_for_are_computed_not_taken_from_the_cache(model, 
     assert runner.stats.prefix_cached_tokens_total == cached
     assert len(got.input_logprobs) == len(prompt) + 2 - start
     assert got.input_logprobs == pytest.approx(cold.input_logprobs, abs=1e-4)
+
+
+def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
+    """What a rollout worker does: /generate a turn, then the next with the response and a tool's output
+    appended; /metrics counts the prompt tokens the cache served and the tokens it holds."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from generator_fleet.engine import EngineServer
+
+    key = "prefix-cache-key"
+    server = EngineServer(str(model[0]), api_key=key, context_length=512).start()
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+
+        def generate(ids: list[int]) -> list[int]:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
+            r = httpx.post(server.url + "/generate", json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        prompt = [3 + i % 10 for i in range(40)]
+        ids = prompt + generate(prompt) + [4, 5, 6]
+        generate(ids)
+        text = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
+    finally:
+        server.stop()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert got["slipstream_engine_prefix_cached_tokens_total"] == 32  # two full blocks of the first turn
+    assert got["slipstream_engine_prefix_cache_tokens"] >= 32
+    assert got["slipstream_engine_prefix_evicted_tokens_total"] == 0
