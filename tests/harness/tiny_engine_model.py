@@ -25,6 +25,13 @@ def build_noisy_model(path: Path, seed: int):
     return model.eval(), tok
 
 
+def greedy_params(n: int, **kw):
+    """The engine's sampling params of greedy decoding for `n` tokens, EOS ignored (the reference's)."""
+    from generator_fleet.engine.request import SamplingParams
+
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
 def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     """Greedy decoding without a cache or batching: what the engine must reproduce."""
     ids = list(prompt)

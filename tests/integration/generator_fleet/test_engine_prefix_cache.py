@@ -9,8 +9,9 @@ import copy
 
 import pytest
 from tiny_engine_model import build_noisy_model, greedy_reference
+from tiny_engine_model import greedy_params as greedy
 
-from generator_fleet.engine.request import Request, SamplingParams
+from generator_fleet.engine.request import Request
 from generator_fleet.engine.runner import Runner
 
 BS = 16
@@ -21,10 +22,6 @@ def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("prefix") / "m"
     m, _ = build_noisy_model(path, seed=9)
     return path, m
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 from tiny_engine_model import build_noisy_model, greedy_reference
+from tiny_engine_model import greedy_params as greedy
 
 from generator_fleet.client import EngineClient
 from generator_fleet.engine import EngineServer
@@ -29,10 +30,6 @@ def runner_for(path, **kw) -> Runner:
     r = Runner(str(path), context_length=CONTEXT, **kw)
     r.start()
     return r
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
 VOCAB = 15
