@@ -66,10 +66,14 @@ class EngineRouter:
             log.info("engines now %s (were %s)", sorted(urls), sorted(self.routable))
         self.routable = list(urls)
 
-    def pick(self, exclude: set[str] = frozenset()) -> str:
+    def pick(self, exclude: set[str] = frozenset(), prefer: str | None = None) -> str:
+        """`prefer` while it is routable and not excluded (the engine that holds a group's context in
+        its prefix cache), else the engine with the fewest requests outstanding."""
         choices = [u for u in self.routable if u not in exclude] or self.routable
         if not choices:
             raise EngineError(None, "no live engine", "engine registry")
+        if prefer in choices:
+            return prefer
         return min(choices, key=lambda u: self.outstanding[u])
 
     async def aclose(self) -> None:
@@ -226,17 +230,24 @@ class RolloutWorker:
         self._filtered_in_version += 1
         return "uniform"
 
-    async def _generate(self, input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
-        """One batched /generate on the least-loaded engine; an engine error retries the whole batch on
-        another engine (up to MAX_ATTEMPTS) from the same token prefix, so a dying engine loses no sample."""
+    async def _generate(
+        self, input_ids: list[list[int]], params: list[dict], home: list[str] | None = None
+    ) -> list[GenerateResult]:
+        """One batched /generate on the least-loaded engine, or on the group's `home` engine (its first
+        call's: the engine whose prefix cache holds the group's prompt and earlier turns); an engine error
+        retries the whole batch on another engine (up to MAX_ATTEMPTS) from the same token prefix, so a
+        dying engine loses no sample, and the group's home moves there."""
         failed: set[str] = set()
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            url = self.engines.pick(exclude=failed)
+            url = self.engines.pick(exclude=failed, prefer=home[0] if home else None)
             if url in failed:  # every routable engine failed this batch already: give them a moment
                 await asyncio.sleep(RETRY_BACKOFF_S * 2 ** (attempt - 2))
             self.engines.outstanding[url] += len(input_ids)
             try:
-                return await self.engines.clients[url].generate_batch(input_ids, params, return_logprob=True)
+                out = await self.engines.clients[url].generate_batch(input_ids, params, return_logprob=True)
+                if home is not None:
+                    home[:] = [url]
+                return out
             except EngineError as err:
                 failed.add(url)
                 metrics.ENGINE_ERRORS.inc()
@@ -259,6 +270,11 @@ class RolloutWorker:
 
     async def _group(self, problem) -> list[Sample]:
         t0 = time.monotonic()
-        samples = await self.workflow.run(problem, self._generate, self._stop.is_set)
+        home: list[str] = []  # the engine the group's calls go to (see _generate)
+
+        async def generate(input_ids: list[list[int]], params: list[dict]) -> list[GenerateResult]:
+            return await self._generate(input_ids, params, home)
+
+        samples = await self.workflow.run(problem, generate, self._stop.is_set)
         metrics.GROUP_SECONDS.observe(time.monotonic() - t0)
         return samples

@@ -152,7 +152,7 @@ class SingleTurn:
 
 
 class AgentEpisodes:
-    """G multi-turn tool-using episodes in lock-step (generator_fleet/agent/loop.py), each in its own
+    """G multi-turn tool-using episodes (generator_fleet/agent/loop.py), each in its own
     working directory for the tools; the reward scores the last assistant turn."""
 
     def __init__(

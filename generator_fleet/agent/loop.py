@@ -1,5 +1,7 @@
-"""The agent loop: G multi-turn, tool-using episodes of one prompt, run in lock-step so every turn of the
-group is one batched /generate.
+"""The agent loop: G multi-turn, tool-using episodes of one prompt. Their first turn is one batched
+/generate (the engine computes the shared prompt once); after it each episode goes on at its own pace, so a
+short episode's next turn never waits for a long one's (a group then takes its longest episode's time, not
+the sum over turns of each turn's longest).
 
 Each episode is a state machine (seed 000/003):
 
@@ -158,26 +160,43 @@ class AgentLoop:
         episodes = [Episode(prompt_ids, messages, temperature) for _ in range(n)]
         for ep in episodes:
             ep.state = State.RUNNING
-        while running := [ep for ep in episodes if ep.state is State.RUNNING]:
-            params = []
-            for ep in running:
-                room = self.limits.max_total_tokens - len(ep.response_ids)
-                turn_room = self.limits.max_new_tokens - (len(ep.response_ids) - ep.turn_start)
-                params.append({**sampling, "max_new_tokens": max(1, min(room, turn_room)), **self._phase(ep)})
-            results = await generate([ep.prompt_ids + ep.response_ids for ep in running], params)
-            tool_work = []
-            for ep, res in zip(running, results, strict=True):
-                ep.add_model_tokens(res)
-                if res.finish_reason == "abort":
-                    if should_stop():
-                        ep.finish("abort")
-                    continue  # paused by a weight update: resume this turn from its prefix
-                if self._call_starts(ep, res):
-                    continue  # the same turn goes on under the call grammar
-                ep.in_call = False
-                tool_work.append(self._end_turn(ep, res, ctx))
-            await asyncio.gather(*(w for w in tool_work if w is not None))
+        # The first turn as one call (the group's identical prompts share a prefill); then each episode
+        # goes on at its own pace: a turn waits for its own tool calls, never for another episode's turn.
+        await self._turn(generate, episodes, sampling, ctx, should_stop)
+        await asyncio.gather(*(self._go_on(generate, ep, sampling, ctx, should_stop) for ep in episodes))
         return episodes
+
+    async def _go_on(self, generate: GenerateBatch, ep: Episode, sampling, ctx, should_stop) -> None:
+        while ep.state is State.RUNNING:
+            await self._turn(generate, [ep], sampling, ctx, should_stop)
+
+    async def _turn(
+        self,
+        generate: GenerateBatch,
+        running: list[Episode],
+        sampling: dict[str, Any],
+        ctx: ToolContext,
+        should_stop: Callable[[], bool],
+    ) -> None:
+        """One model turn of each episode in `running` (one call), then the tool calls they made."""
+        params = []
+        for ep in running:
+            room = self.limits.max_total_tokens - len(ep.response_ids)
+            turn_room = self.limits.max_new_tokens - (len(ep.response_ids) - ep.turn_start)
+            params.append({**sampling, "max_new_tokens": max(1, min(room, turn_room)), **self._phase(ep)})
+        results = await generate([ep.prompt_ids + ep.response_ids for ep in running], params)
+        tool_work = []
+        for ep, res in zip(running, results, strict=True):
+            ep.add_model_tokens(res)
+            if res.finish_reason == "abort":
+                if should_stop():
+                    ep.finish("abort")
+                continue  # paused by a weight update: resume this turn from its prefix
+            if self._call_starts(ep, res):
+                continue  # the same turn goes on under the call grammar
+            ep.in_call = False
+            tool_work.append(self._end_turn(ep, res, ctx))
+        await asyncio.gather(*(w for w in tool_work if w is not None))
 
     def _phase(self, ep: Episode) -> dict[str, Any]:
         """Sampling params of the episode's next request beyond the loop's own: with constrained tool

@@ -129,8 +129,41 @@ def test_aborted_turn_is_resumed_from_its_prefix(tok):
     assert ep.versions[:4] == [3] * 4 and set(ep.versions[4:]) == {4}  # one turn spanning two versions
 
 
-def test_group_runs_in_lock_step(tok):
-    engine = ScriptedEngine(tok, ["The answer is 1.", tool_call_text("2+2"), "The answer is 4."])
-    eps = _run(_loop(tok), engine, n=2)
-    assert [e.turns for e in eps] == [1, 2]
-    assert [len(c[0]) for c in engine.calls] == [2, 1]  # one batched call per round
+def test_a_groups_first_turn_is_one_call_then_each_episode_goes_on_at_its_own_pace(tok):
+    """Two episodes call a tool in their first turn (one batched call); then one episode's next turn is
+    held until the other has finished two more turns: in lock-step that would never happen (the held
+    turn would share a call with the other's)."""
+    calls: list[int] = []
+    fast_done = asyncio.Event()
+
+    async def gen(ids, params):
+        calls.append(len(ids))
+        if len(calls) == 1:
+            texts = [tool_call_text("2+2"), tool_call_text("3+3")]
+        else:
+            (one,) = ids
+            convo = tok.decode(one)
+            if "2+2" in convo:  # the slow episode: answers only once the fast one is done
+                await asyncio.wait_for(fast_done.wait(), 30)
+                texts = ["The answer is 4."]
+            elif convo.count("<tool_call>") < 2:
+                texts = [tool_call_text("6*7")]
+            else:
+                texts = ["The answer is 42."]
+                fast_done.set()
+        return [
+            GenerateResult(
+                output_ids=(o := tok.encode(t) + [tok.eos_token_id]),
+                output_logprobs=[-0.5] * len(o),
+                finish_reason="stop",
+                token_versions=[3] * len(o),
+                weight_version="3",
+                prompt_tokens=0,
+            )
+            for t in texts
+        ]
+
+    eps = _run(_loop(tok), gen, n=2)
+    assert [e.turns for e in eps] == [2, 3]
+    assert [e.final_text for e in eps] == ["The answer is 4.", "The answer is 42."]
+    assert calls == [2, 1, 1, 1]  # the first turn together, then one call per episode turn

@@ -51,7 +51,12 @@ def test_router_follows_membership_and_balances():
     router.outstanding["http://a:1"] = 3
     router.update(["http://a:1", "http://b:2"])
     assert router.pick() == "http://b:2"  # fewest outstanding
+    # a group's home engine (its prefix cache holds the group's context) while it is routable and not
+    # excluded, however loaded
+    assert router.pick(prefer="http://a:1") == "http://a:1"
+    assert router.pick(exclude={"http://a:1"}, prefer="http://a:1") == "http://b:2"
     router.update(["http://b:2"])
+    assert router.pick(prefer="http://a:1") == "http://b:2"  # gone from the fleet
     assert router.pick(exclude={"http://b:2"}) == "http://b:2" and "http://a:1" in router.clients
 
 
