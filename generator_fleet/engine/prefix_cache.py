@@ -22,6 +22,11 @@ import itertools
 
 from generator_fleet.engine.kv_cache import PagedKVCache
 
+EVICT_FRACTION = 64
+"""An eviction frees at least 1/EVICT_FRACTION of the pool (when the cache holds that much): finding the
+least recently used leaves walks the tree, so a full pool pays that walk once per many allocations
+instead of once per block."""
+
 
 class Node:
     __slots__ = ("block", "children", "key", "parent", "refs", "used", "detached")
@@ -109,9 +114,11 @@ class PrefixCache:
         return rest
 
     def evict(self, n: int) -> int:
-        """Free up to `n` blocks, least recently used unreferenced leaves first; returns how many."""
+        """Free `n` blocks or more (EVICT_FRACTION), as far as the cache has unreferenced ones, least
+        recently used leaves first; returns how many."""
         if n <= 0 or not self.evictable:
             return 0
+        n = max(n, self.cache.capacity_blocks // EVICT_FRACTION)
         leaves = [(x.used, id(x), x) for x in self._nodes() if not x.children and x.refs == 0]
         heapq.heapify(leaves)
         freed: list[int] = []
