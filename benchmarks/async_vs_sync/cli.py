@@ -392,6 +392,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="cuda: engine --prefill-wait-steps (default: the engine's; 0 = prefill whenever a slot is free)",
     )
+    p.add_argument(
+        "--engine-arg",
+        dest="engine_args",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="cuda, disaggregated: a flag for the built-in engine's command line, e.g. "
+        "--engine-arg=--disable-radix-cache (repeatable)",
+    )
     p.add_argument("--trainer-gpu", type=int, default=0)
     p.add_argument("--engine-gpu", type=int, default=1)
     p.add_argument(

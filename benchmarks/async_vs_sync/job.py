@@ -197,6 +197,7 @@ class ExternalEngine:
             cmd += ["--prefill-wait-steps", str(args.engine_prefill_wait_steps)]
         if fp32_lm_head:
             cmd.append("--fp32-lm-head")
+        cmd += getattr(args, "engine_args", None) or []
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.engine_gpu), "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
