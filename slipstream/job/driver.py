@@ -313,6 +313,9 @@ class JobDriver:
             return self.last.get("elapsed_s", 0.0)
 
     def report(self, state: str | None = None, **extra) -> None:
+        # the engines gauge first: a reader who sees the status (a waiting note, a starting engine) finds
+        # the gauge saying the same (it is also set every poll)
+        record_engines(*self.generators.engine_states)
         fields = {
             **self.run_info,
             "version": self.version,
