@@ -407,13 +407,12 @@ def _context(
     then its new tokens; padding reads slot 0, the scratch block) and the mask [N, 1, width, kv width]
     of the keys each query sees: its past and its new tokens up to itself (a padded query sees key 0, so
     no row of the softmax is empty)."""
-    new = slots.tolist()
-    rows, at = [], 0
-    for p, n in zip(past, lens, strict=True):
-        rows.append(p + new[at : at + n])
-        at += n
-    kv_width = max(len(r) for r in rows)
-    kv_slots = torch.tensor([r + [0] * (kv_width - len(r)) for r in rows], dtype=torch.long, device=dev)
+    rows = [  # on the device: reading `slots` back to the host would wait for the GPU
+        torch.cat((torch.tensor(p, dtype=torch.long, device=dev), new))
+        for p, new in zip(past, torch.split(slots, lens), strict=True)
+    ]
+    kv_slots = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
+    kv_width = kv_slots.shape[1]
     offsets = torch.tensor([len(p) for p in past], device=dev)
     q_pos = offsets[:, None] + torch.arange(max(lens), device=dev)[None]  # [N, width]
     key = torch.arange(kv_width, device=dev)

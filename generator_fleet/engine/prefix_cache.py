@@ -97,10 +97,10 @@ class PrefixCache:
         now = next(self._clock)
         rest: list[int] = []
         for i in range(len(chain), len(blocks)):
-            key = tuple(tokens[i * self.bs : (i + 1) * self.bs])
-            if i >= full or node is None or node.detached:
+            if i >= full or node.detached:
                 rest.append(blocks[i])
                 continue
+            key = tuple(tokens[i * self.bs : (i + 1) * self.bs])
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = Node(node, key, blocks[i])

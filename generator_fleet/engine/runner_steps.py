@@ -60,7 +60,8 @@ class RunnerSteps:
             if (admitted and w * (len(admitted) + 1) > self.max_prefill_tokens) or (
                 need - len(chain) > self.cache.free_blocks + self._evictable()
             ):
-                self.prefix.unref(chain) if chain else None
+                if chain:
+                    self.prefix.unref(chain)
                 break  # the next step takes it, or it waits for running requests to free blocks
             self._queue.popleft()
             r.blocks = [x.block for x in chain] + self._allocate(need - len(chain))
