@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from generator_fleet.engine import decode_attention, fused_ops
+from generator_fleet.engine.prefill_attention import PrefillAttention
 
 PagedForward = Any
 """engine/model.py's PagedForward, whose fused weights, cache and rotary tables these passes use (not
@@ -46,21 +47,11 @@ def prefill(
     ids: torch.Tensor,
     positions: torch.Tensor,
     slots: torch.Tensor,
-    pad_index: torch.Tensor,
-    flat_valid: torch.Tensor,
-    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attend: PrefillAttention,
 ) -> torch.Tensor:
-    """Packed sequences (PagedForward.prefill's inputs: `pad_index` [N, width] maps the padded batch to
-    flat tokens, `flat_valid` lists the padded positions that are real tokens; `context`, after cached
-    prefixes: every row's context slots and the attention mask); K/V land in the pools at `slots` and
-    attention reads them back padded, one gather per pool. Returns the final hidden states [T, hidden]
-    (before the last norm)."""
-    kv_slots, mask = context if context is not None else (slots[pad_index], None)
-
-    def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-        k, v = fwd.cache.k[i][kv_slots], fwd.cache.v[i][kv_slots]
-        return fwd.padded_attention(q[pad_index], k, v, flat_valid, mask)
-
+    """Packed sequences (PagedForward.prefill's inputs; `attend`: the step's attention, which reads each
+    layer's K/V back from the pools, where the layer writes them at `slots`). Returns the final hidden
+    states [T, hidden] (before the last norm)."""
     delta, res = _layers(fwd, fwd.decoder.embed_tokens(ids), positions, slots, attend)
     return delta + res
 

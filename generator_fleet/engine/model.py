@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from generator_fleet.engine import arena
 from generator_fleet.engine.kv_cache import PagedKVCache
+from generator_fleet.engine.prefill_attention import PrefillAttention
 
 log = logging.getLogger(__name__)
 
@@ -270,64 +271,29 @@ class PagedForward:
         dev = slots.device
         lens = [len(s) for s in seqs]
         self._select_lora(lora_slots, lens, dev)
-        width, total = max(lens), sum(lens)
+        total = sum(lens)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
         offsets = [len(p) for p in past] if past else [0] * len(seqs)
         positions = torch.cat(
             [torch.arange(o, o + n_, device=dev) for o, n_ in zip(offsets, lens, strict=True)]
         )
-        # Flat token index of every (row, column) of the padded batch; pads point at token 0 (masked out
-        # by causality: a real query never sees a later column, and pad rows are dropped afterwards).
-        starts = torch.tensor([0, *lens[:-1]], device=dev).cumsum(0)
-        col = torch.arange(width, device=dev)
-        valid = col[None] < torch.tensor(lens, device=dev)[:, None]
-        pad_index = torch.where(valid, starts[:, None] + col[None], 0)
-        # the padded rows' real tokens as indices, found once: a boolean mask per layer would make the host
-        # wait for the device at every layer (nonzero), leaving the GPU idle while it launches the next
-        flat_valid = valid.reshape(-1).nonzero().squeeze(1)
-        context = _context(past, slots, lens, dev) if any(offsets) else None
+        attend = PrefillAttention(
+            self.cache, lens, past, slots, head_dim=self.head_dim, group=self.group, scale=self.scaling
+        )
         if self._fused_prefill and self.lora is None and self.qkv_w is not None:
             from generator_fleet.engine import fused_forward
 
-            return fused_forward.prefill(self, ids, positions, slots, pad_index, flat_valid, context)
+            return fused_forward.prefill(self, ids, positions, slots, attend)
         h = self.decoder.embed_tokens(ids)
         rope = self.rope(positions)
         for i, layer in enumerate(self.decoder.layers):
             residual = h
             q, k, v = self._qkv(layer, _rms_norm(layer.input_layernorm, h), rope, i)
             self.cache.write(i, slots, k, v)
-            if context is None:
-                o = self.padded_attention(q[pad_index], k[pad_index], v[pad_index], flat_valid)
-            else:  # the prefix's K/V too: read back from the pool, this step's with it
-                kv_slots, mask = context
-                k, v = self.cache.k[i][kv_slots], self.cache.v[i][kv_slots]
-                o = self.padded_attention(q[pad_index], k, v, flat_valid, mask)
-            h = self._layer_tail(layer, residual, o, i)
+            h = self._layer_tail(layer, residual, attend(i, q, k, v), i)
             del q, k, v
         assert h.shape[0] == total
         return h
-
-    def padded_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        flat_valid: torch.Tensor,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Causal attention of a padded prefill batch: q [N, width, H, D], k/v [N, width, KV, D] →
-        [real tokens, H·D], keeping the padded positions `flat_valid` lists. With `mask` [N, 1, width,
-        kv width] (a cached prefix before the queries: `_context`), k/v are the whole context and the mask
-        says which keys each query sees."""
-        n, width = q.shape[:2]
-        qp, kp, vp = (x.transpose(1, 2) for x in (q, k, v))  # [N, heads, width, D]
-        if self.group > 1:
-            kp = kp.repeat_interleave(self.group, dim=1)
-            vp = vp.repeat_interleave(self.group, dim=1)
-        o = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, is_causal=mask is None, scale=self.scaling
-        )
-        return o.transpose(1, 2).reshape(n * width, -1)[flat_valid]
 
     # ---- decode ------------------------------------------------------------------------------------
 
@@ -398,26 +364,6 @@ def _fuse_linears(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tens
                 m.bias.data = b[off : off + n]
             off += n
     return w, b
-
-
-def _context(
-    past: list[list[int]], slots: torch.Tensor, lens: list[int], dev: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A prefill after cached prefixes: every row's whole context as pool slots [N, kv width] (its past,
-    then its new tokens; padding reads slot 0, the scratch block) and the mask [N, 1, width, kv width]
-    of the keys each query sees: its past and its new tokens up to itself (a padded query sees key 0, so
-    no row of the softmax is empty)."""
-    rows = [  # on the device: reading `slots` back to the host would wait for the GPU
-        torch.cat((torch.tensor(p, dtype=torch.long, device=dev), new))
-        for p, new in zip(past, torch.split(slots, lens), strict=True)
-    ]
-    kv_slots = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=0)
-    kv_width = kv_slots.shape[1]
-    offsets = torch.tensor([len(p) for p in past], device=dev)
-    q_pos = offsets[:, None] + torch.arange(max(lens), device=dev)[None]  # [N, width]
-    key = torch.arange(kv_width, device=dev)
-    mask = key[None, None] <= q_pos[:, :, None]  # [N, width, kv width]
-    return kv_slots, mask[:, None]
 
 
 def _paged_attention(cache: PagedKVCache):
