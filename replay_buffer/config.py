@@ -7,7 +7,7 @@ from typing import Literal
 
 from common.config import NonNeg, Pos, Seconds, Spec
 
-STALE_POLICIES = ("drop", "recycle")
+STALE_POLICIES = ("drop", "recycle", "keep")
 """What happens to a group too stale to train on (`buffer.stale_policy`)."""
 ADMISSIONS = ("oldest", "version")
 """What the admission cap counts from (`buffer.admission`)."""
@@ -17,7 +17,10 @@ class BufferSpec(Spec):
     max_staleness: NonNeg = 1
     """A group is usable at version v if v - min_version <= max_staleness (versions); 0 = on-policy."""
     stale_policy: Literal[STALE_POLICIES] = "drop"
-    """Too-stale groups are dropped; `recycle` also queues their prompt to be generated again first."""
+    """Too-stale groups are dropped; `recycle` also queues their prompt to be generated again first; `keep`
+    trains them anyway (with `admission: version`, AReaL's rule: staleness bounded where a group starts,
+    not where it is trained; no length bias, and the engines are never held back by a long group; the
+    loss's importance weights correct what a long group's staleness adds)."""
     admission: Literal[ADMISSIONS] = "oldest"
     """Rollout workers may have started (base + max_staleness + 1) * groups_per_step groups. `oldest`: base
     is the admission version of the oldest group still being generated (or the published version, if

@@ -107,6 +107,27 @@ def test_recycle_policy_queues_the_prompt_again(redis_client, job_id):
     assert redis_client.lpop(buf.keys.recycle) == b"prompt-7"
 
 
+def test_keep_policy_trains_a_stale_group_and_never_trains_it_twice(redis_client, job_id):
+    """`stale_policy: keep` (AReaL's rule with `admission: version`): a group past max_staleness is trained
+    with its staleness counted; its id stays remembered, so a later redelivery is a duplicate, not a
+    second training."""
+    buf = ReplayBuffer(redis_client, job_id, stale_policy="keep", trim_interval_s=0)
+    buf.ensure_group()
+    buf.put(g := _group(job_id, 0, "long"))  # 5 - 0 = 5 > max_staleness 1
+    batch = buf.take_batch(1, 5, 1, block_ms=100)
+    assert [e.group.group_id for e in batch] == [g.group_id]
+    buf.commit(batch, version=5, max_staleness=1)
+    for v in (6, 7):
+        buf.put(_group(job_id, v, f"fresh-{v}"))
+        buf.commit(buf.take_batch(1, v, 1, block_ms=100), version=v, max_staleness=1)
+    assert redis_client.zscore(buf.keys.trained, g.group_id) == 0
+    buf.put(g)  # the same group arrives again (a producer retry)
+    assert buf.take_batch(1, 8, 1, block_ms=50, should_stop=lambda: buf.stats()["duplicates"] > 0) == []
+    st = buf.stats()
+    assert st["dropped_stale"] == 0 and st["duplicates"] == 1 and st["consumed"] == 3
+    assert st["staleness"] == {0: 2, 5: 1}
+
+
 def test_uncommitted_entries_of_a_dead_consumer_are_reclaimed(redis_client, job_id):
     dead = ReplayBuffer(redis_client, job_id, consumer="trainer-dead")
     dead.ensure_group()
