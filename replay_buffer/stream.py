@@ -1,5 +1,6 @@
 """Replay buffer on a Redis Stream: producers XADD groups; the trainer reads them through one consumer group,
-drops too-stale groups (trains them under `stale_policy: keep`), and XACKs a batch only when the optimizer step that used it has committed.
+drops too-stale groups (trains them under `stale_policy: keep`), and XACKs a batch only when the optimizer
+step that used it has committed.
 
 Invariants:
 - A group is acknowledged only in `commit` (trained) or when it is dropped/dead-lettered, so a trainer
@@ -21,8 +22,7 @@ Invariants:
 - Runs: each run of a job starts from empty per-run state (`begin_run`); a resumed run keeps it and
   continues its run_id, clock and progress (records of steps lost after the checkpoint are dropped).
 - Hygiene: after each commit, entries below the oldest pending/unread one are all acknowledged and are
-  trimmed (XTRIM MINID); trained ids are kept only while a redelivery of them could still be fresh (all of them under
-  `stale_policy: keep`, where no redelivery is too stale to train).
+  trimmed (XTRIM MINID); trained ids are kept while a redelivery could still be fresh (always, under keep).
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ class ReplayBuffer:
         self.consumer = consumer
         self.reclaim_idle_ms = reclaim_idle_ms
         self.stale_policy = stale_policy
+        self.keep_stale = stale_policy == "keep"
         self.trim_interval_s = trim_interval_s
         self.ledger = ledger
         self._own_pending_done = False
@@ -448,9 +449,7 @@ class ReplayBuffer:
                     self._skip_duplicate(entry)
                 elif max(entry.group.min_version, entry.group.max_version) > version:
                     self._drop_future(entry, version)
-                elif self.stale_policy != "keep" and not is_usable(
-                    version, entry.group.min_version, max_staleness
-                ):
+                elif not (self.keep_stale or is_usable(version, entry.group.min_version, max_staleness)):
                     self._drop_stale(entry, version)
                 else:
                     seen.add(entry.group.group_id)
@@ -479,7 +478,7 @@ class ReplayBuffer:
             "lengths": _length_counts("trained", lengths),
             "ledger": self.ledger,
         }
-        if max_staleness is not None and self.stale_policy != "keep":
+        if max_staleness is not None and not self.keep_stale:
             # A redelivered group with min_version < (next version) - max_staleness is stale: dropped
             # as such, so its id need not be remembered (under `keep` it would be trained: every id stays).
             commit["forget_below"] = version + 1 - max_staleness

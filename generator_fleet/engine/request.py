@@ -142,6 +142,8 @@ class Completion(msgspec.Struct, kw_only=True):
     time_to_first_token: float | None = None
     num_retractions: int = 0
     """Times the request was retracted (KV freed, re-prefilled later)."""
+    cached_tokens: int = 0
+    """Prompt tokens taken from the prefix cache instead of computed."""
 
 
 class Request:
@@ -200,6 +202,8 @@ class Request:
         """The prefix cache's nodes (engine/prefix_cache.py) whose blocks start `blocks`, referenced."""
         self.prefix_epoch = -1
         """The prefix cache's epoch at admission: the K/V goes back into the cache only if still current."""
+        self.cached_tokens = 0
+        """Prompt tokens its first prefill took from the prefix cache (SGLang's meta_info.cached_tokens)."""
         self.num_retractions = 0
 
 

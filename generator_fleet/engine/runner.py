@@ -536,6 +536,7 @@ class Runner(RunnerWeights, RunnerSteps):
             e2e_latency=time.monotonic() - r.created,
             time_to_first_token=None if r.first_token_at is None else r.first_token_at - r.created,
             num_retractions=r.num_retractions,
+            cached_tokens=r.cached_tokens,
         )
 
     def progress(self, r: Request) -> Completion:

@@ -146,8 +146,10 @@ class RunnerSteps:
             )
             self.stats.prefill_shared_tokens_total += sum(len(fills[i]) - past[i] for i in copies)
         self.stats.prefix_cached_tokens_total += sum(past)
-        for r, f in zip(rows, fills, strict=True):
+        for r, f, p in zip(rows, fills, past, strict=True):
             r.kv_len = len(f)
+            if not r.output_ids:  # its first prefill (a retracted request's next one computes its output too)
+                r.cached_tokens = p
         self.stats.prompt_tokens_total += sum(len(f) for f in fills)
         fresh = [i for i, r in enumerate(rows) if not r.output_ids]
         if any(rows[i].return_logprob and rows[i].logprob_start_len >= 0 for i in fresh):

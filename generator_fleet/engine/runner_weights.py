@@ -50,6 +50,16 @@ class RunnerWeights:
             with self._cv:
                 self.prefix.flush()
 
+    def flush_cache(self) -> bool:
+        """SGLang's /flush_cache: empty the prefix cache, only while no request is running or queued
+        (False then, nothing done)."""
+        with self._cv:
+            if self._running or self._queue:
+                return False
+            if self.prefix is not None:
+                log.info("prefix cache flushed (%d blocks)", self.prefix.flush())
+            return True
+
     def at_step_boundary(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` while no forward pass is in flight and none can start (the writer side of SGLang's
         model_update_lock, but only for one step: running requests go on afterwards)."""

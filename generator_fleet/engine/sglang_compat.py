@@ -237,7 +237,7 @@ def render(c: Completion, item: Item, tokenizer, return_text_in_logprobs: bool) 
         "finish_reason": c.finish_reason or None,  # null in intermediate stream events
         "prompt_tokens": c.prompt_tokens,
         "completion_tokens": len(c.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": c.cached_tokens,
         "reasoning_tokens": 0,
         "weight_version": c.weight_version,
         "num_retractions": c.num_retractions,

@@ -535,11 +535,13 @@ async def get_weight_version(request: Request) -> Response:
     return json_response({"weight_version": runner.weight_version})
 
 
-async def flush_cache() -> Response:
-    # No prefix cache yet: there is nothing to flush, and nothing can make the flush fail.
+async def flush_cache(request: Request) -> Response:
+    """Empty the prefix cache; SGLang's text, and its 400 while requests are running or waiting."""
+    done = engine_state(request).runner.flush_cache()
     return Response(
         "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
         "waiting requests, the operation will not be performed.)\n",
+        status_code=200 if done else 400,
         media_type="text/plain",
     )
 

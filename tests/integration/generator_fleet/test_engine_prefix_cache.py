@@ -118,7 +118,8 @@ def test_prompt_logprobs_asked_for_are_computed_not_taken_from_the_cache(model, 
 
 def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
     """What a rollout worker does: /generate a turn, then the next with the response and a tool's output
-    appended; /metrics counts the prompt tokens the cache served and the tokens it holds."""
+    appended; meta_info.cached_tokens and /metrics count the prompt tokens the cache served, /metrics the
+    tokens it holds; /flush_cache empties it."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -129,19 +130,38 @@ def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
     headers = {"Authorization": f"Bearer {key}"}
     try:
 
-        def generate(ids: list[int]) -> list[int]:
+        def generate(ids: list[int], cached: int) -> list[int]:
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
             r = httpx.post(server.url + "/generate", json=body, headers=headers, timeout=60)
             assert r.status_code == 200, r.text
+            assert r.json()["meta_info"]["cached_tokens"] == cached
             return r.json()["output_ids"]
 
         prompt = [3 + i % 10 for i in range(40)]
-        ids = prompt + generate(prompt) + [4, 5, 6]
-        generate(ids)
+        ids = prompt + generate(prompt, cached=0) + [4, 5, 6]
+        generate(ids, cached=32)
         text = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
+        r = httpx.post(server.url + "/flush_cache", headers=headers, timeout=10)
+        assert r.status_code == 200 and r.text.startswith("Cache flushed.")
+        generate(ids, cached=0)  # computed again: the flush emptied the cache
     finally:
         server.stop()
     got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert got["slipstream_engine_prefix_cached_tokens_total"] == 32  # two full blocks of the first turn
     assert got["slipstream_engine_prefix_cache_tokens"] >= 32
     assert got["slipstream_engine_prefix_evicted_tokens_total"] == 0
+
+
+def test_flush_cache_waits_for_no_request_to_be_resident(model):
+    """SGLang's rule: /flush_cache does nothing (400) while a request is running or queued."""
+    r = Runner(str(model[0]), context_length=512, max_batch_size=16, block_size=BS)
+    try:
+        fut = r.submit(Request("queued", [3 + i % 10 for i in range(40)], greedy(4)))  # not started: queued
+        assert not r.flush_cache()
+        r.start()
+        fut.result(120)
+        assert r.prefix.cached_blocks == 2
+        assert r.flush_cache()
+        assert r.prefix.cached_blocks == 0 and r.cache.free_blocks == r.cache.capacity_blocks
+    finally:
+        r.stop()
