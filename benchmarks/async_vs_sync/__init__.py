@@ -65,7 +65,7 @@ Run:
 
 Length bias (`--length-bias`, its own result file `async_vs_sync-<device>-lengths-<date>.json`): the
 response lengths trained vs generated under each admission rule (sync, `buffer.admission: version`,
-`buffer.admission: oldest`), with two-sample KS statistics; benchmarks/async_vs_sync/lengths.py.
+`buffer.admission: oldest`, `version` with `buffer.stale_policy: keep`), with two-sample KS statistics; benchmarks/async_vs_sync/lengths.py.
 
 fp32 LM heads (`--fp32-lm-head both`, its own result file `async_vs_sync-<device>-fp32-head-<date>.json`):
 each --staleness job without and with the fp32 LM head on engine and trainer, the train/infer mismatch

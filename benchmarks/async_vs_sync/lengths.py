@@ -11,7 +11,9 @@ generated lengths, stays the same during and across the jobs):
 - `version`: max_staleness `--length-staleness` with `buffer.admission: version` (AReaL's cap, counted
   from the published version; stale groups dropped);
 - `oldest`: the same with `buffer.admission: oldest` (the default: the cap counts from the oldest group
-  still in flight).
+  still in flight);
+- `keep`: `version` admission with `buffer.stale_policy: keep` (AReaL's rule: staleness bounded where a
+  group starts; a group that went stale is trained, not dropped).
 
 For each: the response-length distributions (samples per length) of the trained samples and of those
 dropped as stale (the buffer's per-run histograms, ReplayBuffer.length_histograms), "generated" = trained +
@@ -32,7 +34,13 @@ import msgspec
 
 from benchmarks.async_vs_sync.job import base_spec, log, make_spec
 
-POLICIES = ("sync", "version", "oldest")
+POLICIES = {
+    "sync": ("version", "drop"),
+    "version": ("version", "drop"),
+    "oldest": ("oldest", "drop"),
+    "keep": ("version", "keep"),
+}
+"""Job name -> (buffer.admission, buffer.stale_policy)."""
 NEGLIGIBLE_LR = 1e-12
 """algorithm.lr of the length jobs: the policy (and its length distribution) stays put."""
 
@@ -123,9 +131,8 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
     steps = args.steps + args.warmup
     gsize = raw["rollout"]["group_size"]
     out: dict = {"jobs": {}}
-    for policy in POLICIES:
+    for policy, (admission, stale_policy) in POLICIES.items():
         staleness = 0 if policy == "sync" else args.length_staleness
-        admission = "version" if policy == "sync" else policy
         spec = make_spec(
             raw,
             name=f"lengths-{policy}",
@@ -133,7 +140,8 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
             max_staleness=staleness,
             total_steps=steps,
         )
-        spec = msgspec.structs.replace(spec, buffer=msgspec.structs.replace(spec.buffer, admission=admission))
+        buffer = msgspec.structs.replace(spec.buffer, admission=admission, stale_policy=stale_policy)
+        spec = msgspec.structs.replace(spec, buffer=buffer)
         t0 = time.monotonic()
         res = run_job(spec)
         trained = {int(k): v for k, v in res.lengths["trained"].items()}
@@ -142,6 +150,7 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
         job = {
             "max_staleness": staleness,
             "admission": admission,
+            "stale_policy": stale_policy,
             "wall_s": time.monotonic() - t0,
             "samples_per_s": sum(trained.values()) / max(res.progress[-1]["elapsed_s"], 1e-9),
             "groups_trained": res.buffer["consumed"],
@@ -163,7 +172,7 @@ def length_jobs(args: argparse.Namespace, work: Path, on_job=None) -> dict:
         if on_job:
             on_job(out)
     ref = out["jobs"]["sync"]["histograms"]["trained"]
-    for policy in POLICIES[1:]:
+    for policy in list(POLICIES)[1:]:
         job = out["jobs"][policy]
         job["ks_trained_vs_sync_trained"] = ks_2samp(job["histograms"]["trained"], ref, gsize)
     return out
@@ -180,7 +189,10 @@ def length_report(res: dict) -> str:
                 f"n {x['n']:>5}  mean {x['mean'] or 0:6.2f}  p50 {x['p50'] or 0:>3}  p90 {x['p90'] or 0:>3}"
             )
 
-        lines.append(f"  {policy:<8} (max_staleness {job['max_staleness']}, admission {job['admission']})")
+        lines.append(
+            f"  {policy:<8} (max_staleness {job['max_staleness']}, admission {job['admission']}, "
+            f"stale_policy {job.get('stale_policy', 'drop')})"
+        )
         lines.append(f"    generated {fmt(g)}")
         lines.append(f"    trained   {fmt(t)}")
         lines.append(f"    stale     {fmt(s)}   dropped groups {job['groups_dropped_stale']}")
