@@ -13,6 +13,8 @@ OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEP
 ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
 RUN_STEPS=${RUN_STEPS:-20}; WARMUP=${WARMUP:-3}
 mkdir -p "$OUT"
+# each phase is its own process: the model is built once per shape and taken from here by the next ones
+export SLIPSTREAM_BENCH_MODEL_CACHE=${SLIPSTREAM_BENCH_MODEL_CACHE:-/tmp/slipstream-bench-models}
 LOG=$OUT/steps.log
 . "$(dirname "$0")/lib.sh"
 AVS=(python -m benchmarks.async_vs_sync --device cuda --device-kind "$KIND" --no-learning --steps "$RUN_STEPS"

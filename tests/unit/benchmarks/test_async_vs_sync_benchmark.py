@@ -228,3 +228,42 @@ def test_fp32_head_ratios_and_side_by_side_figures():
         and flat["kl_k3_bf16_head_staleness_2"] == 0.004
     )
     assert flat["samples_per_s_bf16_head_staleness_4"] == 200.0
+
+
+def test_the_model_cache_builds_a_shape_once_and_hands_it_back(tmp_path, monkeypatch):
+    """$SLIPSTREAM_BENCH_MODEL_CACHE: the first phase builds the model there (no half-written directory
+    left), the next takes it without building; unset, each call builds into its own work directory."""
+    import argparse
+
+    import transformers
+
+    from benchmarks import shapes
+    from benchmarks.async_vs_sync import job
+
+    monkeypatch.setitem(
+        shapes.SHAPES,
+        "test-shape",
+        dict(
+            hidden_size=32,
+            num_hidden_layers=1,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            vocab_size=256,
+            tie_word_embeddings=True,
+        ),  # fmt: skip
+    )
+    args = argparse.Namespace(model_shape="test-shape", full_vocab=False, seed=0)
+    monkeypatch.setenv(job.MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    first = job.build_cuda_model(args, tmp_path / "work1")
+    assert first.parent == tmp_path / "cache" and (first / "config.json").exists()
+    assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+    def no_build(*a, **k):
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_build)
+    assert job.build_cuda_model(args, tmp_path / "work2") == first
+    monkeypatch.delenv(job.MODEL_CACHE_ENV)
+    with pytest.raises(AssertionError, match="built again"):
+        job.build_cuda_model(args, tmp_path / "work3")
