@@ -443,6 +443,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "throughput job (random-weight --model-shape, word problems)",
     )
     p.add_argument("--sample-interval-s", type=float, default=0.1, help="engine metrics polling period")
+    p.add_argument(
+        "--engine-profile-steps",
+        type=int,
+        default=0,
+        help="cuda: profile this many engine steps of each job (torch.profiler over the engine's /start_profile; "
+        "trace and summary under OUT_DIR/engine-profiles/<job>-engine/); 0 = off",
+    )
+    p.add_argument(
+        "--engine-profile-after-tokens",
+        type=float,
+        default=100_000,
+        help="--engine-profile-steps: start once the engine has generated this many tokens (past warm-up)",
+    )
     p.add_argument("--phase-timeout-s", type=float, default=600.0)
     p.add_argument(
         "--phase",

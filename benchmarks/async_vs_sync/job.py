@@ -217,6 +217,8 @@ class ExternalEngine:
         if fp32_lm_head:
             cmd.append("--fp32-lm-head")
         cmd += getattr(args, "engine_args", None) or []
+        if getattr(args, "engine_profile_steps", 0):  # benchmarks/async_vs_sync/measure.py EngineSampler
+            cmd += ["--profile-dir", str(Path(args.out_dir).resolve() / "engine-profiles" / log_path.stem)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(args.engine_gpu), "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())

@@ -12,13 +12,44 @@ from typing import Any
 from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, ExternalEngine, colocated, log, make_spec
 
 
+def profiling(args, engine: ExternalEngine | None) -> dict[str, Any]:
+    """EngineSampler's profile arguments: --engine-profile-steps of an external engine (its --profile-dir
+    set by ExternalEngine), else none."""
+    steps = getattr(args, "engine_profile_steps", 0)
+    if engine is None or not steps:
+        return {}
+    return {
+        "profile_steps": steps,
+        "profile_after_tokens": args.engine_profile_after_tokens,
+        "api_key": os.environ[ENGINE_KEY_ENV],
+    }
+
+
 class EngineSampler:
     """Polls the engine's Prometheus metrics every `interval_s` in a thread: (monotonic time, decoding?,
     generated tokens so far). Finds the engine through the job's redis.url file and metrics_targets hash
-    (built-in engine actor) or is given its URL (external engine)."""
+    (built-in engine actor) or is given its URL (external engine). `profile_steps` > 0: once the engine has
+    generated `profile_after_tokens` tokens (past the start-up and warm-up), it asks the engine to profile
+    that many steps (/start_profile with `api_key`; the engine writes into its --profile-dir)."""
 
-    def __init__(self, out_dir: Path, job: str, interval_s: float, url: str | None = None) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        job: str,
+        interval_s: float,
+        url: str | None = None,
+        profile_steps: int = 0,
+        profile_after_tokens: float = 0.0,
+        api_key: str | None = None,
+    ) -> None:
         self.out_dir, self.job, self.interval_s, self.url = out_dir, job, interval_s, url
+        self.profile_steps, self.profile_after_tokens, self.api_key = (
+            profile_steps,
+            profile_after_tokens,
+            api_key,
+        )
+        self.profile_started: float | None = None
+        """When the profile was asked for (monotonic), if it was."""
         self.samples: list[tuple[float, bool, float, dict[str, float]]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -64,10 +95,22 @@ class EngineSampler:
                             "sglang:generation_tokens_total", vals.get("sglang:generation_tokens", 0)
                         )
                         self.samples.append((t, busy, tokens, _step_counters(vals)))
+                        if (
+                            self.profile_steps
+                            and self.profile_started is None
+                            and tokens >= self.profile_after_tokens
+                        ):
+                            self._start_profile(client)
             except Exception:  # noqa: BLE001 - engine starting or gone; keep polling
                 pass
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - t)))
         client.close()
+
+    def _start_profile(self, client: Any) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        r = client.post(self.url + "/start_profile", json={"num_steps": self.profile_steps}, headers=headers)
+        self.profile_started = time.monotonic()
+        log(f"engine profile of {self.profile_steps} steps: {r.status_code} {r.text.strip()}")
 
     def stop(self) -> None:
         self._stop.set()
@@ -158,7 +201,9 @@ def run_config(args, raw: dict, model: Path, work: Path, label: str, max_stalene
             fp32_lm_head=spec.trainer_fp32_lm_head,  # the engine's head as the trainer's
         )
         spec = _with_urls(spec, [engine.url])
-    sampler = EngineSampler(out, label, args.sample_interval_s, engine.url if engine else None)
+    sampler = EngineSampler(
+        out, label, args.sample_interval_s, engine.url if engine else None, **profiling(args, engine)
+    )
     progress, arrivals = [], []
 
     def on_progress(rec: dict) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.async_vs_sync.job import ENGINE_KEY_ENV, UNBOUNDED_STALENESS, ExternalEngine, log, make_spec
-from benchmarks.async_vs_sync.measure import EngineSampler, _with_urls, rates, slim
+from benchmarks.async_vs_sync.measure import EngineSampler, _with_urls, profiling, rates, slim
 
 
 def pipeline_bounds(
@@ -44,7 +44,9 @@ def pipeline_bounds(
     reset_run_state(out, managed_redis=True)
     managed = ManagedRedis(data_dir=out / "redis").start()
     (out / "redis.url").write_text(managed.url)
-    sampler = EngineSampler(out, label, args.sample_interval_s, engine.url if engine else None)
+    sampler = EngineSampler(
+        out, label, args.sample_interval_s, engine.url if engine else None, **profiling(args, engine)
+    )
     pool = None
     res: dict[str, Any] = {}
     G = spec.rollout.group_size

@@ -69,6 +69,16 @@ class GenerateReqIn(msgspec.Struct, kw_only=True):
     """Queue priority (SGLang's, with its default order): a larger value is admitted first; null = 0."""
 
 
+class StartProfile(msgspec.Struct, kw_only=True):
+    """SGLang's /start_profile body (its other fields, e.g. profile_by_stage, are accepted and ignored)."""
+
+    output_dir: str | None = None
+    num_steps: int | None = None
+    activities: list[str] | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
 class PauseGeneration(msgspec.Struct, kw_only=True):
     mode: str = "abort"
 

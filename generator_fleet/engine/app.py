@@ -17,7 +17,14 @@ from fastapi.responses import Response
 from fastapi.routing import APIRoute
 
 from common.http_guard import ENGINE_LIMITS, BearerGuard, BodyGuard
-from generator_fleet.engine import generate_routes, info_routes, lora_routes, memory_routes, weight_routes
+from generator_fleet.engine import (
+    generate_routes,
+    info_routes,
+    lora_routes,
+    memory_routes,
+    profile_routes,
+    weight_routes,
+)
 from generator_fleet.engine.api_types import (
     AbortRequest,
     BadRequest,
@@ -145,7 +152,7 @@ def build_app(
     app.add_exception_handler(EngineUnhealthy, _on_unhealthy)
     app.add_exception_handler(Exception, _on_error)
 
-    for group in (generate_routes, weight_routes, lora_routes, memory_routes, info_routes):
+    for group in (generate_routes, weight_routes, lora_routes, memory_routes, profile_routes, info_routes):
         _add_routes(app, group.router)
     return app
 

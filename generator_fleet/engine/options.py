@@ -51,6 +51,9 @@ class EngineOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disable_radix_cache: bool = False
     """Turn the prefix cache off (SGLang's flag): finished requests' K/V then leaves the pool with them, and
     every multi-turn turn prefills its whole context again."""
+    profile_dir: str | None = None
+    """Directory /start_profile writes step profiles into (torch.profiler traces and summaries; SGLang's
+    $SGLANG_TORCH_PROFILER_DIR); a request's output_dir must lie inside it. null = profiling off."""
     torch_threads: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
     """torch intra-op threads (process-wide); null = torch's default."""
     weight_version: str = "0"

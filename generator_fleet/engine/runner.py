@@ -36,6 +36,7 @@ from generator_fleet.engine.model import DecodeGraphs, PagedForward, check_suppo
 from generator_fleet.engine.multi_copy import MultiCopy
 from generator_fleet.engine.options import EngineOptions
 from generator_fleet.engine.prefix_cache import PrefixCache
+from generator_fleet.engine.profiling import StepProfiler
 from generator_fleet.engine.request import Completion, Request, RunnerStats, version_spans
 from generator_fleet.engine.runner_steps import RunnerSteps, abort_reason
 from generator_fleet.engine.runner_weights import RunnerWeights
@@ -88,6 +89,7 @@ class Runner(RunnerWeights, RunnerSteps):
             max_loras=o.max_loras,
             prefill_wait_steps=o.prefill_wait_steps,
             prefix_cache=not o.disable_radix_cache,
+            profile_dir=o.profile_dir,
         )
 
     # Long: the scheduler's state declared in one place, each field with what it guards
@@ -113,6 +115,7 @@ class Runner(RunnerWeights, RunnerSteps):
         json_any_whitespace: bool = True,
         prefill_wait_steps: int = 8,
         prefix_cache: bool = True,
+        profile_dir: str | None = None,
     ) -> None:
         """`kv_cache_tokens`: size of the KV pool; default on CUDA = `mem_fraction` of the memory free after
         loading the model, on CPU = 2 GiB worth; never more than `max_batch_size × context_length`.
@@ -129,7 +132,8 @@ class Runner(RunnerWeights, RunnerSteps):
         default); False allows the compact and `json.dumps` separators only.
         `prefill_wait_steps`: EngineOptions.prefill_wait_steps.
         `prefix_cache`: keep finished requests' K/V for requests that start with the same tokens
-        (engine/prefix_cache.py; EngineOptions.disable_radix_cache turns it off)."""
+        (engine/prefix_cache.py; EngineOptions.disable_radix_cache turns it off).
+        `profile_dir`: where step profiles go (engine/profiling.py); None = profiling off."""
         self.model_path = str(model_path)
         self.device = torch.device(device)
         self.dtype = dtype or default_dtype(self.device)
@@ -208,6 +212,7 @@ class Runner(RunnerWeights, RunnerSteps):
         self.on_fatal: list[Callable[[str], None]] = []
         """Called once (from the thread that hit the error) when the engine turns unhealthy."""
         self._fault = os.environ.get(FAULT_ENV) or None
+        self.profiler = StepProfiler(profile_dir, self.device)
         self._lora_sources: dict[str, str] = {}
 
     def _build_cache(
@@ -394,6 +399,19 @@ class Runner(RunnerWeights, RunnerSteps):
         """Tokens the KV pool holds (SGLang's max_total_num_tokens)."""
         return self.cache.capacity_blocks * self.cache.block_size
 
+    def start_profile(self, **kw) -> None:
+        """Profile the next steps (engine/profiling.py StepProfiler.start's arguments; ProfileError)."""
+        self.profiler.start(**kw)
+        with self._cv:
+            self._cv.notify_all()  # an idle generation thread begins it now
+
+    def stop_profile(self) -> bool:
+        """End the running profile at the next step boundary; False when none runs."""
+        stopping = self.profiler.stop()
+        with self._cv:
+            self._cv.notify_all()
+        return stopping
+
     # ---- generation thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -405,24 +423,27 @@ class Runner(RunnerWeights, RunnerSteps):
                         if self._stopping:
                             self._abort_matching(lambda r: True, "Engine is shutting down")
                             self._reap_aborted()
+                            self.profiler.finish()
                             return
-                        if not (self._paused or self._updating or self._released) and (
-                            self._running or self._queue
-                        ):
+                        can_step = not (self._paused or self._updating or self._released)
+                        if (can_step and (self._running or self._queue)) or self.profiler.pending:
                             break
                         self.stats.gen_throughput = 0.0
                         self._cv.wait()
-                    admitted = self._admit()
+                    admitted = self._admit() if can_step else []  # (woken for the profiler alone)
                     self._in_step = True
                     version = self._weight_version
                 fatal = False
                 try:
-                    if self._fault is not None:
+                    self.profiler.at_boundary()
+                    if self._fault is not None and (admitted or can_step):
                         self._inject_fault()
                     if admitted:
-                        self._prefill(admitted, version)
-                    elif self._running:
-                        self._decode(version)
+                        with self.profiler.step("prefill"):
+                            self._prefill(admitted, version)
+                    elif self._running and can_step:
+                        with self.profiler.step("decode"):
+                            self._decode(version)
                 except Exception as exc:
                     fatal = is_fatal_cuda_error(exc)
                     if not fatal:
