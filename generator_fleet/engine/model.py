@@ -273,12 +273,11 @@ class PagedForward:
         self._select_lora(lora_slots, lens, dev)
         total = sum(lens)
         ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long, device=dev)
-        offsets = [len(p) for p in past] if past else [0] * len(seqs)
-        positions = torch.cat(
-            [torch.arange(o, o + n_, device=dev) for o, n_ in zip(offsets, lens, strict=True)]
-        )
         attend = PrefillAttention(
             self.cache, lens, past, slots, head_dim=self.head_dim, group=self.group, scale=self.scaling
+        )
+        positions = torch.cat(
+            [torch.arange(o, o + n_, device=dev) for o, n_ in zip(attend.offsets, lens, strict=True)]
         )
         if self._fused_prefill and self.lora is None and self.qkv_w is not None:
             from generator_fleet.engine import fused_forward

@@ -56,7 +56,8 @@ class PrefillAttention:
     ) -> None:
         dev = slots.device
         self.cache, self.group, self.scale = cache, group, scale
-        offsets = [len(p) for p in past] if past else [0] * len(lens)
+        self.offsets = offsets = [len(p) for p in past] if past else [0] * len(lens)
+        """Each sequence's first position (its cached tokens)."""
         self.has_past = any(offsets)
         self.varlen = varlen_available(cache, head_dim) if varlen is None else varlen
         # every sequence's whole context as pool slots (its past, then its new tokens), on the device:

@@ -41,8 +41,6 @@ class StepProfiler:
         self._prof: torch.profiler.profile | None = None
         self._active: dict | None = None
         self._steps = 0
-        self.last: list[Path] = []
-        """The files the last profile wrote."""
 
     def start(
         self,
@@ -155,5 +153,4 @@ class StepProfiler:
         )
         table = prof.key_averages().table(sort_by=sort or "self_cpu_time_total", row_limit=SUMMARY_ROWS)
         summary.write_text(f"{self._steps} steps profiled\n{table}\n")
-        self.last = [trace, summary]
         log.info("profiling stopped after %d steps: %s, %s", self._steps, trace, summary)
