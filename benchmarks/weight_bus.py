@@ -596,6 +596,7 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
             publish_variant(bus, v, params, version=1)
         raw_s: list[float] = []
         raw_chunked_s: list[float] = []
+        phases: list[dict[str, float]] = []  # the bus publishes' PublishStats.phases_ms
         timed: dict[str, dict[str, list[float]]] = {
             v: {"s": [], "transfer": [], "pause": [], "gather": []} for v in variants
         }
@@ -624,6 +625,7 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
                 if sorted(stats.engines) != sorted(urls) or stats.bytes < nbytes:
                     raise RuntimeError(f"publish reached {stats.engines} with {stats.bytes} bytes")
                 if side == "bus":
+                    phases.append(stats.phases_ms)
                     m["stream"] = stats.stream
                     m["engine_marks_last"] = (
                         stats.engine_marks
@@ -639,6 +641,10 @@ def measure_model(args, shape: str, tmp: Path, raw: RawPeers, result: dict, save
         bus_s, transfer_ms, pause_ms, gather_ms = (
             timed["bus"][k] for k in ("s", "transfer", "pause", "gather")
         )
+        m["publish_phases_ms"] = (
+            {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases else {}
+        )
+        log(f"{shape}: bus publish phases (ms, median): {m['publish_phases_ms']}")
         if args.profile:
             m["profile"] = profile_publish(
                 bus, params, version + 1, Path(args.out_dir) / f"profile-{shape}.json"

@@ -172,6 +172,8 @@ class Membership:
         """Engines dropped (or failed to join): URL -> when to try them again as joiners."""
         self.parked: set[str] = set()
         """Engines left paused by a failed NCCL update (see Transfer.recover), until they rejoin."""
+        self.waiting: list[str] = []
+        """Engines in the group that the registry lists as joining (promoted after the update)."""
         self.lora_files = False
         """Adapter-only updates (a LoRA job): engines without the built-in engine's adapter-over-the-group
         extension (SGLang) load the adapter from a directory, so no group is built over them."""
@@ -326,11 +328,13 @@ class Membership:
     def sync(self, probe: bool = True) -> tuple[list[str], list[str]]:
         """Before an update: drop engines that do not answer, admit joiners; rebuild if anything
         changed. `probe` False: the engines in the group are known alive (the last update reached every
-        one of them, and the update's own calls detect a failure), so only joiners are probed. Returns
+        one of them, and the update's own calls detect a failure), so only joiners are probed, and those
+        in neither registry set (scaled down or replaced; or demoted and not renewed yet). Returns
         (joined, dropped)."""
         now = time.monotonic()
         candidates = self._candidates(now)
-        infos = self.probe((self.urls if probe else []) + sorted(candidates))
+        suspects = [] if probe else sorted(self._deregistered(list(self.urls)))
+        infos = self.probe((self.urls if probe else suspects) + sorted(candidates))
         dead = [u for u in self.urls if isinstance(infos.get(u), BaseException)]
         left = self._deregistered(dead)
         for u in dead:
@@ -355,10 +359,12 @@ class Membership:
         return [u for u in joined if u in self.urls], dropped
 
     def promote(self, joined: list[str]) -> None:
-        """Let engines that joined and hold the current weights take traffic (the registry's live set)."""
+        """Let engines that joined and hold the current weights take traffic (the registry's live set);
+        also those in the group found waiting in the joining set (one that rejoined before its renewal
+        had moved it there: its promotion found nothing to move)."""
         if self.registry is None:
             return
-        for url in joined:
+        for url in dict.fromkeys([*joined, *self.waiting]):
             if url in self.urls:
                 try:
                     self.registry.promote(url)
@@ -369,11 +375,15 @@ class Membership:
         """Engines an update would try to admit now: registered as joining, or dropped (or failed to
         join) with their retry due; never one in the group, nor one whose retry is not due yet."""
         candidates = {u for u, t in list(self.retry_at.items()) if t <= now}
+        self.waiting = []
         if self.registry is not None:
             try:
-                candidates.update(self.registry.joining())
+                joining = self.registry.joining()
             except Exception as e:  # Redis down: update the engines we have
                 log.warning("registry: could not list joining engines: %s", e)
+                joining = []
+            candidates.update(joining)
+            self.waiting = [u for u in joining if u in self.urls]
         candidates -= set(self.urls)
         return {u for u in candidates if self.retry_at.get(u, 0) <= now}
 

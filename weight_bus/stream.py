@@ -217,11 +217,13 @@ def _filled(plan: Plan, i: int, flat, pairs, device: torch.device) -> Bucket:
     return Bucket(i, [], [], [], flat[: b.nbytes], i == len(plan.buckets) - 1, [b.offset])
 
 
-def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version: int):
+def run_stream(tr, plan: Plan, first: Bucket | None, stream: Iterator[Bucket], version: int):
     """One streamed update: one call to every engine with the whole plan, then the broadcasts, each
     bucket packed while the ones before it are on the wire (at most max_inflight unfinished), then
-    every engine's answer. Returns what `_transfer` does; on a failure the engines that did not
-    finish are dropped (dead) or parked until the next update (alive: their weights are incomplete)."""
+    every engine's answer. `first` None: bucket 0 is packed after the call went out, so the engines take
+    it up and post their receives meanwhile. Returns what `_transfer` does; on a failure the engines
+    that did not finish are dropped (dead) or parked until the next update (alive: their weights are
+    incomplete)."""
     m = tr.members
     body = UpdateWeightsFromDistributed(
         names=[],
@@ -255,6 +257,12 @@ def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version:
         release(plan, done)
 
     try:
+        if b is None:
+            t = time.perf_counter()
+            b = next(stream, None)
+            pack_s += time.perf_counter() - t
+            if b is None:
+                raise BusError("publish: no tensors")
         while b is not None:
             if plan.kind == "named" and b.names != plan.buckets[b.index].names:
                 raise BusError(f"bucket {b.index}: the trainer's tensors are not the update's plan")
@@ -275,7 +283,8 @@ def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version:
     except UpdateFailed as failure:
         return total, count, pack_s, _recover(tr, failure, calls), timeline
     except BusError as e:  # the trainer's tensors left the plan mid-update: no engine may wait for the rest
-        _recover(tr, UpdateFailed(b, {}, e), calls)
+        _recover(tr, UpdateFailed(b or _NO_BUCKET, {}, e), calls)
+        tr.sent.pop(tr.lora is not None, None)  # the next update learns what the trainer sends anew
         raise
     t_end = round((time.perf_counter() - t0) * 1e3, 3)
     for row in timeline:
@@ -285,6 +294,10 @@ def run_stream(tr, plan: Plan, first: Bucket, stream: Iterator[Bucket], version:
     marks = next(iter(answers.values())).get("marks") or []  # the first engine's, on this host's clock
     tr._engine_marks_ms = [round((t - t0) * 1e3, 3) for t in marks]
     return total, count, pack_s, [], timeline
+
+
+_NO_BUCKET = Bucket(-1, [], [], [], None, True, [], nbytes=0)
+"""What a failure names when no bucket was in flight (the answers, or a stream without tensors)."""
 
 
 def _sent(tr, b: Bucket, calls: dict[str, Future]) -> Bucket:
@@ -311,7 +324,7 @@ def _answers(tr, calls: dict[str, Future]) -> dict[str, dict]:
     errors = {u: (_error(f) if f.done() else TimeoutError("no answer in time")) for u, f in calls.items()}
     errors = {u: e for u, e in errors.items() if e is not None}
     if errors:
-        raise UpdateFailed(Bucket(-1, [], [], [], None, True, [], nbytes=0), errors, None)
+        raise UpdateFailed(_NO_BUCKET, errors, None)
     return {u: f.result() for u, f in calls.items()}
 
 

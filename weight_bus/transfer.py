@@ -81,6 +81,10 @@ class PublishStats(msgspec.Struct, kw_only=True):
     path: str = "group"
     """How the tensors went: "group" (broadcast), "ipc" (handles), "files" (a PEFT directory the engines
     loaded: weight_bus/lora.py)."""
+    phases_ms: dict[str, float] = {}
+    """Where the update's wall time went, ms, in order: membership (probe, joiners, group rebuild), plan
+    (the stream's plan), bucket0 (bucket 0 packed before the transfer; ~0 for an arena stream, whose
+    announcement goes first and whose packing is in transfer), transfer, after (continue, promote)."""
     timeline: list[list[float]] = []
     """Per confirmed bucket: [index, launched, broadcast seen done, every engine seen answered], ms from
     the start of the transfer (seen: when Transfer.confirm polled it, so within POLL_S of the event once
@@ -169,6 +173,8 @@ class Transfer:
         """Failed buckets one update may recover from before it gives up with BusError."""
         self.healthy = False
         """The last update reached every engine in the group and dropped none."""
+        self.streamed = False
+        """The last update was streamed (one call per engine)."""
         self.handoff = ""
         """PublishStats.handoff of the update under way."""
         self.stream, self.stage = stream, stage
@@ -199,9 +205,11 @@ class Transfer:
         if self.client.is_closed:
             raise BusError("publish after close()")
         generation0 = m.generation
+        t_start = time.perf_counter()
         probe = self.probe_due()
         self.healthy = False
         joined, dropped = m.sync(probe=probe)
+        t_sync = time.perf_counter()
         dtype = m.wire_dtype()
         files = self.adapter_files()
         plan = None if files else self.stream_plan(dtype)
@@ -211,9 +219,14 @@ class Transfer:
             stream = pack_arena(plan, iter(seen), self.device, self.max_inflight)
         else:
             stream = self.pack(iter(seen), dtype, whole=files, persistent=persistent and self.lora is None)
-        first = next(stream, None)
+        # an arena stream announces itself before bucket 0 is packed: the engines take the call up and post
+        # their receives while the trainer packs (run_stream packs bucket 0 after the announcement)
+        early = (
+            plan is not None and plan.kind == "arena" and bool(m.engines) and self.pause_mode == "in_place"
+        )
+        first = None if early else next(stream, None)
         gather_s = time.perf_counter() - t_gather
-        if first is None:
+        if first is None and not early:
             raise BusError("publish: no tensors")
         if not m.engines:
             log.warning("version %d: no engine to update (none registered or all dropped)", version)
@@ -221,7 +234,12 @@ class Transfer:
                 version=version, bytes=0, buckets=0, pause_ms=0.0, transfer_ms=0.0,
                 gather_ms=gather_s * 1e3, engines=[], joined=[], dropped=dropped,
             )  # fmt: skip
-        if plan is not None and plan.kind == "named" and first.names != plan.buckets[0].names:
+        if (
+            plan is not None
+            and plan.kind == "named"
+            and first is not None
+            and first.names != plan.buckets[0].names
+        ):
             log.warning("the trainer's tensors changed since the last update: this one goes bucket by bucket")
             plan = None
         fold = self.pause_mode == "in_place" if plan is not None else self.folds_pause(first)
@@ -246,7 +264,8 @@ class Transfer:
             total, n_buckets, pack_s, more_dropped, timeline = move(first, stream, version)
             gather_s += pack_s
             dropped += more_dropped
-            transfer_s = time.perf_counter() - t_transfer
+            t_moved = time.perf_counter()
+            transfer_s = t_moved - t_transfer
         finally:
             # Engines dropped meanwhile are continued too (one that timed out may still be alive), but not
             # waited for: they may not answer at all.
@@ -256,12 +275,14 @@ class Transfer:
             for url, err in failed.items():
                 log.warning("engine %s: continue failed: %s", url, err)
             dropped += m.drop(list(failed))
-        pause_s = time.perf_counter() - t_pause  # folded: the engines wait at a step boundary meanwhile
+        t_end = time.perf_counter()
+        pause_s = t_end - t_pause  # folded: the engines wait at a step boundary meanwhile
         if plan is not None and fold:  # the engines said how long their generation waited
             pause_s = self._engine_pause_ms / 1e3
         if seen.complete and seen.sent:
             self.sent[self.lora is not None] = seen.sent
         self.healthy = bool(m.engines) and not dropped
+        self.streamed = plan is not None
         m.promote(joined)
         stats = PublishStats(
             version=version,
@@ -280,6 +301,16 @@ class Transfer:
             stream=plan.kind if plan is not None else "",
             staged=plan is not None and self.stage and self._staged,
             engine_marks=self._engine_marks_ms,
+            phases_ms={
+                k: round(v * 1e3, 3)
+                for k, v in (
+                    ("membership", t_sync - t_start),
+                    ("plan", t_gather - t_sync),
+                    ("bucket0", t_pause - t_gather),
+                    ("transfer", transfer_s),
+                    ("after", t_end - t_moved),
+                )
+            },
             handoff=self.handoff,
             paused=not fold,
             probed=probe,
@@ -406,9 +437,13 @@ class Transfer:
         return pack(it, self.bucket_bytes, dtype, self.device)
 
     def probe_due(self) -> bool:
-        """Whether this update probes the engines in the group first (a group backend always does: it
-        rebuilds the group without the dead before anything is sent)."""
-        return True
+        """Whether this update probes the engines in the group first, to rebuild the group without the
+        dead before anything is sent. Not after a streamed update that reached every engine (the next
+        one streams too): an engine dead since fails the stream's own call at once and is dropped then
+        (the others stay paused until the next update, which probes and resends the whole model); the
+        probe's round trip would cost every update ~0.5 ms per engine to save that one. Joiners are
+        always probed."""
+        return not (self.healthy and self.streamed)
 
     def folds_pause(self, first: Bucket) -> bool:
         """Whether this update goes without /pause_generation and /continue_generation (see IpcTransfer)."""

@@ -18,8 +18,9 @@ from prometheus_client import REGISTRY
 
 from generator_fleet.engine import EngineServer
 from generator_fleet.engine.arena import lay_out
-from weight_bus import WeightBus, receiver
+from weight_bus import BusError, WeightBus, receiver
 from weight_bus.packing import pack
+from weight_bus.registry import EngineRegistration, EngineRegistry
 from weight_bus.schema import WeightLayout
 from weight_bus.stream import arena_plan, named_plan, pack_arena
 
@@ -173,6 +174,85 @@ def test_engine_killed_mid_stream_is_dropped_and_survivors_are_made_whole_next_t
         assert version(survivor.url) == "3" and not survivor.runner.paused
     finally:
         bus.close()
+        survivor.stop()
+        victim.kill()
+
+
+def test_trainer_tensors_that_leave_the_plan_fail_the_update_and_the_next_one_makes_engines_whole(
+    engines, models
+):
+    """The stream is announced before bucket 0 is packed, so the engines are already receiving when the
+    trainer's tensors turn out not to be the plan's (a tensor missing, or one the engines lack): the
+    update fails with the cause, the engines that may hold part of it stay paused, and the next update
+    (bucket by bucket, what the trainer sends learned anew) makes every engine whole and generating."""
+    _, ms = models
+    urls = [s.url for s in engines]
+    bus = WeightBus(urls, api_key=KEY, bucket_bytes=96 * 1024, timeout_s=TIMEOUT_S)
+    bus.connect()
+    try:
+        publish_bounded(bus, ms[0].named_parameters(), 1)
+        assert publish_bounded(bus, ms[1].named_parameters(), 2).stream == "arena"
+        named = list(ms[2].named_parameters())
+        v = 2
+        for bad in (named[:-1], [("not.a.weight", torch.zeros(2)), *named]):
+            with pytest.raises(BusError, match="plan"):
+                publish_bounded(bus, iter(bad), v + 1)
+            stats = publish_bounded(bus, ms[3].named_parameters(), v + 2)
+            assert stats.stream == "" and sorted(stats.engines) == sorted(urls)
+            for s in engines:
+                assert_holds(s, ms[3])
+                assert version(s.url) == str(v + 2) and not s.runner.paused
+            assert publish_bounded(bus, ms[1].named_parameters(), v + 3).stream == "arena"
+            v += 3
+    finally:
+        bus.close()
+
+
+def test_streamed_updates_skip_the_probe_yet_drop_an_engine_that_died_or_left_between_them(
+    models, tmp_path, redis_client, job_id
+):
+    """After a streamed update that reached every engine the next one is sent unprobed: an engine killed
+    since fails the stream's own call and is dropped there (the survivor is made whole by the update
+    after), and one that left the registry (scaled down) is dropped before anything is sent, so that
+    update reaches the others whole."""
+    root, ms = models
+    victim = EngineProcess(root / "a", tmp_path / "victim.log")
+    leaver = EngineServer(str(root / "a"), api_key=KEY, torch_threads=1).start()
+    survivor = EngineServer(str(root / "a"), api_key=KEY, torch_threads=1).start()
+    urls = [survivor.url, leaver.url, victim.url]
+    regs = {u: EngineRegistration(redis_client, job_id, u) for u in urls}
+    bus = WeightBus(
+        urls, api_key=KEY, bucket_bytes=96 * 1024, timeout_s=TIMEOUT_S,
+        registry=EngineRegistry(redis_client, job_id),
+    )  # fmt: skip
+    bus.connect()
+    try:
+        publish_bounded(bus, ms[0].named_parameters(), 1)
+        stats = publish_bounded(bus, ms[1].named_parameters(), 2)
+        assert stats.stream == "arena" and stats.probed and sorted(stats.engines) == sorted(urls)
+        regs.pop(leaver.url).close()  # scaled down: it leaves the registry, then its process ends
+        leaver.stop()
+        stats = publish_bounded(bus, ms[2].named_parameters(), 3)
+        assert not stats.probed and stats.dropped == [leaver.url] and stats.stream == "arena"
+        assert_holds(survivor, ms[2])
+        assert version(survivor.url) == version(victim.url) == "3"
+        assert publish_bounded(bus, ms[3].named_parameters(), 4).probed  # the one after a drop probes
+        victim.kill(signal.SIGKILL)
+        stats = publish_bounded(bus, ms[1].named_parameters(), 5)
+        assert not stats.probed and victim.url in stats.dropped
+        stats = publish_bounded(bus, ms[0].named_parameters(), 6)
+        assert stats.probed and stats.engines == [survivor.url]
+        assert_holds(survivor, ms[0])
+        assert version(survivor.url) == "6" and not survivor.runner.paused
+        assert not publish_bounded(bus, ms[1].named_parameters(), 7).probed
+        # parked and rejoined before its renewal moved it to the joining set: promoted once it is there
+        regs[survivor.url].renew()
+        publish_bounded(bus, ms[2].named_parameters(), 8)
+        assert EngineRegistry(redis_client, job_id).live() == [survivor.url]
+    finally:
+        bus.close()
+        for r in regs.values():
+            r.close()
         survivor.stop()
         victim.kill()
 
