@@ -117,12 +117,32 @@ def job_raw(args: argparse.Namespace, model: Path, engines: int, trainers: int) 
     return raw
 
 
+def colocated_raw(args: argparse.Namespace, model: Path, ranks: int) -> dict[str, Any]:
+    """async_vs_sync's colocated job (base_spec, `placement: colocated`) at `ranks` trainer ranks, each
+    with its own engine on its device (verl's hybrid engine: one GPU holds a rank and an engine)."""
+    from benchmarks.async_vs_sync import base_spec
+
+    raw = base_spec(argparse.Namespace(**{**vars(args), "placement": "colocated"}), model)
+    raw["generators"] |= {"num_engines": ranks, "num_workers": ranks}
+    raw["trainer"] = {**raw["trainer"], "num_trainers": ranks}
+    return raw
+
+
 def job_spec(
-    args, model: Path, name: str, out: Path, engines: int, trainers: int, max_staleness: int, steps: int
+    args,
+    model: Path,
+    name: str,
+    out: Path,
+    engines: int,
+    trainers: int,
+    max_staleness: int,
+    steps: int,
+    colocated: bool = False,
 ):
+    """The job at `engines` + `trainers` (disaggregated), or `colocated` at `trainers` ranks and engines."""
     from benchmarks.async_vs_sync import make_spec
 
-    raw = job_raw(args, model, engines, trainers)
+    raw = colocated_raw(args, model, trainers) if colocated else job_raw(args, model, engines, trainers)
     return make_spec(raw, name=name, out=out, max_staleness=max_staleness, total_steps=steps)
 
 
@@ -440,17 +460,24 @@ def scaled_job(
     return res
 
 
-def ab_job(args, model: Path, work: Path, spp: int, max_staleness: int) -> dict[str, Any]:
-    """A job that starts at 2 engines + 2 trainer ranks and runs warmup + steps at `max_staleness`."""
+def ab_job(
+    args, model: Path, work: Path, spp: int, max_staleness: int, colocated_ranks: int = 0
+) -> dict[str, Any]:
+    """A job that starts at 2 engines + 2 trainer ranks (or, `colocated_ranks` N, colocated at N ranks
+    and N engines) and runs warmup + steps at `max_staleness`."""
     from slipstream.job.faults import LocalJob
 
-    name = f"ab-staleness-{max_staleness}"
+    n = colocated_ranks
+    name = f"colocated-{n}-staleness-{max_staleness}" if n else f"ab-staleness-{max_staleness}"
     out = work / name
-    spec = job_spec(args, model, name, out, 2, 2, max_staleness, args.warmup + args.steps)
+    spec = job_spec(
+        args, model, name, out, n or 2, n or 2, max_staleness, args.warmup + args.steps, colocated=bool(n)
+    )
     with LocalJob(spec, work / f"{name}-data") as job:
         progress, probe = Progress(job, args.phase_timeout_s), Probe(job)
         try:
-            m = stage(args, progress, probe, f"2+2 max_staleness {max_staleness}", spp)
+            label = f"colocated {n} GPUs" if n else "2+2"
+            m = stage(args, progress, probe, f"{label} max_staleness {max_staleness}", spp)
         finally:
             probe.close()
             progress.close()
@@ -485,12 +512,46 @@ def summarise(result: dict) -> None:
             if label.endswith("+1") and label != "1+1" and st["1+1"]["publish_s_mean"] > 0:
                 n = label.split("+")[0]
                 r[f"publish_s_{n}_vs_1_engines"] = st[label]["publish_s_mean"] / st["1+1"]["publish_s_mean"]
+    splits(m, r)
     ab = m.get("async_vs_sync_2p2", {})
     if "0" in ab and len(ab) > 1:
         (ms,) = [k for k in ab if k != "0"]
         r["async_vs_sync_2p2"] = ab[ms]["samples_per_s"] / ab["0"]["samples_per_s"]
         m["samples_per_s_2p2_sync"] = ab["0"]["samples_per_s"]
         m[f"samples_per_s_2p2_staleness_{ms}"] = ab[ms]["samples_per_s"]
+
+
+def splits(m: dict, r: dict) -> None:
+    """The split table (samples/s and samples/s per GPU of every disaggregated stage, the async job at
+    2+2 and each colocated sync job), each colocated size against one GPU's, and the headline: the best
+    disaggregated async split on 4 GPUs against colocated sync on all 4."""
+    table: dict[str, dict[str, float]] = {}
+    for label, s in m.get("stages", {}).items():
+        e, t = (int(x) for x in label.split("+"))
+        table[f"disaggregated {e}:{t}"] = {"gpus": e + t, "samples_per_s": s["samples_per_s"]}
+    for ms, s in m.get("async_vs_sync_2p2", {}).items():
+        kind = "sync" if ms == "0" else "async"
+        table[f"disaggregated 2:2 {kind}"] = {"gpus": 4, "samples_per_s": s["samples_per_s"]}
+    colo = m.get("colocated_sync", {})
+    for n, s in colo.items():
+        table[f"colocated {n} GPUs sync"] = {"gpus": int(n), "samples_per_s": s["samples_per_s"]}
+    for row in table.values():
+        row["samples_per_s_per_gpu"] = row["samples_per_s"] / row["gpus"]
+    if table:
+        m["splits"] = table
+    if "1" in colo:
+        for n, s in colo.items():
+            if n != "1":
+                r[f"colocated_{n}_vs_1_gpu"] = s["samples_per_s"] / colo["1"]["samples_per_s"]
+    four = [
+        (row["samples_per_s"], k)
+        for k, row in table.items()
+        if row["gpus"] == 4 and k.startswith("disaggregated") and not k.endswith(" sync")
+    ]  # the scaled job's stages run async (--max-staleness), as does the 2:2 async job
+    if four and "4" in colo:
+        best = max(four)
+        r["disaggregated_async_vs_colocated_sync_4gpu"] = best[0] / colo["4"]["samples_per_s"]
+        m["headline_split"] = best[1]
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict:
@@ -548,7 +609,12 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict:
         save()
         with rf.recording(log, t_start, lambda: summarise(result)):
             m = result["metrics"]
-            if args.phase != "ab":
+            if args.phase == "colocated":
+                colo = m.setdefault("colocated_sync", {})
+                for n in args.colocated_ranks:
+                    colo[str(n)] = ab_job(args, model, work, spp, 0, colocated_ranks=n)
+                    save()
+            elif args.phase != "ab":
                 scaled = {
                     "all": dict(engines=(1, args.engines), scale_trainers=True),
                     "generators": dict(engines=(1, args.engines), scale_trainers=False),
@@ -584,6 +650,7 @@ def report(result: dict) -> str:
     scale_s = {op["to_stage"]: op["scale_s"] for op in ops.values() if "to_stage" in op}
     rows = [(k, v) for k, v in m.get("stages", {}).items()]
     rows += [(f"2+2 stale {k}", v) for k, v in m.get("async_vs_sync_2p2", {}).items()]
+    rows += [(f"colocated {k} sync", v) for k, v in m.get("colocated_sync", {}).items()]
     for label, s in rows:
         o = s["observed"]
         sc = scale_s.get(label)
@@ -606,7 +673,8 @@ def report(result: dict) -> str:
         + " ".join(
             fmt(k)
             for k in ("samples_per_s_2p1_vs_1p1", "samples_per_s_3p1_vs_1p1", "samples_per_s_2p2_vs_1p1")
-            + ("async_vs_sync_2p2",)
+            + ("async_vs_sync_2p2", "colocated_2_vs_1_gpu", "colocated_4_vs_1_gpu")
+            + ("disaggregated_async_vs_colocated_sync_4gpu",)
         )
         + f" (device={result['device']})"
     )
@@ -633,10 +701,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phase-timeout-s", type=float, default=600.0, help="bound on each wait for the job")
     p.add_argument(
         "--phase",
-        choices=["all", "generators", "trainers", "ab"],
+        choices=["all", "generators", "trainers", "ab", "colocated"],
         default="all",
         help="all: one job 1+1 -> E+1 -> E+2, then async vs sync at 2+2; or one part, each a command of its "
-        "own that fits one device call (with --append: generators 1+1 -> E+1; trainers 2+1 -> 2+2; ab)",
+        "own that fits one device call (with --append: generators 1+1 -> E+1; trainers 2+1 -> 2+2; ab; "
+        "colocated: a colocated sync job at each --colocated-ranks size, the headline's baseline)",
+    )
+    p.add_argument(
+        "--colocated-ranks",
+        default="1,2,4",
+        help="--phase colocated: comma-separated sizes, each a job of N ranks with an engine on each rank's "
+        "device (cuda: N GPUs)",
     )
     p.add_argument(
         "--engines",
@@ -661,6 +736,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.max_staleness < 1:
         p.error("--max-staleness must be at least 1 (0 is the sync baseline the run compares against)")
     args.device_kind = args.device_kind or args.device
+    args.colocated_ranks = [int(x) for x in str(args.colocated_ranks).split(",") if x]
+    if any(n < 1 or n > 4 for n in args.colocated_ranks):
+        p.error("--colocated-ranks: sizes from 1 to 4")
     if args.engines is None:
         args.engines = 3 if args.device == "cuda" and args.phase == "generators" else 2
     if args.engines < 2:
@@ -680,10 +758,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.device == "cuda":
         import torch
 
-        if torch.cuda.device_count() < 4:
+        need = max(args.colocated_ranks) if args.phase == "colocated" else 4
+        if torch.cuda.device_count() < need:
             raise SystemExit(
-                f"--device cuda needs 4 GPUs (2 engines + 2 trainer ranks at 2+2); {torch.cuda.device_count()} "
-                "visible"
+                f"--device cuda --phase {args.phase} needs {need} GPUs; {torch.cuda.device_count()} visible"
             )
     result = run(args, argv)
     print(report(result), flush=True)

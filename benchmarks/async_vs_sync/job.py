@@ -96,7 +96,7 @@ def base_spec(args: argparse.Namespace, model_path: Path, task: str | None = Non
         raw["bus"] = {"backend": "ipc", "pause_mode": "in_place"}
         if args.device == "cuda":
             raw["generators"] |= {"gpus_per_engine": 1, "max_batch_size": args.engine_max_batch}
-            if args.engine_prefill_wait_steps is not None:
+            if getattr(args, "engine_prefill_wait_steps", None) is not None:  # scale_run has no such option
                 raw["generators"]["prefill_wait_steps"] = args.engine_prefill_wait_steps
             raw["trainer"] = {"device": "cuda", "micro_batch_tokens": 16384}
     elif args.device == "cpu":

@@ -6,8 +6,8 @@
 # Steps: memory (the trainer memory plan's GPU test), {sync,async,bounds,genonly}-{0.5b,1.5b} (async_vs_sync
 # phases; genonly: the generator-only bound alone, which one GPU runs with AVS_EXTRA="--engine-gpu 0";
 # AVS_EXTRA adds options, e.g. "--max-new-tokens 512", and LABEL a suffix to the result file's label),
-# scale-{generators,trainers,ab} (scale_run phases on 4 GPUs: 1+1 -> 2+1 -> 3+1, 2+1 -> 2+2, async vs sync at
-# 2+2, appending to one file labelled "scale").
+# scale-{generators,trainers,ab,colocated} (scale_run phases on 4 GPUs: 1+1 -> 2+1 -> 3+1, 2+1 -> 2+2, async vs
+# sync at 2+2, colocated sync jobs at COLO_RANKS GPUs (default 1,2,4), appending to one file labelled "scale").
 set -u
 OUT=${OUT:-/tmp/scale-out-out}; KIND=${KIND:?name the device kind}; STEPS=${STEPS:-memory sync-0.5b async-0.5b bounds-0.5b}
 ASYNC=${ASYNC:-2}  # the headline staleness (benchmarks/async_vs_sync/job.py HEADLINE_STALENESS)
@@ -35,7 +35,7 @@ for s in $STEPS; do
     scale-*)
       step "$s" "${T_PHASE:-280}" python benchmarks/scale_run.py --device cuda --device-kind "$KIND" \
         --steps "${SCALE_STEPS:-10}" --warmup "${SCALE_WARMUP:-2}" --out-dir "$OUT" --phase "${s#scale-}" \
-        --label scale --append ;;
+        --label scale --append --colocated-ranks "${COLO_RANKS:-1,2,4}" ;;
   esac
 done
 grep -h "^async_vs_sync \|samples/s\|GiB usable\|peak \|passed\|failed\|rc=\|ERROR" "$LOG" | tail -40

@@ -4,7 +4,7 @@ fit four GPUs and name their engines."""
 
 import pytest
 
-from benchmarks.scale_run import job_spec, parse_args
+from benchmarks.scale_run import job_spec, parse_args, splits
 
 
 @pytest.mark.parametrize(("engines", "trainers"), [(1, 1), (2, 1), (2, 2)])
@@ -31,3 +31,41 @@ def test_phases_fit_four_gpus_and_name_their_engines():
             parse_args([*cuda, *bad])
     with pytest.raises(SystemExit):
         parse_args(["--engines", "1"])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_colocated_spec_puts_an_engine_on_every_rank_device(tmp_path, ranks):
+    args = parse_args(["--device", "cuda", "--phase", "colocated", "--colocated-ranks", "1,2,4"])
+    assert args.colocated_ranks == [1, 2, 4]
+    spec = job_spec(args, tmp_path / "model", "c", tmp_path / "out", 0, ranks, 0, 10, colocated=True)
+    g, t = spec.generators, spec.trainer
+    assert spec.placement == "colocated" and spec.bus.backend == "ipc" and spec.buffer.max_staleness == 0
+    assert (g.engine, g.num_engines, g.num_workers, g.gpus_per_engine) == ("builtin", ranks, ranks, 1)
+    assert (t.device, t.num_trainers) == ("cuda", ranks)
+    with pytest.raises(SystemExit):
+        parse_args(["--phase", "colocated", "--colocated-ranks", "1,8"])
+
+
+def test_split_table_and_headline_from_the_phases_measured():
+    def st(x: float) -> dict:
+        return {"samples_per_s": x}
+
+    m = {
+        "stages": {"1+1": st(100.0), "3+1": st(240.0), "2+2": st(300.0)},
+        "async_vs_sync_2p2": {"0": st(150.0), "2": st(280.0)},
+        "colocated_sync": {"1": st(60.0), "2": st(114.0), "4": st(120.0)},
+    }
+    r: dict = {}
+    splits(m, r)
+    t = m["splits"]
+    assert t["disaggregated 3:1"] == {"gpus": 4, "samples_per_s": 240.0, "samples_per_s_per_gpu": 60.0}
+    assert (
+        t["disaggregated 2:2 sync"]["gpus"] == 4 and t["colocated 2 GPUs sync"]["samples_per_s_per_gpu"] == 57
+    )
+    assert r["colocated_2_vs_1_gpu"] == pytest.approx(1.9) and r["colocated_4_vs_1_gpu"] == pytest.approx(2.0)
+    # the best 4-GPU async split (the synchronous 2:2 job is not a candidate) against colocated sync on 4
+    assert m["headline_split"] == "disaggregated 2:2"
+    assert r["disaggregated_async_vs_colocated_sync_4gpu"] == pytest.approx(2.5)
+    m2: dict = {"stages": {"1+1": st(100.0)}}
+    splits(m2, r2 := {})
+    assert "headline_split" not in m2 and r2 == {}
