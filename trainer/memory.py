@@ -366,3 +366,16 @@ def plan_learner(ln, capacity: int | None = None) -> MemoryPlan:
     if ln.ranks.is_main:
         log.info("memory plan: %s", result.describe())
     return result
+
+
+def return_cached_memory(device: torch.device) -> int:
+    """A colocated sync step is over: give the blocks the caching allocator holds but no tensor uses (the
+    step's activations, mostly) back to the device, so that the engine sharing it can take its KV cache
+    back (verl's sharding manager empties the cache likewise). Returns the bytes returned; logged and
+    counted (slipstream_trainer_cached_memory_returned_bytes_total)."""
+    before = torch.cuda.memory_reserved(device)
+    torch.cuda.empty_cache()
+    freed = max(0, before - torch.cuda.memory_reserved(device))
+    metrics.CACHE_RETURNED.inc(freed)
+    log.debug("returned %.2f GiB of cached blocks to the device for its engine", freed / 2**30)
+    return freed

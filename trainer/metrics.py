@@ -18,6 +18,11 @@ OPTIMIZER_STEPS = Counter(
     "Optimizer steps taken (algorithm.ppo_minibatches x ppo_epochs per committed step)",
 )
 TOKENS = Counter("slipstream_trainer_tokens_total", "Response tokens trained on")
+CACHE_RETURNED = Counter(
+    "slipstream_trainer_cached_memory_returned_bytes_total",
+    "Colocated sync: bytes of cached, unused allocator blocks the trainer gave back to the device after "
+    "each step, for the engine sharing it to take its KV cache back",
+)
 LOSS = Gauge("slipstream_trainer_loss", "Policy loss of the last step")
 REWARD = Gauge("slipstream_trainer_reward_mean", "Mean reward of the last batch")
 VERSION = Gauge("slipstream_trainer_weight_version", "Policy version after the last published step")

@@ -35,6 +35,7 @@ from trainer.distributed import DistInfo, RankGroup, host_store
 from trainer.faults import Faults
 from trainer.flops import peak_flops
 from trainer.learner import Learner
+from trainer.memory import return_cached_memory
 from trainer.result import TrainerResult
 from weight_bus import BusError, WeightBus, update_due
 from weight_bus.colocation import MemoryHandoff
@@ -384,6 +385,8 @@ class Trainer:
             stats = self.learner.train_step(self.learner.distribute(samples), on_policy=header["on_policy"])
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
+                if cfg.schedule == "sync":  # the engine on this device takes its memory back next
+                    return_cached_memory(self.device)
             t_step = time.monotonic()
             if self.is_main:
                 self.buffer.commit(entries, version, cfg.buffer.max_staleness)

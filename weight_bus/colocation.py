@@ -69,17 +69,21 @@ class MemoryHandoff:
         self.released_count = 0
         self.resumed_count = 0
         """Engines the last release reached, and engines the last resume gave all their memory back."""
+        self.failures: dict[str, Exception] = {}
+        """The engines whose last call failed, with why."""
 
     def _each(self, urls: list[str], call, what: str) -> list[str]:
         """`call(url)` on every engine at once; the engines where it succeeded (failures logged)."""
         futures = {url: self.calls.submit(call, url) for url in urls}
         ok = []
+        self.failures = {}
         for url, fut in futures.items():
             try:
                 fut.result()
                 ok.append(url)
             except (Refused, httpx.HTTPError) as e:
                 HANDOFF_FAILURES.inc()
+                self.failures[url] = e
                 log.warning("engine %s: %s failed (%s); it sits out this step", url, what, e)
         return ok
 
@@ -128,10 +132,23 @@ class MemoryHandoff:
         )
         took = time.monotonic() - t
         self.resume_s += took
+        refused = {u: e for u, e in self.failures.items() if isinstance(e, Refused)}
         self.released, self.resumed_count = [], len(done)
         RESUME_SECONDS.observe(self.resume_s)
         RELEASED.set(0)
         log.info("engines resumed kv_cache and cuda_graph and generate again: %d in %.3f s", len(done), took)
+        if not done and refused:  # alive, yet none can generate: the job would wait for rollouts forever
+            url, err = next(iter(refused.items()))
+            raise NoRoomToResume(
+                f"no colocated engine could take its KV cache back after the optimizer step ({url}: {err}); "
+                "the trainer's and the engines' memory do not fit on one device together: lower "
+                "generators.mem_fraction_static (the engine's share) or trainer.micro_batch_tokens"
+            )
+
+
+class NoRoomToResume(RuntimeError):
+    """Every released engine refused to take its KV cache back (out of memory, mostly): nothing would
+    generate again, so the step fails with the cause (a repeat ends the job: the trainer's restart budget)."""
 
 
 def resume_engines(urls: list[str], api_key: str | None, timeout_s: float = 10.0) -> dict[str, Exception]:

@@ -6,6 +6,7 @@ failure is counted."""
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from bus_engines import AUTH, KEY, EngineProcess
 
 from generator_fleet.engine import EngineServer
@@ -62,3 +63,37 @@ def test_release_resume_in_order_and_an_engine_dead_while_released_sits_out(mode
         pool.shutdown()
         live.stop()
         doomed.kill()
+
+
+def test_a_step_whose_engines_all_refuse_their_kv_cache_back_fails_with_the_setting_to_change(
+    model_dir, monkeypatch
+):
+    """Every released engine refuses to take its KV cache back (as a CUDA out-of-memory does when the
+    trainer's memory and the engine's pool do not fit one device): nothing would ever generate again, so
+    the step fails with the cause and the settings to change instead of the job waiting forever."""
+    live = EngineServer(str(model_dir), api_key=KEY, torch_threads=1).start()
+    client = EngineClient(KEY, 10.0)
+    pool = ThreadPoolExecutor(2)
+    resume = live.runner.resume_memory
+
+    def short_of_memory(tags):
+        if "kv_cache" in tags:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1.20 GiB (injected)")
+        return resume(tags)
+
+    try:
+        h = MemoryHandoff(client, pool)
+        monkeypatch.setattr(live.runner, "resume_memory", short_of_memory)
+        h.release([live.url])
+        h.resume_weights()
+        with pytest.raises(colocation.NoRoomToResume, match="mem_fraction_static.*micro_batch_tokens"):
+            h.finish()
+        assert live.url in h.failures and h.released == [] and h.resumed_count == 0
+        monkeypatch.setattr(live.runner, "resume_memory", resume)  # room again: the next step goes on
+        h.release([live.url])
+        h.finish()
+        assert h.resumed_count == 1 and _generates(live.url)
+    finally:
+        client.close()
+        pool.shutdown()
+        live.stop()
