@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 _WHERE = {
     "BusError": "weight_bus.errors",
-    "PublishStats": "weight_bus.transfer",
+    "PublishStats": "weight_bus.stats",
     "WeightBus": "weight_bus.bus",
     "update_due": "weight_bus.bus",
     "buckets": "weight_bus.packing",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from weight_bus.errors import BusError
     from weight_bus.packing import buckets, flatten
     from weight_bus.receiver import WeightReceiver
-    from weight_bus.transfer import PublishStats
+    from weight_bus.stats import PublishStats
 
 
 def __getattr__(name: str):

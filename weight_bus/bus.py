@@ -68,7 +68,8 @@ from weight_bus.ipc_transfer import IpcTransfer
 from weight_bus.membership import IPC, Membership, Registry
 from weight_bus.rank_handoff import RankHandoff, Ranks
 from weight_bus.schema import DEFAULT_GROUP
-from weight_bus.transfer import MAX_INFLIGHT, PublishStats, Transfer
+from weight_bus.stats import PublishStats
+from weight_bus.transfer import MAX_INFLIGHT, Transfer
 
 __all__ = ["BusError", "PublishStats", "Registry", "WeightBus", "update_due"]
 

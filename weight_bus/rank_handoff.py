@@ -37,7 +37,7 @@ from weight_bus.errors import BusError
 from weight_bus.group import dtype_from_name, dtype_name
 from weight_bus.ipc_transfer import IpcTransfer
 from weight_bus.membership import IPC, Member, Membership
-from weight_bus.transfer import PublishStats, record_publish
+from weight_bus.stats import PublishStats, record_publish
 
 log = logging.getLogger(__name__)
 
