@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -222,6 +223,37 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         local = t.to_local().to(t.device_mesh.device_type)
         t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
     return t.full_tensor()
+
+
+def gathered_by_unit(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter of an FSDP2 `model` (named_parameters order, tied ones once),
+    gathered one FSDP unit at a time: a unit's `unshard` is one all-gather of all its parameters in the
+    compute dtype (bf16 under mixed precision: the values its forward uses), where a gather per parameter
+    is one collective each, in fp32, through DTensor. A collective: every rank drains the iterator. Each
+    tensor is a copy (a unit is resharded, its gathered storage freed, once the next one is gathered);
+    the root's own parameters (embedding, final norm, head) stay gathered until the end."""
+    from torch.distributed.fsdp import FSDPModule
+
+    owner: dict[int, nn.Module] = {}
+    for unit in model.modules():  # pre-order: a block's own unit overwrites the root's claim
+        if isinstance(unit, FSDPModule):
+            for p in unit.parameters():
+                owner[id(p)] = unit
+    order = [(name, owner.get(id(p), model)) for name, p in model.named_parameters()]
+    current: nn.Module | None = None
+    model.unshard()
+    try:
+        for name, unit in order:
+            if unit is not model and unit is not current:
+                if current is not None:
+                    current.reshard()
+                unit.unshard()
+                current = unit
+            yield name, model.get_parameter(name).detach().clone()
+    finally:
+        if current is not None:
+            current.reshard()
+        model.reshard()
 
 
 def grad_norm_clip(params, max_norm: float) -> float:

@@ -38,7 +38,7 @@ from trainer.advantages import whiten
 from trainer.batch import loss_aggregation, reweight
 from trainer.config import AlgorithmSpec, TrainerSpec
 from trainer.critic import Critic, gae_targets
-from trainer.distributed import RankGroup, full_tensor, grad_norm_clip, shard
+from trainer.distributed import RankGroup, full_tensor, gathered_by_unit, grad_norm_clip, shard
 from trainer.fingerprint import base_fingerprint
 from trainer.logprobs import packed_logprobs
 from trainer.lora import peft_name, wrap_lora
@@ -571,7 +571,14 @@ class Learner:
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) of every policy parameter, gathered from the shards: a collective, so
-        every rank must drain the iterator; only rank 0 needs the tensors. Tied weights appear once."""
+        every rank must drain the iterator; only rank 0 needs the tensors. Tied weights appear once. On
+        several ranks, one all-gather per FSDP unit (distributed.gathered_by_unit), in the compute dtype
+        under mixed precision (the bf16 weights the trainer's forward uses, which the engines get)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.ranks.world_size > 1 and isinstance(self.model, FSDPModule):
+            yield from gathered_by_unit(self.model)
+            return
         for name, p in self.model.named_parameters():
             yield name, full_tensor(p.detach())
 
