@@ -3,9 +3,11 @@
 
 One update (`WeightBus.publish`):
 
-  1. membership — probe the engines (GET /get_server_info); drop the dead, admit engines waiting to join
-     (the registry's joining set, or engines dropped earlier that answer again); rebuild the group
-     if it changed. Nothing is paused yet.
+  1. membership — probe the engines (GET /get_server_info; after a streamed update that reached every
+     engine only those in neither registry set); drop the dead, admit engines waiting to join (the
+     registry's joining set, or engines dropped earlier that answer again); rebuild the group if it
+     changed. Nothing is paused yet. (A streamed update then goes as weight_bus/stream.py says: one call
+     per engine, sent before bucket 0 is packed, the pause folded into it.)
   2. bucket 0 — pulled from the trainer's (lazy) iterator, cast to the engine dtype and packed into one
      flat buffer, still before the pause.
   3. pause — /pause_generation on every engine (in_place | retract | abort).
