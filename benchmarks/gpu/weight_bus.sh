@@ -12,7 +12,8 @@ nvidia-smi topo -m >>"$LOG" 2>&1
 for s in $STEPS; do
   case $s in
     tests) step tests "${T_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider \
-             tests/integration/weight_bus/test_bus_nccl.py tests/integration/weight_bus/test_bus_cuda.py ;;
+             tests/integration/weight_bus/test_bus_nccl.py tests/integration/weight_bus/test_bus_cuda.py \
+             tests/integration/trainer/test_publish_gather_cuda.py ;;
     one) step one "${T_ONE:-240}" $BENCH ;;
     two) step two "${T_TWO:-200}" $BENCH --engines 2 --engine-gpus 1,2 --models qwen2.5-1.5b-shape,qwen2.5-7b-shape --label 2engines ;;
     big) step big "${T_BIG:-120}" $BENCH --models qwen2.5-7b-shape --bucket-mb 2048 --repeats 3 --label 7b-2gib-buckets ;;
