@@ -229,9 +229,10 @@ def gathered_by_unit(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) of every parameter of an FSDP2 `model` (named_parameters order, tied ones once),
     gathered one FSDP unit at a time: a unit's `unshard` is one all-gather of all its parameters in the
     compute dtype (bf16 under mixed precision: the values its forward uses), where a gather per parameter
-    is one collective each, in fp32, through DTensor. A collective: every rank drains the iterator. Each
-    tensor is a copy (a unit is resharded, its gathered storage freed, once the next one is gathered);
-    the root's own parameters (embedding, final norm, head) stay gathered until the end."""
+    is one collective each, in fp32, through DTensor. The next unit's all-gather is issued while this
+    one's tensors go out (at most two units gathered at once). A collective: every rank drains the
+    iterator. Each tensor is a copy (a unit is resharded, its gathered storage freed, once the next one
+    is used); the root's own parameters (embedding, final norm, head) stay gathered until the end."""
     from torch.distributed.fsdp import FSDPModule
 
     owner: dict[int, nn.Module] = {}
@@ -240,19 +241,43 @@ def gathered_by_unit(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
             for p in unit.parameters():
                 owner[id(p)] = unit
     order = [(name, owner.get(id(p), model)) for name, p in model.named_parameters()]
-    current: nn.Module | None = None
+    runs = [u for i, (_, u) in enumerate(order) if u is not model and (i == 0 or order[i - 1][1] is not u)]
+    units = runs if len(runs) == len({id(u) for u in runs}) else []  # each block's parameters in one run
+    pending: dict[int, object] = {}  # unit index -> its unshard handle (issued, not waited for)
+    gathered: list[nn.Module] = []
+
+    def issue(k: int) -> None:
+        if k < len(units):
+            pending[k] = units[k].unshard(async_op=True)
+            gathered.append(units[k])
+
     model.unshard()
+    k = -1
     try:
+        issue(0)
+        current: nn.Module | None = None
         for name, unit in order:
             if unit is not model and unit is not current:
                 if current is not None:
                     current.reshard()
-                unit.unshard()
+                    gathered.remove(current)
+                if units:
+                    k += 1
+                    handle = pending.pop(k)
+                    if handle is not None:
+                        handle.wait()
+                    issue(k + 1)
+                else:  # a unit's parameters in several runs: gathered when used, no prefetch
+                    unit.unshard()
+                    gathered.append(unit)
                 current = unit
             yield name, model.get_parameter(name).detach().clone()
     finally:
-        if current is not None:
-            current.reshard()
+        for handle in pending.values():
+            if handle is not None:
+                handle.wait()
+        for unit in gathered:
+            unit.reshard()
         model.reshard()
 
 
