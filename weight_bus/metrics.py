@@ -54,3 +54,10 @@ WIRE_BANDWIDTH = Gauge(
     "bus keeps it busy; the gap to slipstream_bus_update_bytes_per_second is the update's cost off the wire",
     BACKEND,
 )
+PHASE_SECONDS = Histogram(
+    "slipstream_bus_publish_phase_seconds",
+    "Where each update's wall time went (PublishStats.phases_ms): membership (probe, joiners, group "
+    "rebuild), plan, bucket0 (packed before the transfer), transfer, after (continue, promote)",
+    ["phase"],
+    buckets=_BUCKETS,
+)

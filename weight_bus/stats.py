@@ -102,6 +102,8 @@ def record_publish(stats: PublishStats, backend: str, sent: int, transfer_s: flo
         metrics.UPDATE_BANDWIDTH.labels(backend).set(stats.bytes / transfer_s)
     if (wire := wire_rate(stats)) is not None:
         metrics.WIRE_BANDWIDTH.labels(backend).set(wire)
+    for phase, ms in stats.phases_ms.items():
+        metrics.PHASE_SECONDS.labels(phase).observe(ms / 1e3)
     metrics.VERSION.set(stats.version)
     metrics.UPDATES.labels(backend).inc()
     metrics.ENGINES.set(len(stats.engines))

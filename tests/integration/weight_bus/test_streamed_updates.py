@@ -58,8 +58,19 @@ def test_updates_after_the_first_stream_into_the_arena_bit_for_bit(engines, mode
         first = publish_bounded(bus, ms[0].named_parameters(), 1)
         assert first.stream == "" and first.paused  # what the trainer sends is learned from the first
         for v, m in enumerate(ms[1:3], start=2):
+            phases = REGISTRY.get_sample_value(
+                "slipstream_bus_publish_phase_seconds_count", {"phase": "transfer"}
+            )
             stats = publish_bounded(bus, m.named_parameters(), v)
             assert stats.stream == "arena" and not stats.paused and stats.dropped == []
+            # where its time went: the call goes before bucket 0 is packed, so bucket 0's phase is ~empty
+            assert list(stats.phases_ms) == ["membership", "plan", "bucket0", "transfer", "after"]
+            assert stats.phases_ms["transfer"] == pytest.approx(stats.transfer_ms, abs=1e-3)
+            assert stats.phases_ms["bucket0"] < stats.phases_ms["transfer"]
+            after = REGISTRY.get_sample_value(
+                "slipstream_bus_publish_phase_seconds_count", {"phase": "transfer"}
+            )
+            assert after == (phases or 0) + 1
             assert stats.bytes == layout["nbytes"]  # the buckets cover the arena end to end
             assert stats.buckets == (1 if bucket_bytes > 1 << 20 else stats.buckets) and stats.buckets >= 1
             for s in engines:
