@@ -46,7 +46,7 @@ log = logging.getLogger("slipstream.job.generators")
 
 DRAIN_S = 2.5
 """A removed engine's grace between leaving the registry and stopping (rollout workers refresh the
-registry every generator_fleet.rollout.ENGINE_REFRESH_S = 2 s)."""
+registry every generator_fleet.rollout.ENGINE_REFRESH_S = 0.5 s; the rest lets requests in flight there end)."""
 LAPSED_S = 10.0
 """An engine of ours absent from the registry (neither live nor joining: its lease ran out) for this long
 is presumed hung and replaced. A dropped engine is briefly in neither set, until its next renewal."""
