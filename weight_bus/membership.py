@@ -332,11 +332,13 @@ class Membership:
         in neither registry set (scaled down or replaced; or demoted and not renewed yet). Returns
         (joined, dropped)."""
         now = time.monotonic()
-        candidates = self._candidates(now)
-        suspects = [] if probe else sorted(self._deregistered(list(self.urls)))
+        joining = self._joining()
+        candidates = self._candidates(now, joining)
+        self.waiting = [u for u in joining or [] if u in self.urls]
+        suspects = [] if probe else sorted(self._deregistered(list(self.urls), joining))
         infos = self.probe((self.urls if probe else suspects) + sorted(candidates))
         dead = [u for u in self.urls if isinstance(infos.get(u), BaseException)]
-        left = self._deregistered(dead)
+        left = self._deregistered(dead, joining)
         for u in dead:
             if u in left:  # scaled down or replaced on purpose: expected, not a failure
                 log.info("engine %s left the registry; dropped from the update group", u)
@@ -371,34 +373,37 @@ class Membership:
                 except Exception as e:  # it stays joining; the next update promotes it
                     log.warning("registry: could not promote %s: %s", url, e)
 
-    def _candidates(self, now: float) -> set[str]:
+    def _joining(self) -> list[str] | None:
+        """The registry's joining set, read once per update; [] without a registry, None when Redis
+        cannot be read (the update goes to the engines we have)."""
+        if self.registry is None:
+            return []
+        try:
+            return self.registry.joining()
+        except Exception as e:
+            log.warning("registry: could not list joining engines: %s", e)
+            return None
+
+    def _candidates(self, now: float, joining: list[str] | None) -> set[str]:
         """Engines an update would try to admit now: registered as joining, or dropped (or failed to
         join) with their retry due; never one in the group, nor one whose retry is not due yet."""
-        candidates = {u for u, t in list(self.retry_at.items()) if t <= now}
-        self.waiting = []
-        if self.registry is not None:
-            try:
-                joining = self.registry.joining()
-            except Exception as e:  # Redis down: update the engines we have
-                log.warning("registry: could not list joining engines: %s", e)
-                joining = []
-            candidates.update(joining)
-            self.waiting = [u for u in joining if u in self.urls]
+        candidates = {u for u, t in list(self.retry_at.items()) if t <= now} | set(joining or [])
         candidates -= set(self.urls)
         return {u for u in candidates if self.retry_at.get(u, 0) <= now}
 
     def joiners_waiting(self) -> list[str]:
         """The engines the next update would try to admit, sorted."""
-        return sorted(self._candidates(time.monotonic()))
+        return sorted(self._candidates(time.monotonic(), self._joining()))
 
-    def _deregistered(self, urls: list[str]) -> set[str]:
-        """Those of `urls` that are in neither registry set (their engine left it: scaled down, or the
-        job driver replaced it); empty without a registry that can list its live engines."""
+    def _deregistered(self, urls: list[str], joining: list[str] | None) -> set[str]:
+        """Those of `urls` that are in neither registry set (`joining`: the joining set as read for this
+        update; their engine left it: scaled down, or the job driver replaced it); empty without a
+        registry that can list its live engines, or when Redis cannot be read."""
         live = getattr(self.registry, "live", None)
-        if not urls or live is None:
+        if not urls or live is None or joining is None:
             return set()
         try:
-            return set(urls) - set(live()) - set(self.registry.joining())
+            return set(urls) - set(live()) - set(joining)
         except Exception as e:  # Redis down: call them failures
             log.debug("registry: %s", e)
             return set()
