@@ -1,11 +1,44 @@
 """Small network helpers shared by every process that opens a listening socket."""
 
+import random
 import socket
+from pathlib import Path
 from urllib.parse import urlsplit
+
+PICK_LOW = 20000
+"""The lowest port `free_port` picks: above Ray's worker ports (`ray start` takes 10002-19999)."""
+PICK_TRIES = 64
+_pick = random.SystemRandom()  # not the global generator: processes that seed it alike would pick alike
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral ports (what a bind to port 0 or an outgoing connection takes)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (for a store, a server, a test)."""
+    """A TCP port free on `host` right now (for a store, a server, a test). Picked at random below the
+    kernel's ephemeral range and above Ray's worker ports, so that between this probe and the service's own
+    bind no bind to port 0 or outgoing connection (Ray's processes make hundreds) can take it; where the
+    ephemeral range leaves no room below it, the kernel's pick."""
+    low = ephemeral_range()[0]
+    if low > PICK_LOW + PICK_TRIES:
+        for port in _pick.sample(range(PICK_LOW, low), PICK_TRIES):
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -12,8 +12,10 @@ without it) the samples are gathered into a padded batch for one masked SDPA cal
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,20 +24,24 @@ log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "slipstream_packed"
 
-try:  # torch >= 2.10 on CUDA builds; the CPU wheel has the module but no kernel
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-
-    _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters)
-except ImportError:  # pragma: no cover - older torch
-    _varlen_attn, _VARLEN_PARAMS = None, set()
-
 _kernel_logged: set[str] = set()
 _VARLEN_BROKEN: list[str] = []
 """Set (with the error) once varlen_attn has failed in this process; it is not tried again."""
 
 
+@functools.cache
+def _varlen() -> tuple[Callable | None, frozenset[str]]:
+    """torch's varlen_attn and its parameter names, imported at the first CUDA forward (the module pulls in
+    torch._dynamo: most of a second of every CPU process's start otherwise); (None, {}) on an older torch."""
+    try:  # torch >= 2.10 on CUDA builds; the CPU wheel has the module but no kernel
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older torch
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
 def _varlen_usable() -> bool:
-    return _varlen_attn is not None and not _VARLEN_BROKEN
+    return _varlen()[0] is not None and not _VARLEN_BROKEN
 
 
 def _log_kernel(name: str) -> None:
@@ -52,18 +58,19 @@ def varlen_flash(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float | None
 ) -> torch.Tensor:
     """Causal varlen flash attention over [T, H, D] tensors, whichever causal/GQA spelling this torch has."""
+    varlen_attn, params = _varlen()
     kw: dict = {"scale": scale}
-    if "is_causal" in _VARLEN_PARAMS:  # torch 2.10/2.11
+    if "is_causal" in params:  # torch 2.10/2.11
         kw["is_causal"] = True
     else:  # torch >= 2.12: causal is a (left, right) = (-1, 0) window
         kw["window_size"] = (-1, 0)
     if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in _VARLEN_PARAMS:
+        if "enable_gqa" in params:
             kw["enable_gqa"] = True
         else:
             n_rep = q.shape[1] // k.shape[1]
             k, v = _repeat_kv(k, n_rep), _repeat_kv(v, n_rep)
-    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -56,6 +56,19 @@ REDIS_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
 """What redis-py raises when Redis does not answer (stalled, overloaded, down, unreachable)."""
 
 
+SUBMIT_TRIES = 3
+"""Tries of one Ray job submission when Ray's job server drops the connection (a kept-alive connection it
+had closed, a server busy starting): the same submission id each time, so a driver starts at most once."""
+SUBMIT_BACKOFF_S = 0.5
+
+
+def _transient(e: Exception) -> bool:
+    """A connection that failed or was dropped before Ray's job server answered (not an answer refusing it)."""
+    import requests
+
+    return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
+
+
 class ControlError(Exception):
     """A request the control plane refuses; `status` is the HTTP status the API answers with."""
 
@@ -259,21 +272,35 @@ class JobControl(DriverReconciler):
             # https:// engines and rediss:// behind a private CA: every job process trusts the cluster's
             **({tls.CA_ENV: os.environ[tls.CA_ENV]} if os.environ.get(tls.CA_ENV) else {}),
         }
-        try:
-            self.ray.submit_job(
-                entrypoint=entry,
-                submission_id=sid,
-                runtime_env={"env_vars": env},
-                metadata={"slipstream_job": spec.name},
-            )
-        except Exception as e:
-            ray_status, _ = self._ray_status(sid)
-            if ray_status in ("GONE", "UNKNOWN"):  # it has no driver, and none can start for it now
+        for attempt in range(1, SUBMIT_TRIES + 1):
+            try:
+                self.ray.submit_job(
+                    entrypoint=entry,
+                    submission_id=sid,
+                    runtime_env={"env_vars": env},
+                    metadata={"slipstream_job": spec.name},
+                )
+                return
+            except Exception as e:
+                ray_status, _ = self._ray_status(sid)
+                if ray_status not in ("GONE", "UNKNOWN"):
+                    log.warning(
+                        "job %s: Ray answered its submission with %s, but has it (%s)",
+                        spec.name,
+                        e,
+                        ray_status,
+                    )
+                    return
+                if attempt < SUBMIT_TRIES and _transient(e):  # the same id: Ray starts it at most once
+                    log.warning(
+                        "job %s: Ray's job server dropped the submission (%s); try %d of %d in %.1f s",
+                        spec.name, e, attempt + 1, SUBMIT_TRIES, SUBMIT_BACKOFF_S * attempt,
+                    )  # fmt: skip
+                    time.sleep(SUBMIT_BACKOFF_S * attempt)
+                    continue
+                # it has no driver, and none can start for it now
                 self._abandon(spec.name, sid, f"Ray job submission failed: {e}")
                 raise ControlError(503, f"Ray job submission failed: {e}") from e
-            log.warning(
-                "job %s: Ray answered its submission with %s, but has it (%s)", spec.name, e, ray_status
-            )
 
     def get(self, name: str) -> dict:
         """The job's status as the control API answers it (records.status_dict of `status`)."""

@@ -112,6 +112,7 @@ def test_a_groups_identical_prompts_are_computed_once_with_the_same_tokens_and_l
         assert c.output_ids == greedy_reference(m, prompt, 6)
     assert outs[8].output_ids == greedy_reference(m, other, 6)
     for c in outs[9:11]:
-        assert c.input_logprobs == pytest.approx(alone.input_logprobs, abs=1e-5)  # another batch: fp32 noise
+        # another batch shape, so other fp32 reduction orders: ~1e-5 relative on logprobs of magnitude ~10
+        assert c.input_logprobs == pytest.approx(alone.input_logprobs, abs=2e-4)
         assert c.output_ids == alone.output_ids
     assert outs[11].output_ids == outs[12].output_ids  # the same seed draws the same tokens
