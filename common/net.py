@@ -37,7 +37,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     low = ephemeral_range()[0]
     if low > PICK_LOW + PICK_TRIES:
         for port in _pick.sample(range(PICK_LOW, low), PICK_TRIES):
-            if _bindable(host, port):
+            # free on every address (as the kernel's own pick is), not only on `host`
+            if _bindable("0.0.0.0", port) and _bindable(host, port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))

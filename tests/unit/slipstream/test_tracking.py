@@ -4,6 +4,7 @@ duplicated across restarts and resumed attempts; evaluation records become eval 
 driver's progress stream on a real Redis; a writer failure never raises; bad tracking keys name their path."""
 
 import json
+import time
 
 import pytest
 from tracking_files import tb_events, tracking_spec, wandb_history
@@ -67,7 +68,10 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     assert _steps(tb_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 30)]
 
     # a resumed attempt of the run (a new driver process): it reads the earlier attempt's records again,
-    # then its trainer resumes from the checkpoint at version 2
+    # then its trainer resumes from the checkpoint at version 2. Its events file must sort after the first
+    # one, as a later driver's does: the names start with the second they were made in (then host, pid and
+    # a process-wide counter, which other tests of this process advance, so 10 may sort before 9)
+    time.sleep(1.05)
     t = Tracker(spec, {"run_id": "r1", "attempt": 2})
     t.log_config()  # written by the first attempt's driver already: not again
     t.log_scalars({"accuracy": 0.9}, version=2)  # an eval result before any step of this attempt

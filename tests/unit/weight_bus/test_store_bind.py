@@ -14,9 +14,16 @@ from trainer.distributed import host_store
 from weight_bus.group import tcp_store
 
 
-def _listen_addrs(port: int) -> set[str]:
+def _listening() -> set[tuple[str, int]]:
+    """(address, port) of every socket this process listens on."""
     conns = psutil.Process(os.getpid()).net_connections(kind="inet")
-    return {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+    return {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def _listen_addrs(port: int, before: frozenset = frozenset()) -> set[str]:
+    """The addresses this process listens on at `port`, leaving out the sockets in `before` (stores an
+    earlier test of this process left open: on another address, one may have the same port number)."""
+    return {ip for ip, p in _listening() - before if p == port}
 
 
 def _non_loopback_ip() -> str | None:
@@ -58,8 +65,9 @@ def test_store_hosted_on_a_host_address_listens_there_only():
     ip = _non_loopback_ip()
     if ip is None:
         pytest.skip("this host has no address besides loopback")
+    before = frozenset(_listening())
     store = tcp_store(ip, 0, 2, True, 10.0)
-    assert _listen_addrs(store.port) == {ip}
+    assert _listen_addrs(store.port, before) == {ip}
     peer = tcp_store(ip, store.port, 2, False, 10.0)
     store.set("k", "v")
     assert peer.get("k") == b"v"
