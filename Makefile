@@ -28,8 +28,8 @@ demo: $(STAMP)
 	$(PY) -m slipstream.demo
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, whole-job
-# files first): many tests wait on other processes (engines, Ray actors, servers), so more workers than
-# cores pays. TEST_WORKERS=0 runs it in this one process. Tests marked `serial` (two Ray nodes in network
+# files first): many tests wait on other processes (engines, Ray actors, servers), which in one process
+# leaves a third of two cores idle. TEST_WORKERS=0 runs it in this one process. Tests marked `serial` (two Ray nodes in network
 # namespaces) run after it, alone. Every test's time goes to test-durations.txt (per-tier sums first, then
 # the slowest); `make test` prints its head.
 TEST_WORKERS ?= 3
