@@ -91,7 +91,7 @@ def tiny_model_dir(tmp_path_factory):
     )
 
 
-TOOLS_WARMUP_STEPS = 200
+TOOLS_WARMUP_STEPS = 100
 
 
 @pytest.fixture(scope="session")
@@ -144,15 +144,29 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The folder says the tier: every test under tests/system/ is `slow`, and the two-node tests
     (tests/system/multinode/: two Ray nodes and a cluster in network namespaces, whose `ray start` gives up
     after 30 s on a starved box) are `serial`: `make test` runs them after the parallel part, alone. The order
-    is system, integration, unit (each in file order), so that parallel workers take the long whole-job
-    files first."""
+    is system, integration, unit, each tier's files longest first by the last run's durations file, so that
+    parallel workers take the long whole-job files first."""
     for item in items:
         if tier(item) == "system":
             item.add_marker(pytest.mark.slow)
         if TESTS / "system" / "multinode" in Path(item.fspath).parents:
             item.add_marker(pytest.mark.serial)
     rank = {name: i for i, name in enumerate(reversed(TIERS))}
-    items.sort(key=lambda item: rank.get(tier(item), len(TIERS)))
+    took = previous_file_seconds(config.rootpath / DURATIONS_FILE)
+    items.sort(
+        key=lambda item: (rank.get(tier(item), len(TIERS)), -took.get(item.nodeid.split("::")[0], 0.0))
+    )
+
+
+def previous_file_seconds(path: Path) -> dict[str, float]:
+    """Each test file's seconds in the durations file of an earlier run (none when there is none): within a
+    tier the longest files go first, so that parallel workers do not end on one long file while the others
+    wait (a file's tests keep their order; files of equal or unknown time keep the collection order)."""
+    took: dict[str, float] = {}
+    for nodeid, seconds in read_durations(path).items():
+        file = nodeid.split("::")[0]
+        took[file] = took.get(file, 0.0) + seconds
+    return took
 
 
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE
@@ -163,6 +177,17 @@ DURATIONS_MERGE = "SLIPSTREAM_TEST_DURATIONS_MERGE"
 _durations: dict[str, float] = {}
 
 
+def read_durations(path: Path) -> dict[str, float]:
+    """Test id -> seconds, from a durations file (empty when there is none)."""
+    out: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            seconds, sep, nodeid = line.strip().partition(" s  ")
+            if sep:
+                out[nodeid] = float(seconds)
+    return out
+
+
 def pytest_runtest_logreport(report):
     _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
 
@@ -171,11 +196,9 @@ def pytest_sessionfinish(session, exitstatus):
     if not _durations or hasattr(session.config, "workerinput"):
         return
     path = session.config.rootpath / DURATIONS_FILE
-    if os.environ.get(DURATIONS_MERGE) and path.exists():  # a later part of one `make test`: keep the earlier
-        for line in path.read_text().splitlines():
-            seconds, sep, nodeid = line.strip().partition(" s  ")
-            if sep and nodeid not in _durations:
-                _durations[nodeid] = float(seconds)
+    if os.environ.get(DURATIONS_MERGE):  # a later part of one `make test`: keep the earlier part's
+        for nodeid, seconds in read_durations(path).items():
+            _durations.setdefault(nodeid, seconds)
     total = sum(_durations.values())
     rows = sorted(_durations.items(), key=lambda kv: kv[1], reverse=True)
     tiers: dict[str, float] = {}

@@ -433,12 +433,15 @@ class GeneratorPool:
     def _started(self, i: int, ref, failed: dict[int, tuple[str, BaseException | None]]) -> None:
         import ray
 
-        old_url = self._starting.pop(i)
+        # engine i counts as replacing until its new URL is in place: a reader (status, a test's thread)
+        # never sees the new engine without its URL
+        old_url = self._starting[i]
         waited, waiting = time.monotonic() - self._starting_since.pop(i, time.monotonic()), i in self._waiting
         self._waiting.pop(i, None)
         try:
             new_url = ray.get(ref)
         except Exception as e:
+            self._starting.pop(i)
             failed[i] = (f"(a replacement) did not start: {died(e)}", e)
             return
         if waiting:
@@ -448,6 +451,7 @@ class GeneratorPool:
         self._failures.pop(i, None)
         self.engine_urls[i], self.engine_watch[i] = new_url, self.engines[i].watch.remote()
         self.rollout_urls = [new_url if u == old_url else u for u in self.rollout_urls]
+        self._starting.pop(i)
         log.info("engine %s replaced by %s (it takes traffic after the next weight update)", old_url, new_url)
 
     # --- evaluation -----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import socket
 
 import psutil
 import pytest
-import torch.multiprocessing as mp
+from rank_runs import start_ranks
 
 from common.net import free_port
 
@@ -38,9 +38,7 @@ def _worker(rank: int, world: int, addr: str, port: int, out: str) -> None:
 
 def _listening(addr: str, tmp_path) -> list[dict]:
     port = free_port(addr)
-    mp.start_processes(
-        _worker, args=(2, addr, port, str(tmp_path)), nprocs=2, join=True, start_method="spawn"
-    )
+    start_ranks(_worker, (2, addr, port, str(tmp_path)), 2)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 

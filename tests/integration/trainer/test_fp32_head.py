@@ -17,7 +17,7 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from rank_runs import start_ranks
 from transformers import AutoModelForCausalLM
 
 from common.net import free_port
@@ -291,13 +291,7 @@ def test_fp32_head_under_fsdp2_bf16_matches_the_unsharded_bf16_model(tmp_path):
     unsharded bf16 model's (the same bf16 values) within bf16 rounding; and matches the fp32 model's."""
     path = tmp_path / "m"
     _model(path, seed=6, layers=2)
-    mp.start_processes(
-        _fsdp_worker,
-        args=(2, free_port(), str(path), str(tmp_path)),
-        nprocs=2,
-        join=True,
-        start_method="spawn",
-    )
+    start_ranks(_fsdp_worker, (2, free_port(), str(path), str(tmp_path)), 2)
     torch.set_num_threads(1)
     bf16 = _trainer_model(path, bf16_params=True).train()
     ref = _trainer_model(path, bf16_params=False).train()

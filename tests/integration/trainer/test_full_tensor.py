@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.multiprocessing as mp
+from rank_runs import start_ranks
 
 from common.net import free_port
 
@@ -43,7 +43,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 def test_one_rank_returns_its_own_tensors_without_a_gather(tmp_path):
     out = str(tmp_path / "out.pt")
-    mp.start_processes(_worker, args=(free_port(), out), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_worker, (free_port(), out), 1)
     res = torch.load(out)
     assert res["got"].keys() == res["before"].keys()
     for n, t in res["before"].items():

@@ -6,12 +6,12 @@ and the version, after a ring update (several buckets, paused) and a direct one 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import traceback
 
 import torch
 from bus_engines import KEY, version
+from rank_runs import rank_context
 from test_ipc import IpcEngine
 
 from common.net import free_port
@@ -70,7 +70,7 @@ def test_assign_by_device_uuid_else_position():
 
 def test_each_engine_gets_its_own_ranks_weights(model_dir, tmp_path):
     engines = [IpcEngine(model_dir, tmp_path) for _ in range(2)]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out, go = ctx.Queue(), ctx.Event()
     port = free_port()
     urls = [e.url for e in engines]
