@@ -27,13 +27,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m slipstream.demo
 
-# TEST_WORKERS=N runs the suite in N processes (pytest-xdist; a file's tests stay in one process, whole-job
+# The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, the longest
 # files first): many tests wait on other processes (engines, Ray actors, servers), which in one process
-# leaves a third of two cores idle (3 workers on 2 cores: 29 instead of 38 minutes). The default, 0, runs
+# leaves a third of two cores idle (3 workers on 2 cores: 29 instead of 38 minutes). TEST_WORKERS=0 runs
 # it in this one process. Tests marked `serial` (two Ray nodes in network namespaces) run after it, alone.
 # Every test's time goes to test-durations.txt (per-tier sums first, then the slowest); `make test` prints
 # its head.
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not serial"; rc=$$?; \
