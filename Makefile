@@ -27,7 +27,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m slipstream.demo
 
-# The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, the longest
+# The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, whole-job
 # files first): many tests wait on other processes (engines, Ray actors, servers), which in one process
 # leaves a third of two cores idle (3 workers on 2 cores: 29 instead of 38 minutes). TEST_WORKERS=0 runs
 # it in this one process. Tests marked `serial` (two Ray nodes in network namespaces) run after it, alone.

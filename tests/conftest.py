@@ -144,33 +144,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The folder says the tier: every test under tests/system/ is `slow`, and the two-node tests
     (tests/system/multinode/: two Ray nodes and a cluster in network namespaces, whose `ray start` gives up
     after 30 s on a starved box) are `serial`: `make test` runs them after the parallel part, alone. The order
-    is system, integration, unit, each tier's files longest first by `ORDER_BY`, so that parallel workers
-    take the long whole-job files first."""
+    is system, integration, unit (each in file order), so that parallel workers take the long whole-job
+    files first."""
     for item in items:
         if tier(item) == "system":
             item.add_marker(pytest.mark.slow)
         if TESTS / "system" / "multinode" in Path(item.fspath).parents:
             item.add_marker(pytest.mark.serial)
     rank = {name: i for i, name in enumerate(reversed(TIERS))}
-    took = previous_file_seconds(ORDER_BY)
-    items.sort(
-        key=lambda item: (rank.get(tier(item), len(TIERS)), -took.get(item.nodeid.split("::")[0], 0.0))
-    )
-
-
-ORDER_BY = TESTS / "data" / "whole-run-durations.txt"
-"""A whole run's durations file (`make test`'s, copied here by hand now and then): the order of the files."""
-
-
-def previous_file_seconds(path: Path) -> dict[str, float]:
-    """Each test file's seconds in a durations file of an earlier run (none when there is none): within a
-    tier the longest files go first, so that parallel workers do not end on one long file while the others
-    wait (a file's tests keep their order; files of equal or unknown time keep the collection order)."""
-    took: dict[str, float] = {}
-    for nodeid, seconds in read_durations(path).items():
-        file = nodeid.split("::")[0]
-        took[file] = took.get(file, 0.0) + seconds
-    return took
+    items.sort(key=lambda item: rank.get(tier(item), len(TIERS)))
 
 
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE

@@ -35,6 +35,10 @@ REPLICAS = {"engine-0", "rollout-0", "trainer-0"}
 MIN_SCRAPES = 12
 """Successful scrapes of every replica before the job is told to stop: rate()s over the 15 s window need
 two in it, and a loaded 2-core box scrapes late. A count of events, not a time: the job runs until then."""
+MIN_STEPS_SCRAPED = 4
+"""Trainer steps between the first and the last scrape of its step counter before the job is told to stop: on
+a starved box the first step can take longer than MIN_SCRAPES scrapes, and a job stopped after one step
+leaves the per-update panels (transfer, pause, phases) no two samples to take a rate() of. A count too."""
 MAX_STEPS = 400
 """Bound on the job when Prometheus never gets there (then the test fails on the panels without data)."""
 SUBSTITUTIONS = {
@@ -98,17 +102,22 @@ def _write_targets(run_dir: Path, out_dir: Path, stop: threading.Event) -> None:
 
 def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
     """Ask the job to stop (JobStore.request_stop, what `slipstream stop` does) once Prometheus holds
-    MIN_SCRAPES successful scrapes of each of its three replicas. A fixed step count made the trainer's
-    life a few seconds long, and a loaded box scraped it too rarely for a rate()."""
+    MIN_SCRAPES successful scrapes of each of its three replicas and has seen the trainer take
+    MIN_STEPS_SCRAPED steps. A fixed step count made the trainer's life a few seconds long, and a loaded box
+    scraped it too rarely for a rate()."""
     from slipstream.job.store import JobStore
 
+    steps = f'slipstream_trainer_steps_total{{job="{JOB}"}}'
     while not stop.wait(0.5):
         try:
-            resp = httpx.get(
-                f"{base}/api/v1/query", params={"query": f'sum_over_time(up{{job="{JOB}"}}[1h])'}
-            )
-            scraped = {s["metric"]["replica"]: float(s["value"][1]) for s in resp.json()["data"]["result"]}
+            scraped = {
+                s["metric"]["replica"]: float(s["value"][1])
+                for s in _query(base, f'sum_over_time(up{{job="{JOB}"}}[1h])')
+            }
             if not all(scraped.get(replica, 0) >= MIN_SCRAPES for replica in REPLICAS):
+                continue
+            seen = _query(base, f"max(max_over_time({steps}[1h]) - min_over_time({steps}[1h]))")
+            if not seen or float(seen[0]["value"][1]) < MIN_STEPS_SCRAPED:
                 continue
             if (r := _job_redis(run_dir)) is None:
                 continue
@@ -117,6 +126,11 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
             return
         except (OSError, httpx.HTTPError, redis.RedisError, KeyError):
             pass  # Prometheus or the job's Redis not up yet
+
+
+def _query(base: str, expr: str) -> list[dict]:
+    """An instant query's result vector."""
+    return httpx.get(f"{base}/api/v1/query", params={"query": expr}).json()["data"]["result"]
 
 
 def _query_range(base: str, expr: str, start: float, end: float) -> list[dict]:
