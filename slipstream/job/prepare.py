@@ -8,6 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
+from common import tls
 from jobspec import JobSpec
 
 log = logging.getLogger("slipstream.job.prepare")
@@ -18,8 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def project_pythonpath() -> str:
     """PYTHONPATH for processes Ray starts: the project first, then this process's own entries
     (packages installed with `pip --target`, as on the GPU machine, live only there)."""
-    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(REPO_ROOT)]
-    return os.pathsep.join([str(REPO_ROOT), *rest])
+    return os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
 
 
 def resolve_paths(spec: JobSpec) -> JobSpec:
@@ -54,26 +54,23 @@ def reset_run_state(out: Path, managed_redis: bool) -> None:
 
 def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = None) -> None:
     """A private Ray instance for one job on this machine; every actor gets the project on its path,
-    no hub access, and `env`.
-
-    These go into this process's environment before Ray starts, not into a runtime_env: the local Ray's
-    processes inherit it, and an actor without a runtime_env takes one of the worker processes Ray started
-    ahead (its interpreter and Ray already loaded) instead of a new one started through Ray's runtime-env
-    setup (about 0.3 CPU-s more per actor, the prestarted ones left unused)."""
+    no hub access, and `env`."""
     import ray
 
-    os.environ.update(
-        {
-            "PYTHONPATH": project_pythonpath(),
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            **(env or {}),
-        }
-    )  # a private CA's bundle (common/tls.py) is in the environment already when set: every actor trusts it
     ray.init(
         address="local",
         num_cpus=num_cpus or max(2, os.cpu_count() or 2),
         include_dashboard=False,
         log_to_driver=True,
         logging_level=logging.WARNING,
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": project_pythonpath(),
+                "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false",
+                # https:// engines and rediss:// behind a private CA (common/tls.py): every actor trusts it
+                **({tls.CA_ENV: os.environ[tls.CA_ENV]} if os.environ.get(tls.CA_ENV) else {}),
+                **(env or {}),
+            }
+        },
     )
