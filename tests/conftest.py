@@ -11,8 +11,8 @@ tests/harness/, one module each, importable from every tier; their fixtures are 
 Here: a real private redis-server per test session, a fresh job namespace per test, the tiny models built
 once, and the per-test durations file.
 
-`make test TEST_WORKERS=N` runs the tiers in N processes (pytest-xdist, `--dist loadfile`: a file's tests stay
-in one process, so a module's cluster or engines start once); whole-job files are handed out first, the short unit
+`make test` runs the tiers in `TEST_WORKERS` processes (3 unless set; pytest-xdist, `--dist loadfile`: a file's
+tests stay in one process, so a module's cluster or engines start once); whole-job files are handed out first, the short unit
 tests fill the gaps at the end. Each process has its own Redis, Ray and job namespaces; the tiny models are
 built once for the whole run (`built_once`)."""
 
