@@ -11,6 +11,7 @@ need that). Both check an answer alike: HTTP 200 and no `success: false`, else `
 
 from __future__ import annotations
 
+import logging
 import socket
 from concurrent.futures import Future
 from typing import Any
@@ -33,6 +34,8 @@ from weight_bus.schema import (
     UpdateWeightVersion,
     WeightLayout,
 )
+
+log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 5.0
 """GET /get_server_info bound (it never waits on a collective), and a channel's connect timeout."""
@@ -94,8 +97,20 @@ class EngineClient:
 
     def server_info(self, url: str) -> dict:
         """GET /get_server_info (at most PROBE_TIMEOUT_S): tp_size, pp_size, dtype, version, and the
-        built-in engine's weight_update_groups."""
-        resp = self._http.get(url + "/get_server_info", timeout=min(PROBE_TIMEOUT_S, self.timeout_s))
+        built-in engine's weight_update_groups.
+
+        The bus drops an engine whose probe fails, so a transport error other than a timeout is tried
+        once more on a new connection: a pooled connection can break under a live engine (the engine
+        closed it as it went idle, or its socket was broken on this side). A dead engine refuses the
+        second connect at once; a hung one is not asked twice."""
+        timeout = min(PROBE_TIMEOUT_S, self.timeout_s)
+        try:
+            resp = self._http.get(url + "/get_server_info", timeout=timeout)
+        except httpx.TimeoutException:
+            raise
+        except httpx.TransportError as first:
+            log.info("%s/get_server_info failed (%s); trying a new connection", url, first)
+            resp = self._http.get(url + "/get_server_info", timeout=timeout)
         if resp.status_code != 200:
             raise Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")
         return resp.json()

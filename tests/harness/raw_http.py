@@ -62,3 +62,41 @@ def trickling(socks: list[socket.socket]) -> Iterator[None]:
         t.join()
         for s in socks:
             s.close()
+
+
+@contextmanager
+def scripted_server(actions: list[bytes | None]) -> Iterator[tuple[str, list[bytes]]]:
+    """A one-thread HTTP server on 127.0.0.1 whose i-th connection reads one request head and then does
+    `actions[i]`: bytes, send them (a whole response) and close; None, close without answering. Past the
+    list it holds connections open unanswered (an engine that hangs). Yields its URL and the request
+    heads it read, one per connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    heads: list[bytes] = []
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed on the way out
+                return
+            head = b""
+            while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
+                head += chunk
+            heads.append(head)
+            if len(heads) > len(actions):
+                held.append(conn)
+                continue
+            if (action := actions[len(heads) - 1]) is not None:
+                conn.sendall(action)
+            conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", heads
+    finally:
+        listener.close()
+        t.join(5)
+        for conn in held:
+            conn.close()

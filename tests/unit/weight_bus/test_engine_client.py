@@ -1,7 +1,8 @@
 """The engines' control routes through weight_bus.engine_client, against a real built-in engine: pause and
 continue, answers that are not a success raise Refused naming the engine and the route, the pipelined
 channel keeps its calls in order, and continuing engines a dead trainer left paused reports the engines
-that could not be reached. Importing the client (and the package) stays free of torch."""
+that could not be reached. A probe whose connection breaks is tried once more on a new connection (a
+timeout is not). Importing the client (and the package) stays free of torch."""
 
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import httpx
 import pytest
 from bus_engines import KEY, ROOT
+from raw_http import scripted_server
 
 from common.net import free_port
 from generator_fleet.engine import EngineServer
@@ -75,3 +77,32 @@ def test_importing_the_package_and_the_client_loads_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+INFO = b'{"tp_size": 1, "pp_size": 1}'
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(INFO),
+    INFO,
+)
+
+
+def test_a_probe_whose_connection_breaks_is_tried_once_more_on_a_new_one():
+    """The bus drops an engine whose probe fails: a connection that breaks under a live engine gets one
+    more try on a new connection, and the answer comes from it."""
+    with scripted_server([None, ANSWER]) as (url, heads):
+        with EngineClient(KEY, timeout_s=10) as client:
+            assert client.server_info(url) == {"tp_size": 1, "pp_size": 1}
+        assert len(heads) == 2 and all(h.startswith(b"GET /get_server_info") for h in heads)
+    with scripted_server([None, None]) as (url, heads):  # broken twice: the second error is raised
+        with EngineClient(KEY, timeout_s=10) as client:
+            with pytest.raises(httpx.RemoteProtocolError):
+                client.server_info(url)
+        assert len(heads) == 2
+
+
+def test_a_probe_that_times_out_is_not_repeated():
+    with scripted_server([]) as (url, heads):  # holds every connection unanswered
+        with EngineClient(KEY, timeout_s=0.5) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                client.server_info(url)
+        assert len(heads) == 1
