@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,10 +33,24 @@ def greedy_params(n: int, **kw):
     return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True, **kw)
 
 
+_decoded: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, list[int]]] = weakref.WeakKeyDictionary()
+"""Per model: (its weights' version, prompt) -> the longest greedy decoding computed so far."""
+
+
 def greedy_reference(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    """Greedy decoding without a cache or batching: what the engine must reproduce."""
-    ids = list(prompt)
+    """Greedy decoding without a cache or batching: what the engine must reproduce.
+
+    Each token is a forward pass over the whole sequence so far (quadratic), so decodings are kept per
+    model and prompt and a shorter one is the prefix of a longer one. The key holds the sum of the
+    parameters' in-place version counters: a model changed in place (add_, copy_, load_state_dict) is
+    decoded anew."""
+    key = (sum(p._version for p in model.parameters()), tuple(prompt))
+    memo = _decoded.setdefault(model, {})
+    ids = list(prompt) + memo.get(key, [])
     with torch.no_grad():
-        for _ in range(n):
+        while len(ids) - len(prompt) < n:
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    out = ids[len(prompt) :]
+    if len(out) > len(memo.get(key, [])):
+        memo[key] = out
+    return out[:n]
