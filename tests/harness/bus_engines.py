@@ -1,17 +1,17 @@
 """Models and engines for the weight-bus tests: tiny Qwen2 models with large random weights (so two of
-them generate differently), built-in engines in this process or in a subprocess that can be SIGKILLed."""
+them generate differently), built-in engines in this process or in a process of their own that can be SIGKILLed."""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
+import time
 from pathlib import Path
 
-import httpx
+import http_calls
 import torch
+from rank_runs import rank_context
 
 from generator_fleet.tasks.arith import ALPHABET, ArithTask
 from model_zoo.tiny import build
@@ -50,7 +50,7 @@ def remote_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
     """What an engine in another process computes with (POST /get_weights_by_name, every row), as fp32."""
     out = {}
     for name in names:
-        r = httpx.post(
+        r = http_calls.post(
             url + "/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}, headers=AUTH
         )
         r.raise_for_status()
@@ -59,44 +59,71 @@ def remote_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
 
 
 def version(url: str) -> str:
-    return httpx.get(url + "/get_model_info", headers=AUTH, timeout=10).json()["weight_version"]
+    return http_calls.get(url + "/get_model_info", headers=AUTH, timeout=10).json()["weight_version"]
 
 
 class EngineProcess:
-    """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return."""
+    """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return.
+
+    Forked from the test process's preloaded fork server (rank_runs.rank_context), which imported torch
+    and the engine once: a start costs a fraction of a second instead of several CPU-seconds of imports.
+    The child sends its output to `log_path`, where the engine's "engine ready at URL" line is read."""
+
+    START_TIMEOUT_S = 120.0
 
     def __init__(
         self, model_dir: Path, log_path: Path, extra: list[str] | None = None, gpu: int | None = None
     ) -> None:
         """`extra`: more engine flags (e.g. `--lora <json>`); `gpu`: run on that CUDA device alone."""
         env = {
-            **os.environ,
             **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
             "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false",
         }
-        cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(model_dir), "--port", "0"]
-        cmd += ["--api-key", KEY, "--torch-threads", "1", "--log-level", "WARNING", *(extra or [])]
-        self.log = open(log_path, "w")  # noqa: SIM115 (closed in kill())
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=ROOT
-        )
-        line = "-"
-        while line and not line.startswith("engine ready at "):  # "engine ready at URL"; "" if it died
-            line = self.proc.stdout.readline()
-        if not line:
-            self.kill()
-            raise RuntimeError(f"engine did not start: {line!r}; see {log_path}")
-        self.url = line.split()[-1]
+        argv = ["--model", str(model_dir), "--port", "0", "--api-key", KEY, "--torch-threads", "1"]
+        argv += ["--log-level", "WARNING", *(extra or [])]
+        self.log_path = Path(log_path)
+        self.log_path.write_text("")
+        self.proc = rank_context().Process(target=_engine_main, args=(argv, str(log_path), env))
+        self.proc.start()
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not (url := _ready_url(self.log_path)):
+            if self.proc.exitcode is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"engine did not start (exit code {self.proc.exitcode}); see {log_path}")
+            time.sleep(0.05)
+        self.url = url
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        """Send `sig` (if it still runs); for SIGKILL and SIGTERM, wait (bounded) until it exited."""
+        if self.proc.exitcode is None:
+            os.kill(self.proc.pid, sig)
             if sig in (signal.SIGKILL, signal.SIGTERM):
-                self.proc.wait(30)
-        if sig in (signal.SIGKILL, signal.SIGTERM):
-            self.log.close()
+                self.wait(30)
+
+    def wait(self, timeout_s: float) -> int | None:
+        """Its exit code once it exited (None if it still runs after `timeout_s`)."""
+        self.proc.join(timeout_s)
+        return self.proc.exitcode
+
+
+def _ready_url(log_path: Path) -> str | None:
+    for line in log_path.read_text(errors="replace").splitlines():
+        if line.startswith("engine ready at "):
+            return line.split()[-1]
+    return None
+
+
+def _engine_main(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """(In the forked child.) The engine's own entry point, its stdout and stderr in `log_path`."""
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    from generator_fleet.engine.__main__ import main
+
+    main(argv)
 
 
 def publish_bounded(bus, named, version: int, limit_s: float = 120.0):

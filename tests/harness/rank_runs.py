@@ -24,12 +24,15 @@ PRELOAD = (
     "transformers.models.qwen2.modeling_qwen2",  # the tiny test models are Qwen2s
     "trainer.learner",
     "trainer.checkpoint",
+    "generator_fleet.engine.__main__",  # bus_engines.EngineProcess: engines that can really die
+    "generator_fleet.engine.serve",
 )
-"""What the fork server imports once for every rank process it forks."""
+"""What the fork server imports once for every process it forks (rank processes, engine processes)."""
 
 
 def rank_context():
-    """The multiprocessing context rank processes start in: the fork server, preloaded."""
+    """The multiprocessing context rank and engine processes start in: the fork server, preloaded (one
+    per test process, started by the first process forked; its preload is fixed from then on)."""
     mp.set_forkserver_preload(list(PRELOAD))
     return mp.get_context("forkserver")
 

@@ -7,11 +7,13 @@ registry shows it to rollout workers."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import http_calls
 import httpx
 import pytest
 from bus_engines import KEY, EngineProcess, assert_holds, noisy_model, publish_bounded, version
@@ -251,7 +253,7 @@ def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_pa
 
         def announce() -> None:  # the bucket whose bytes never come
             try:
-                answer["status"] = httpx.post(
+                answer["status"] = http_calls.post(
                     f"{engine.url}/update_weights_from_distributed",
                     json=body,
                     headers={"Authorization": f"Bearer {KEY}"},
@@ -267,8 +269,8 @@ def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_pa
         while _buckets_handled(engine.url) == handled:  # the handler took the bucket: its receive waits
             assert time.monotonic() < deadline, "the engine never took the announcement"
             time.sleep(0.05)
-        engine.proc.send_signal(signal.SIGTERM)
-        assert engine.proc.wait(HANG_LIMIT_S) == 0  # a regression waits out the 600 s group timeout
+        os.kill(engine.proc.pid, signal.SIGTERM)
+        assert engine.wait(HANG_LIMIT_S) == 0  # a regression waits out the 600 s group timeout
         th.join(HANG_LIMIT_S)
         assert answer.get("status", 500) >= 500 or "error" in answer, answer
     finally:
@@ -278,5 +280,5 @@ def test_engine_whose_sender_vanished_mid_update_stops_on_sigterm(models, tmp_pa
 
 def _buckets_handled(url: str) -> float:
     """Buckets whose handler got the weight lock (the `wait` phase is observed then, before the receive)."""
-    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+    text = http_calls.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     return sample(text, "slipstream_engine_weight_bucket_seconds_count", phase="wait") or 0.0
