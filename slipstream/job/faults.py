@@ -31,6 +31,9 @@ log = logging.getLogger("slipstream.job.faults")
 
 WAIT_S = 120.0
 """Bound on each wait for the driver to repair a fault or the trainer to make progress."""
+START_WAIT_S = 300.0
+"""Bound on the wait for a job's first steps: Ray, the actors' imports and the model loads come first (on a
+2-core box busy with other jobs, a job had not taken its first step after 120 s)."""
 
 
 class JobFailed(AssertionError):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
+import http_calls
 
 
 def stream_objects(url: str, body: dict, api_key: str, timeout: float = 120) -> list[dict]:
     """POST /generate with `body` (which asks to stream) and return its events' JSON objects in order,
     the closing `data: [DONE]` left out."""
-    with httpx.stream(
+    with http_calls.stream(
         "POST", url + "/generate", json=body, headers={"Authorization": f"Bearer {api_key}"}, timeout=timeout
     ) as r:
         return [

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-import httpx
+import http_calls
 from tiny_engine_model import build_noisy_model
 
 from benchmarks.async_vs_sync.measure import EngineSampler
@@ -27,7 +27,9 @@ def test_the_sampler_starts_a_profile_once_the_engine_generated_enough_tokens(tm
         body = {"input_ids": [3, 4, 5], "sampling_params": {"max_new_tokens": 12, "temperature": 0.0}}
         deadline = time.monotonic() + 60
         while not list(profiles.glob("*-summary.txt")) and time.monotonic() < deadline:
-            r = httpx.post(server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"})
+            r = http_calls.post(
+                server.url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}
+            )
             assert r.status_code == 200, r.text
         summaries = list(profiles.glob("*-summary.txt"))
         assert summaries and summaries[0].read_text().startswith("4 steps profiled")

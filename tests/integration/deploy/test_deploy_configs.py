@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import http_calls
 import httpx
 import pytest
 import redis
@@ -220,7 +221,9 @@ def test_real_prometheus_discovers_written_targets(tmp_path, redis_client, job_i
         while True:
             assert proc.poll() is None, "prometheus exited"
             try:
-                active = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets").json()["data"]["activeTargets"]
+                active = http_calls.get(f"http://127.0.0.1:{port}/api/v1/targets").json()["data"][
+                    "activeTargets"
+                ]
             except (httpx.HTTPError, ValueError):  # not up yet, or not ready (a plain-text answer)
                 active = []
             labels = [t["labels"] for t in active if t["labels"].get("job") == job_id]

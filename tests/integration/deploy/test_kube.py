@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import http_calls
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -473,7 +474,7 @@ def test_the_control_api_container_starts_with_the_rendered_command(tmp_path):
         deadline = time.monotonic() + 90
         while True:
             try:
-                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                if http_calls.get(f"{url}/healthz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -481,10 +482,10 @@ def test_the_control_api_container_starts_with_the_rendered_command(tmp_path):
             assert time.monotonic() < deadline, (tmp_path / "api.log").read_text()[-3000:]
             time.sleep(0.3)
         assert stat.S_IMODE((home / "secrets.json").stat().st_mode) == 0o600
-        assert httpx.get(f"{url}/jobs", timeout=10).status_code == 401
-        r = httpx.get(f"{url}/jobs", headers=auth, timeout=30)
+        assert http_calls.get(f"{url}/jobs", timeout=10).status_code == 401
+        r = http_calls.get(f"{url}/jobs", headers=auth, timeout=30)
         assert r.status_code == 200 and r.json() == [], r.text
-        r = httpx.get(f"{url}/metrics", headers=auth, timeout=10)
+        r = http_calls.get(f"{url}/metrics", headers=auth, timeout=10)
         assert r.status_code == 200 and "slipstream_control_scrape_targets" in r.text
     finally:
         proc.terminate()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import http_calls
 import pytest
 
 import jobspec
@@ -168,7 +168,7 @@ def test_the_call_grammar_makes_an_untrained_model_write_valid_calls(engine_url,
 
     def sample(**sp) -> list[dict]:
         body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 120, **sp}}
-        r = httpx.post(engine_url + "/generate", json=body, headers=headers, timeout=120)
+        r = http_calls.post(engine_url + "/generate", json=body, headers=headers, timeout=120)
         assert r.status_code == 200, r.text
         out = r.json()
         return out if isinstance(out, list) else [out]

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import http_calls
 import httpx
 import msgspec
 import pytest
@@ -65,11 +66,11 @@ def fresh_engine(models) -> EngineServer:
 
 
 def post(engine: EngineServer, path: str, body: object = None, **kw) -> httpx.Response:
-    return httpx.post(f"{engine.url}{path}", json=body, headers=AUTH, timeout=60, **kw)
+    return http_calls.post(f"{engine.url}{path}", json=body, headers=AUTH, timeout=60, **kw)
 
 
 def get(engine: EngineServer, path: str) -> httpx.Response:
-    return httpx.get(f"{engine.url}{path}", headers=AUTH, timeout=60)
+    return http_calls.get(f"{engine.url}{path}", headers=AUTH, timeout=60)
 
 
 def prompt_ids(models: Models, text: str) -> list[int]:
@@ -77,7 +78,7 @@ def prompt_ids(models: Models, text: str) -> list[int]:
 
 
 def metric(engine: EngineServer, name: str) -> float:
-    value = sample(httpx.get(f"{engine.url}/metrics").text, name)
+    value = sample(http_calls.get(f"{engine.url}/metrics").text, name)
     assert value is not None, f"{name} not in /metrics"
     return value
 
@@ -241,14 +242,14 @@ def test_logprobs_match_trainer_recomputation(engine, models):
 
 def test_auth(engine):
     body = {"input_ids": [5, 3], "sampling_params": {"max_new_tokens": 1}}
-    r = httpx.post(f"{engine.url}/generate", json=body)
+    r = http_calls.post(f"{engine.url}/generate", json=body)
     assert r.status_code == 401 and r.json() == {"error": {"message": "Unauthorized"}}
-    r = httpx.post(f"{engine.url}/generate", json=body, headers={"Authorization": "Bearer wrong"})
+    r = http_calls.post(f"{engine.url}/generate", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
-    assert httpx.get(f"{engine.url}/get_model_info").status_code == 401
-    assert httpx.post(f"{engine.url}/pause_generation", json={}).status_code == 401
-    assert httpx.get(f"{engine.url}/health").status_code == 200
-    assert httpx.get(f"{engine.url}/metrics").status_code == 200
+    assert http_calls.get(f"{engine.url}/get_model_info").status_code == 401
+    assert http_calls.post(f"{engine.url}/pause_generation", json={}).status_code == 401
+    assert http_calls.get(f"{engine.url}/health").status_code == 200
+    assert http_calls.get(f"{engine.url}/metrics").status_code == 200
     assert post(engine, "/generate", body).status_code == 200
 
 
@@ -271,7 +272,7 @@ def test_bad_requests_get_sglang_error_shapes(engine):
     )
     validation({"input_ids": [1, 2], "sampling_params": {"no_such_key": 1}}, "no_such_key")
     validation({"input_ids": "12"}, "$.input_ids")
-    r = httpx.post(f"{engine.url}/generate", content=b"{not json", headers=AUTH)
+    r = http_calls.post(f"{engine.url}/generate", content=b"{not json", headers=AUTH)
     assert r.status_code == 400 and r.json()["object"] == "error"
 
     def value_error(body: object, needle: str) -> None:
@@ -323,7 +324,7 @@ def test_info_routes(engine, models):
     assert get(engine, "/get_weight_version").json() == {"weight_version": "0"}
     assert get(engine, "/health_generate").status_code == 200
     assert post(engine, "/flush_cache").text.startswith("Cache flushed.")
-    text = httpx.get(f"{engine.url}/metrics").text
+    text = http_calls.get(f"{engine.url}/metrics").text
     for name in (
         "num_running_reqs",
         "num_queue_reqs",

@@ -19,6 +19,7 @@ import concurrent.futures
 import random
 import threading
 
+import http_calls
 import httpx
 import pytest
 import torch
@@ -114,7 +115,7 @@ def _generate(url: str, prompts: list[list[int]], max_new: list[int]) -> list[di
         "input_ids": prompts,
         "sampling_params": [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in max_new],
     }
-    r = httpx.post(f"{url}/generate", json=body, timeout=600)
+    r = http_calls.post(f"{url}/generate", json=body, timeout=600)
     assert r.status_code == 200, f"/generate answered {r.status_code}: {r.text[:500]}"
     return r.json()
 
@@ -148,14 +149,14 @@ def test_weight_updates_racing_new_graph_buckets(tmp_path):
                     k += 1
                     pause = k % 2 == 0
                     if pause:
-                        r = httpx.post(
+                        r = http_calls.post(
                             f"{server.url}/pause_generation", json={"mode": "in_place"}, timeout=120
                         )
                         assert r.status_code == 200, r.text
                     trainer.update(_variant(model, k), str(k), "cuda")
                     published.append(str(k))
                     if pause:
-                        r = httpx.post(f"{server.url}/continue_generation", json={}, timeout=120)
+                        r = http_calls.post(f"{server.url}/continue_generation", json={}, timeout=120)
                         assert r.status_code == 200, r.text
             except BaseException as e:
                 failures.append(e)
@@ -214,7 +215,7 @@ def test_weight_updates_racing_new_graph_buckets(tmp_path):
                 got = torch.tensor(o["output_ids"], device="cuda")
                 assert torch.equal(lp.argmax(-1)[clear], got[clear]), f"prompt of {len(p)} tokens"
         assert server.fatal is None
-        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert http_calls.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
         trainer.close()
         server.stop()

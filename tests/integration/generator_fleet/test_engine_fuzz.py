@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import http_calls
 import httpx
 import pytest
 import schemathesis
@@ -51,7 +52,7 @@ def schema(engine):
 
 
 def post(engine, path: str, body=None, **kw) -> httpx.Response:
-    return httpx.post(f"{engine.url}{path}", json=body, headers=AUTH, timeout=30, **kw)
+    return http_calls.post(f"{engine.url}{path}", json=body, headers=AUTH, timeout=30, **kw)
 
 
 def assert_4xx(r: httpx.Response, status: int, *words: str) -> str:
@@ -90,7 +91,7 @@ def test_fuzz_every_route(engine, schema):
     assert not run.problems, "\n".join(run.problems)
     assert run.cases > 300
     assert any(400 <= s < 500 for s in run.by_status) and 200 in run.by_status
-    assert httpx.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200
+    assert http_calls.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_every_route_but_health_and_metrics_needs_the_key(engine, schema):
@@ -98,7 +99,7 @@ def test_every_route_but_health_and_metrics_needs_the_key(engine, schema):
     assert len(routes) > 15
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-            r = httpx.request(method, f"{engine.url}{path}", headers=headers, timeout=30)
+            r = http_calls.request(method, f"{engine.url}{path}", headers=headers, timeout=30)
             if (method, path) in PUBLIC:
                 assert r.status_code == 200, (method, path, r.status_code)
             else:
@@ -107,20 +108,20 @@ def test_every_route_but_health_and_metrics_needs_the_key(engine, schema):
 
 def test_body_over_the_limit_is_413(engine):
     big = b'{"text": "' + b"a" * MAX_BODY_BYTES + b'"}'
-    r = httpx.post(f"{engine.url}/generate", content=big, headers=AUTH, timeout=30)
+    r = http_calls.post(f"{engine.url}/generate", content=big, headers=AUTH, timeout=30)
     assert_4xx(r, 413, f"{MAX_BODY_BYTES} bytes")
 
     def chunks():  # no Content-Length: refused while it is read
         for _ in range(4):
             yield b"x" * (MAX_BODY_BYTES // 2)
 
-    r = httpx.post(f"{engine.url}/generate", content=chunks(), headers=AUTH, timeout=30)
+    r = http_calls.post(f"{engine.url}/generate", content=chunks(), headers=AUTH, timeout=30)
     assert_4xx(r, 413, f"{MAX_BODY_BYTES} bytes")
     # Under the limit still works, and the key is checked before the size.
     assert post(
         engine, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
     ).is_success
-    r = httpx.post(f"{engine.url}/generate", content=big, timeout=30)
+    r = http_calls.post(f"{engine.url}/generate", content=big, timeout=30)
     assert r.status_code == 401
 
 
@@ -138,7 +139,7 @@ def test_max_new_tokens_beyond_the_context_is_400(engine):
 
 
 def healthy(engine) -> bool:
-    return httpx.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200
+    return http_calls.get(f"{engine.url}/health_generate", headers=AUTH, timeout=30).status_code == 200
 
 
 def test_huge_n_or_batch_is_400_not_a_stalled_engine(engine):
@@ -189,4 +190,6 @@ def test_bad_weight_group_fields_are_400_naming_the_field(engine, field, value, 
 
 
 def get_groups(engine) -> list[str]:
-    return httpx.get(f"{engine.url}/server_info", headers=AUTH, timeout=30).json()["weight_update_groups"]
+    return http_calls.get(f"{engine.url}/server_info", headers=AUTH, timeout=30).json()[
+        "weight_update_groups"
+    ]

@@ -13,7 +13,7 @@ import sys
 import threading
 from pathlib import Path
 
-import httpx
+import http_calls
 import pytest
 from raw_http import connect, read_until_closed, send_chunks, trickling
 
@@ -72,7 +72,7 @@ def engine(tiny_model_dir):
 def test_warns_when_serving_without_a_key_on_loopback(engine):
     url, err = engine
     assert any("WARNING" in e and "no API key" in e and "SLIPSTREAM_ENGINE_API_KEY" in e for e in err), err
-    assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200  # served, unauthenticated
+    assert http_calls.post(f"{url}/flush_cache", timeout=30).status_code == 200  # served, unauthenticated
 
 
 def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
@@ -81,14 +81,14 @@ def test_slow_request_heads_are_closed_and_a_normal_request_still_works(engine):
     for s in socks:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
     # Over the concurrency limit: a complete request is refused with 503 instead of piling up.
-    r = httpx.get(f"{url}/health", timeout=30)
+    r = http_calls.get(f"{url}/health", timeout=30)
     assert r.status_code == 503, r.text
     with trickling(socks):  # a slowloris keeps each connection busy with a byte a second
         for s in socks:
             assert read_until_closed(s) == b""  # closed (recv would block until BOUND_S otherwise)
-    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    assert http_calls.get(f"{url}/health", timeout=30).status_code == 200
     body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
-    assert httpx.post(f"{url}/generate", json=body, timeout=60).status_code == 200
+    assert http_calls.post(f"{url}/generate", json=body, timeout=60).status_code == 200
 
 
 def test_a_stalled_request_body_gets_408(engine):

@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+import http_calls
 import msgspec
 import pytest
 import torch
@@ -98,7 +98,7 @@ def _headers() -> dict[str, str]:
 
 
 def generate(url: str, n: int, prompt: list[int] = PROMPT) -> dict:
-    r = httpx.post(
+    r = http_calls.post(
         f"{url}/generate",
         json={"input_ids": prompt, "sampling_params": _greedy(n)},
         headers=_headers(),
@@ -113,7 +113,7 @@ def internal(client: EngineClient, url: str) -> dict:
 
 
 def metrics(url: str) -> str:
-    return httpx.get(f"{url}/metrics", timeout=10).text
+    return http_calls.get(f"{url}/metrics", timeout=10).text
 
 
 @pytest.fixture
@@ -157,9 +157,9 @@ def test_requests_sent_while_released_wait_and_complete_after_resume(url, client
             time.sleep(0.02)
         time.sleep(0.3)
         assert not any(c.done() for c in calls)
-        r = httpx.get(f"{url}/health_generate", headers=_headers(), timeout=30)
+        r = http_calls.get(f"{url}/health_generate", headers=_headers(), timeout=30)
         assert r.status_code == 503 and "released" in r.text
-        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # alive, just not generating
+        assert http_calls.get(f"{url}/health", timeout=10).status_code == 200  # alive, just not generating
         # Weights back (the colocated order: weights, then the update, then the rest): still waiting.
         client.resume_memory_occupation(url, ["weights"])
         time.sleep(0.3)
@@ -175,7 +175,7 @@ def test_a_request_in_flight_at_release_is_retracted_and_completes_after_resume(
     n = 400
     expected = generate(url, n)["output_ids"]  # uninterrupted (the 24-token prefix is checked above)
     body = {"input_ids": PROMPT, "sampling_params": _greedy(n), "stream": True}
-    with httpx.stream("POST", f"{url}/generate", json=body, headers=_headers(), timeout=120) as resp:
+    with http_calls.stream("POST", f"{url}/generate", json=body, headers=_headers(), timeout=120) as resp:
         lines = resp.iter_lines()
         first = next(line for line in lines if line.startswith("data:"))
         assert json.loads(first.removeprefix("data:"))["meta_info"]["finish_reason"] is None  # running
@@ -215,7 +215,7 @@ def test_a_request_paused_in_place_is_retracted_by_a_release(url, client):
 def test_weight_updates_are_refused_while_the_weights_are_released(url, client, models, reference):
     path_b, _ = models["b"]
     client.release_memory_occupation(url)
-    r = httpx.post(
+    r = http_calls.post(
         f"{url}/update_weights_from_disk", json={"model_path": str(path_b)}, headers=_headers(), timeout=60
     )
     assert r.status_code == 400 and r.json()["success"] is False
@@ -317,23 +317,23 @@ def test_the_routes_take_sglangs_payloads_and_answer_its_errors(url, client, eng
     assert msgspec.json.encode(MemoryOccupation()) == b"{}"
     assert msgspec.json.decode(b'{"tags": ["weights"]}', type=MemoryOccupation).tags == ["weights"]
     # SGLang's api_route takes GET as well as POST; an empty body means all tags.
-    r = httpx.get(f"{url}/release_memory_occupation", headers=_headers(), timeout=60)
+    r = http_calls.get(f"{url}/release_memory_occupation", headers=_headers(), timeout=60)
     assert r.status_code == 200 and r.json()["released"] == list(TAGS)
-    r = httpx.post(f"{url}/resume_memory_occupation", content=b"", headers=_headers(), timeout=60)
+    r = http_calls.post(f"{url}/resume_memory_occupation", content=b"", headers=_headers(), timeout=60)
     assert r.status_code == 200 and r.json()["resumed"] == list(TAGS)
     # An unknown tag: SGLang's 400 {"error": {"message"}} naming it, and nothing released.
-    r = httpx.post(
+    r = http_calls.post(
         f"{url}/release_memory_occupation", json={"tags": ["kv_cache", "activations"]}, headers=_headers()
     )
     assert r.status_code == 400 and "activations" in r.json()["error"]["message"]
     assert client.server_info(url)["memory_released"] == []
     with pytest.raises(Refused, match="HTTP 400"):
         client.release_memory_occupation(url, ["gpu"])
-    r = httpx.post(f"{url}/release_memory_occupation", json={"tags": "kv_cache"}, headers=_headers())
+    r = http_calls.post(f"{url}/release_memory_occupation", json={"tags": "kv_cache"}, headers=_headers())
     assert r.status_code == 400
     # Behind the key like every control route.
-    assert httpx.post(f"{url}/release_memory_occupation", json={}).status_code == 401
-    assert httpx.post(f"{url}/resume_memory_occupation", json={}).status_code == 401
+    assert http_calls.post(f"{url}/release_memory_occupation", json={}).status_code == 401
+    assert http_calls.post(f"{url}/resume_memory_occupation", json={}).status_code == 401
     assert client.server_info(url)["memory_released"] == []
     # One log line per state change.
     text = log_path.read_text()
@@ -386,7 +386,7 @@ def test_on_cuda_a_release_gives_the_memory_back_and_a_resume_restores_it(tmp_pa
             prompts = [[3 + i, 4, 5, 6 + i] for i in range(8)]
 
             def batch() -> list[list[int]]:
-                r = httpx.post(
+                r = http_calls.post(
                     f"{server.url}/generate",
                     json={"input_ids": prompts, "sampling_params": _greedy(64)},
                     headers=_headers(),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import http_calls
 import pytest
 from tiny_engine_model import build_noisy_model, greedy_reference
 from tiny_engine_model import greedy_params as greedy
@@ -120,7 +121,6 @@ def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
     """What a rollout worker does: /generate a turn, then the next with the response and a tool's output
     appended; meta_info.cached_tokens and /metrics count the prompt tokens the cache served, /metrics the
     tokens it holds; /flush_cache empties it."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     from generator_fleet.engine import EngineServer
@@ -132,7 +132,7 @@ def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
 
         def generate(ids: list[int], cached: int) -> list[int]:
             body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
-            r = httpx.post(server.url + "/generate", json=body, headers=headers, timeout=60)
+            r = http_calls.post(server.url + "/generate", json=body, headers=headers, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["meta_info"]["cached_tokens"] == cached
             return r.json()["output_ids"]
@@ -140,8 +140,8 @@ def test_an_episode_over_http_hits_the_cache_and_metrics_say_so(model):
         prompt = [3 + i % 10 for i in range(40)]
         ids = prompt + generate(prompt, cached=0) + [4, 5, 6]
         generate(ids, cached=32)
-        text = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
-        r = httpx.post(server.url + "/flush_cache", headers=headers, timeout=10)
+        text = http_calls.get(server.url + "/metrics", headers=headers, timeout=10).text
+        r = http_calls.post(server.url + "/flush_cache", headers=headers, timeout=10)
         assert r.status_code == 200 and r.text.startswith("Cache flushed.")
         generate(ids, cached=0)  # computed again: the flush emptied the cache
     finally:

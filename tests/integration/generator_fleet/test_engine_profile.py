@@ -9,7 +9,7 @@ import gzip
 import json
 import time
 
-import httpx
+import http_calls
 import pytest
 from tiny_engine_model import build_noisy_model
 
@@ -27,7 +27,7 @@ def model(tmp_path_factory):
 
 
 def _post(server, path, body=None):
-    return httpx.post(server.url + path, json=body, headers=HEADERS, timeout=60)
+    return http_calls.post(server.url + path, json=body, headers=HEADERS, timeout=60)
 
 
 def _files(d, timeout_s=60.0):

@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import http_calls
 import httpx
 import pytest
 import torch
@@ -98,7 +99,7 @@ def test_an_unhealthy_engine_stops_itself(model_dir, monkeypatch):
     served = threading.Thread(target=server.serve_forever)
     served.start()
     try:
-        r = httpx.post(f"{server.url}/generate", json=GENERATE, timeout=60)
+        r = http_calls.post(f"{server.url}/generate", json=GENERATE, timeout=60)
         assert r.status_code == 503 and STICKY in r.text
         served.join(120)
         assert not served.is_alive()
@@ -114,9 +115,9 @@ def test_a_failing_step_that_is_no_cuda_fault_leaves_the_engine_serving(model_di
     monkeypatch.delenv(FAULT_ENV)
     try:
         # (one connection per call: the server closes the one a 500 went out on)
-        assert httpx.post(f"{server.url}/generate", json=GENERATE, timeout=60).status_code == 500
-        assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
-        assert httpx.post(f"{server.url}/generate", json=GENERATE, timeout=60).status_code == 200
+        assert http_calls.post(f"{server.url}/generate", json=GENERATE, timeout=60).status_code == 500
+        assert http_calls.get(f"{server.url}/health", timeout=60).status_code == 200
+        assert http_calls.post(f"{server.url}/generate", json=GENERATE, timeout=60).status_code == 200
         assert server.fatal is None
     finally:
         server.stop()
@@ -143,7 +144,7 @@ def test_the_engine_process_exits_non_zero_with_the_cause(model_dir, tmp_path):
         line = proc.stdout.readline()
         assert line.startswith("engine ready at "), (line, log_path.read_text())
         url = line.removeprefix("engine ready at ").strip()
-        r = httpx.post(f"{url}/generate", json=GENERATE, timeout=60)
+        r = http_calls.post(f"{url}/generate", json=GENERATE, timeout=60)
         assert r.status_code == 503 and STICKY in r.text
         code = proc.wait(120)
     finally:

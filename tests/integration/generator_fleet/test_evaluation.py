@@ -8,7 +8,7 @@ import asyncio
 import json
 import random
 
-import httpx
+import http_calls
 import msgspec
 import pytest
 import torch
@@ -272,7 +272,7 @@ def bumps_the_version(problem, response, format_weight):
     update landed while the evaluation ran."""
     if not _bump.get("done"):
         _bump["done"] = True
-        httpx.post(
+        http_calls.post(
             f"{_bump['url']}/update_weight_version",
             json={"new_version": "7"},
             headers={"Authorization": f"Bearer {KEY}"},

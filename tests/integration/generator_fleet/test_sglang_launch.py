@@ -12,7 +12,7 @@ import asyncio
 import json
 import os
 
-import httpx
+import http_calls
 import pytest
 from fake_router import FakeRouter
 from registry_helpers import live
@@ -77,7 +77,9 @@ def test_launched_server_serves_registers_and_stops(
         res = generate(server.url, [1, 5, 6])
         assert len(res.output_ids) == 4 and res.finish_reason == "length"
         assert res.weight_version == "0" and res.token_versions == [0] * 4  # --weight-version 0
-        info = httpx.get(f"{server.url}/get_server_info", headers={"Authorization": f"Bearer {KEY}"}).json()
+        info = http_calls.get(
+            f"{server.url}/get_server_info", headers={"Authorization": f"Bearer {KEY}"}
+        ).json()
         assert info["served_model_name"] == "tiny" and info["context_length"] == 256
         log_text = server.log_path.read_text()
         assert "--api-key ***" in log_text.splitlines()[0] and KEY not in log_text.splitlines()[0]
@@ -183,7 +185,7 @@ def test_router_in_front_takes_requests_while_workers_stay_reachable(external, r
         assert [len(r.output_ids) for r in asyncio.run(mixed_batch())] == [4, 2, 4]
         assert router.requests == 2 and router.versions == ["0"] * 3
         # Control calls (here a version bump) go to the worker itself; the router's traffic shows them.
-        httpx.post(
+        http_calls.post(
             f"{external.url}/update_weight_version",
             json={"new_version": "3"},
             headers={"Authorization": f"Bearer {KEY}"},
@@ -192,7 +194,7 @@ def test_router_in_front_takes_requests_while_workers_stay_reachable(external, r
         router_remove_worker(router.url, external.url, KEY)
         assert router_workers(router.url, KEY) == []
     finally:
-        httpx.post(
+        http_calls.post(
             f"{external.url}/update_weight_version",
             json={"new_version": "0"},
             headers={"Authorization": f"Bearer {KEY}"},

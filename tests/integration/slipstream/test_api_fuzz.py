@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 
+import http_calls
 import httpx
 import pytest
 import schemathesis
@@ -104,7 +105,9 @@ def test_every_route_but_health_and_docs_needs_the_token(api, schema):
     assert len(routes) >= 8
     for method, path in routes + sorted(PUBLIC):
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
-            r = httpx.request(method, url + path.replace("{name}", JOB), headers=headers, json={}, timeout=30)
+            r = http_calls.request(
+                method, url + path.replace("{name}", JOB), headers=headers, json={}, timeout=30
+            )
             if (method, path) in PUBLIC:
                 assert r.status_code == 200, (method, path, r.status_code)
             else:
@@ -113,9 +116,9 @@ def test_every_route_but_health_and_docs_needs_the_token(api, schema):
 
 def test_body_over_1_mib_is_413(api):
     url, _ = api
-    r = httpx.post(f"{url}/jobs", headers=AUTH, json={"spec": "x" * MAX_BODY_BYTES}, timeout=30)
+    r = http_calls.post(f"{url}/jobs", headers=AUTH, json={"spec": "x" * MAX_BODY_BYTES}, timeout=30)
     assert_4xx(r, 413, f"{MAX_BODY_BYTES} bytes")
-    r = httpx.post(f"{url}/jobs", headers=AUTH, json={"spec": "0"}, timeout=30)
+    r = http_calls.post(f"{url}/jobs", headers=AUTH, json={"spec": "0"}, timeout=30)
     assert_4xx(r, 422, "mapping")
 
 
@@ -123,7 +126,7 @@ def test_body_over_1_mib_is_413(api):
 
 
 def submit(url: str, **body) -> httpx.Response:
-    return httpx.post(f"{url}/jobs", headers=AUTH, json=body, timeout=30)
+    return http_calls.post(f"{url}/jobs", headers=AUTH, json=body, timeout=30)
 
 
 def test_refused_operations_are_in_the_schema(api, schema):
@@ -134,7 +137,7 @@ def test_refused_operations_are_in_the_schema(api, schema):
     assert responses["422"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorBody"
     }
-    r = httpx.post(f"{url}/jobs/{JOB}/scale", headers=AUTH, json={}, timeout=30)
+    r = http_calls.post(f"{url}/jobs/{JOB}/scale", headers=AUTH, json={}, timeout=30)
     assert_4xx(r, 422, "generators and/or trainers")
 
 
@@ -174,6 +177,6 @@ def test_scale_beyond_any_cluster_is_422_and_changes_nothing(api):
     _running_job(control)
     before = control.store.desired(JOB)
     for key in ("generators", "trainers"):
-        r = httpx.post(f"{url}/jobs/{JOB}/scale", headers=AUTH, json={key: 10**30}, timeout=30)
+        r = http_calls.post(f"{url}/jobs/{JOB}/scale", headers=AUTH, json={key: 10**30}, timeout=30)
         assert_4xx(r, 422, "4096")
     assert control.store.desired(JOB) == before

@@ -11,6 +11,7 @@ import signal
 import time
 from contextlib import contextmanager
 
+import http_calls
 import httpx
 import pytest
 from cluster_helpers import control_with_redis, serving
@@ -45,7 +46,7 @@ def api(tmp_path):
 
 def _get(url: str, path: str) -> tuple[httpx.Response, float]:
     t0 = time.monotonic()
-    r = httpx.get(f"{url}{path}", headers=AUTH, timeout=60)
+    r = http_calls.get(f"{url}{path}", headers=AUTH, timeout=60)
     return r, time.monotonic() - t0
 
 

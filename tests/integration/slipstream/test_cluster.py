@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import httpx
+import http_calls
 import psutil
 import pytest
 import redis
@@ -105,9 +105,9 @@ def test_ray_job_api_needs_the_token(info):
         info.dashboard_url, headers={"Authorization": f"Bearer {info.ray_auth_token}"}
     )
     assert isinstance(client.list_jobs(), list)
-    assert httpx.get(f"{info.dashboard_url}/api/jobs/").status_code == 401
+    assert http_calls.get(f"{info.dashboard_url}/api/jobs/").status_code == 401
     wrong = {"Authorization": "Bearer " + "0" * 64}
-    assert httpx.get(f"{info.dashboard_url}/api/jobs/", headers=wrong).status_code == 403
+    assert http_calls.get(f"{info.dashboard_url}/api/jobs/", headers=wrong).status_code == 403
 
 
 def test_a_ray_job_connects_to_the_cluster_with_ray_env(info):
@@ -126,7 +126,7 @@ def test_a_ray_job_connects_to_the_cluster_with_ray_env(info):
 
 
 def test_control_api_answers(info):
-    assert httpx.get(f"{info.api_url}/healthz").json() == {"status": "ok"}
+    assert http_calls.get(f"{info.api_url}/healthz").json() == {"status": "ok"}
 
 
 def test_status_reports_every_service_alive(info, home):
@@ -137,8 +137,8 @@ def test_status_reports_every_service_alive(info, home):
 
 @pytest.mark.skipif(cluster.prometheus_binary() is None, reason="no `prometheus` binary on PATH")
 def test_prometheus_runs_with_the_rendered_config(info, home):
-    assert httpx.get(f"{info.prometheus_url}/-/ready").status_code == 200
-    loaded = httpx.get(f"{info.prometheus_url}/api/v1/status/config").json()["data"]["yaml"]
+    assert http_calls.get(f"{info.prometheus_url}/-/ready").status_code == 200
+    loaded = http_calls.get(f"{info.prometheus_url}/api/v1/status/config").json()["data"]["yaml"]
     assert f"{info.ray_temp_dir}/prom_metrics_service_discovery.json" in loaded
     assert "targets/*.json" in loaded
     assert (home / "prometheus" / "targets").is_dir()

@@ -11,6 +11,7 @@ import errno
 import os
 import time
 
+import http_calls
 import pytest
 import ray
 import torch
@@ -182,7 +183,6 @@ def test_another_class_in_between_starts_the_count_again():
 
 
 def test_the_driver_serves_the_restarts_metric_where_prometheus_finds_it(redis_server, redis_client, job_id):
-    import httpx
 
     from replay_buffer.keys import JobKeys
     from slipstream.job.actors import serve_metrics
@@ -191,5 +191,5 @@ def test_the_driver_serves_the_restarts_metric_where_prometheus_finds_it(redis_s
     address = redis_client.hget(JobKeys(job_id).metrics_targets, "driver")
     assert address is not None  # file_sd lists it as replica `driver` (slipstream/cluster/targets.py)
     address = address.decode() if isinstance(address, bytes) else address
-    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    text = http_calls.get(f"http://{address}/metrics", timeout=10).text
     assert "# TYPE slipstream_job_restarts_total counter" in text

@@ -6,7 +6,7 @@ and never overlaps another publish."""
 import threading
 import time
 
-import httpx
+import http_calls
 import pytest
 import torch
 from bus_engines import AUTH, KEY, assert_holds, noisy_model, version
@@ -26,7 +26,7 @@ def _greedy(url: str) -> list[int]:
         "input_ids": PROMPT,
         "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True},
     }
-    r = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=60)
+    r = http_calls.post(url + "/generate", json=body, headers=AUTH, timeout=60)
     r.raise_for_status()
     return r.json()["output_ids"]
 
@@ -77,12 +77,12 @@ def test_publish_swaps_weights_on_every_engine(engines, tmp_path, bucket_bytes, 
         assert after == [expected, expected] and after != before
         for u in urls:
             assert version(u) == "7"
-            info = httpx.get(u + "/get_server_info", headers=AUTH).json()
+            info = http_calls.get(u + "/get_server_info", headers=AUTH).json()
             assert not info["internal_states"][0]["paused"]
     finally:
         bus.close()
     for s in servers:  # close() left the group on every engine
-        assert httpx.get(s.url + "/get_server_info", headers=AUTH).json()["weight_update_groups"] == []
+        assert http_calls.get(s.url + "/get_server_info", headers=AUTH).json()["weight_update_groups"] == []
 
 
 def test_weights_are_cast_to_the_engine_dtype_and_gathered_lazily(model_dir, tmp_path):
@@ -120,7 +120,7 @@ def _start_long_request(url: str) -> tuple[threading.Thread, dict]:
             "input_ids": PROMPT,
             "sampling_params": {"temperature": 0, "max_new_tokens": LONG, "ignore_eos": True},
         }
-        out["res"] = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=DEADLINE_S).json()
+        out["res"] = http_calls.post(url + "/generate", json=body, headers=AUTH, timeout=DEADLINE_S).json()
 
     th = threading.Thread(target=run)
     th.start()

@@ -5,7 +5,7 @@ failure is counted."""
 
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import http_calls
 import pytest
 from bus_engines import AUTH, KEY, EngineProcess
 
@@ -21,7 +21,7 @@ def _released(client: EngineClient, url: str) -> list[str]:
 
 def _generates(url: str) -> bool:
     body = {"input_ids": [[1, 2, 3]], "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
-    resp = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=60)
+    resp = http_calls.post(url + "/generate", json=body, headers=AUTH, timeout=60)
     return resp.status_code == 200 and len(resp.json()[0]["output_ids"]) == 2
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+import http_calls
 import msgspec
 import pytest
 import torch
@@ -129,7 +129,7 @@ def test_publish_over_ipc_bit_for_bit_and_ring_reused(engines, tmp_path):
         for e in engines:
             _assert_holds(e.weights(), named)
             assert version(e.url) == "14"
-            text = httpx.get(e.url + "/metrics").text  # the engine observes each bucket's phases
+            text = http_calls.get(e.url + "/metrics").text  # the engine observes each bucket's phases
             assert sample(text, "slipstream_engine_weight_updates_total") >= 4 * len(named)
             for phase in ("wait", "receive", "load"):
                 n = sample(text, "slipstream_engine_weight_bucket_seconds_count", phase=phase)
@@ -211,7 +211,7 @@ def test_route_refuses_with_the_reason(engines, tmp_path):
         ({"serialized_named_tensors": [evil]}, "os.system is not allowed"),
     ]  # fmt: skip
     for body, reason in cases:
-        r = httpx.post(
+        r = http_calls.post(
             url + "/update_weights_from_tensor", json={**body, "weight_version": "x"}, headers=AUTH
         )
         assert r.status_code == 400, body
@@ -245,7 +245,7 @@ def test_route_loads_a_payload_it_keeps_by_reference(engines, tmp_path):
         unknown = ipc.PAYLOAD_REF + "0" * 32
         bad = [unknown, _payload(None, [("nope.weight", torch.ones(2))])[0], ref]  # the failure drops ref
         for body in bad:
-            r = httpx.post(
+            r = http_calls.post(
                 url + "/update_weights_from_tensor",
                 json={"serialized_named_tensors": [body], "weight_version": "x"},
                 headers=AUTH,
@@ -264,7 +264,7 @@ def test_refused_name_is_bus_error_and_engines_continue(engines, tmp_path):
     try:
         with pytest.raises(BusError, match="no.such.weight"):
             bus.publish(iter(named), version=31)
-        info = httpx.get(engines[0].url + "/get_server_info", headers=AUTH).json()
+        info = http_calls.get(engines[0].url + "/get_server_info", headers=AUTH).json()
         assert info["internal_states"][0]["paused"] is False
         assert version(engines[0].url) != "31"
         stats = bus.publish(model.state_dict().items(), version=32)  # the ring is usable again
@@ -559,9 +559,9 @@ def test_direct_publish_on_cuda_answers_with_an_event_and_sends_references(model
             got = engine.weights()
             for n, t in named.items():
                 assert torch.equal(got[n], t.cpu()), (v, n)
-        text = httpx.get(engine.url + "/metrics").text
+        text = http_calls.get(engine.url + "/metrics").text
         assert sample(text, "slipstream_engine_ipc_payloads_total", how="ref") == 2
-        r = httpx.post(
+        r = http_calls.post(
             engine.url + "/generate",
             json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
             headers=AUTH,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import os
 
-import httpx
+import http_calls
 import pytest
 import torch
 from bus_engines import KEY, noisy_model, version
@@ -33,7 +33,7 @@ def _payloads(url: str, how: str) -> float:
     to a payload it keeps, which the bus sends a built-in engine in the payload's place)."""
     if how == "repeat":
         return _payloads(url, "kept") + _payloads(url, "ref")
-    text = httpx.get(url + "/metrics").text
+    text = http_calls.get(url + "/metrics").text
     return sample(text, "slipstream_engine_ipc_payloads_total", how=how) or 0.0
 
 

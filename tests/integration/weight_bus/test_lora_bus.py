@@ -11,7 +11,7 @@ import copy
 import json
 import threading
 
-import httpx
+import http_calls
 import pytest
 import torch
 from bus_engines import AUTH, KEY, EngineProcess, engine_weights, version
@@ -64,7 +64,7 @@ def greedy(url: str, lora_path: str | None = None) -> list[int]:
         "sampling_params": {"temperature": 0, "max_new_tokens": N, "ignore_eos": True},
         **({"lora_path": lora_path} if lora_path else {}),
     }
-    r = httpx.post(url + "/generate", json=body, headers=AUTH, timeout=60)
+    r = http_calls.post(url + "/generate", json=body, headers=AUTH, timeout=60)
     r.raise_for_status()
     return r.json()["output_ids"]
 

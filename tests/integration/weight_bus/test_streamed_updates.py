@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 
-import httpx
+import http_calls
 import pytest
 import torch
 from bus_engines import AUTH, KEY, EngineProcess, assert_holds, noisy_model, publish_bounded, version
@@ -47,8 +47,8 @@ def engines(models):
 def test_updates_after_the_first_stream_into_the_arena_bit_for_bit(engines, models, bucket_bytes):
     _, ms = models
     urls = [s.url for s in engines]
-    layout = httpx.get(urls[0] + "/weight_layout", headers=AUTH).json()
-    info = httpx.get(urls[0] + "/get_server_info", headers=AUTH).json()
+    layout = http_calls.get(urls[0] + "/weight_layout", headers=AUTH).json()
+    info = http_calls.get(urls[0] + "/get_server_info", headers=AUTH).json()
     assert info["weight_layout"] == layout["digest"]
     names = [e[0] for e in layout["entries"]]
     assert "lm_head.weight" in names and "model.embed_tokens.weight" in names  # tied: one range, two names
@@ -335,13 +335,13 @@ def test_a_streamed_update_refused_before_any_byte_leaves_the_engine_generating(
     """No such group, or a layout that is not the engine's: refused before anything is received, so the
     serving weights are whole and generation goes on (only a receive that wrote them pauses the engine)."""
     url = engines[0].url
-    layout = httpx.get(url + "/weight_layout", headers=AUTH).json()
+    layout = http_calls.get(url + "/weight_layout", headers=AUTH).json()
     for group, digest in (("no-such-group", layout["digest"]), ("no-such-group", "not-this-layout")):
         body = {
             "names": [], "dtypes": [], "shapes": [], "group_name": group, "layout": digest,
             "stream": [{"offset": 0, "nbytes": layout["nbytes"]}], "weight_version": "99",
         }  # fmt: skip
-        r = httpx.post(url + "/update_weights_from_distributed", json=body, headers=AUTH, timeout=30)
+        r = http_calls.post(url + "/update_weights_from_distributed", json=body, headers=AUTH, timeout=30)
         assert r.status_code == 400 and not r.json()["success"]
         assert not engines[0].runner.paused and version(url) != "99"
-        assert httpx.get(url + "/health_generate", headers=AUTH, timeout=30).status_code == 200
+        assert http_calls.get(url + "/health_generate", headers=AUTH, timeout=30).status_code == 200

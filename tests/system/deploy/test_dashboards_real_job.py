@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import http_calls
 import httpx
 import pytest
 import redis
@@ -130,11 +131,11 @@ def _stop_when_scraped(base: str, run_dir: Path, stop: threading.Event) -> None:
 
 def _query(base: str, expr: str) -> list[dict]:
     """An instant query's result vector."""
-    return httpx.get(f"{base}/api/v1/query", params={"query": expr}).json()["data"]["result"]
+    return http_calls.get(f"{base}/api/v1/query", params={"query": expr}).json()["data"]["result"]
 
 
 def _query_range(base: str, expr: str, start: float, end: float) -> list[dict]:
-    resp = httpx.get(
+    resp = http_calls.get(
         f"{base}/api/v1/query_range", params={"query": expr, "start": start, "end": end, "step": SCRAPE_S}
     )
     body = resp.json()
@@ -165,7 +166,7 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
         while True:
             assert prom.poll() is None, "prometheus exited"
             try:
-                if httpx.get(f"{base}/-/ready").status_code == 200:
+                if http_calls.get(f"{base}/-/ready").status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -215,7 +216,7 @@ def test_every_panel_query_returns_data_from_a_real_job(tmp_path, tiny_model_dir
             for v in board["templating"]["list"]:
                 m = re.fullmatch(r"label_values\((.*), (\w+)\)", v["query"]["query"])
                 selector, label = _substitute(m.group(1)), m.group(2)
-                resp = httpx.get(
+                resp = http_calls.get(
                     f"{base}/api/v1/label/{label}/values",
                     params={"match[]": selector, "start": start, "end": end},
                 ).json()

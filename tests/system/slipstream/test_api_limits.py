@@ -11,7 +11,7 @@ import socket
 import threading
 from pathlib import Path
 
-import httpx
+import http_calls
 from raw_http import connect, read_until_closed, send_chunks, trickling
 
 from slipstream.cluster.api import MAX_BODY_BYTES
@@ -61,12 +61,12 @@ def test_a_chunked_upload_without_the_token_is_refused_before_it_is_read(info):
     assert sent < BODY  # the server closed the connection instead of reading on
     assert after["VmHWM"] - before["VmRSS"] < (BODY >> 10) // 4  # peak memory did not grow by the body
     # The API still serves.
-    assert httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30).status_code == 200
+    assert http_calls.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30).status_code == 200
 
 
 def test_invalid_json_without_the_token_is_401(info):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
-        r = httpx.post(
+        r = http_calls.post(
             f"{info.api_url}/jobs",
             content=b'{"spec": not json',
             headers={**headers, "Content-Type": "application/json"},
@@ -74,7 +74,7 @@ def test_invalid_json_without_the_token_is_401(info):
         )
         assert r.status_code == 401, r.text
         assert "token" in r.json()["detail"] and r.headers["www-authenticate"] == "Bearer"
-    r = httpx.post(
+    r = http_calls.post(
         f"{info.api_url}/jobs",
         content=b'{"spec": not json',
         headers={**_auth(info), "Content-Type": "application/json"},
@@ -90,7 +90,7 @@ def test_a_chunked_body_over_the_limit_with_the_token_is_413(info):
             yield b"a" * (MAX_BODY_BYTES // 2)
         yield b'"}'
 
-    r = httpx.post(
+    r = http_calls.post(
         f"{info.api_url}/jobs",
         content=chunks(),
         headers={**_auth(info), "Content-Type": "application/json"},
@@ -100,7 +100,7 @@ def test_a_chunked_body_over_the_limit_with_the_token_is_413(info):
     assert f"{MAX_BODY_BYTES} bytes" in r.json()["detail"]
     assert r.headers["connection"] == "close"
     # Under the limit, chunked or not, the body is read (and this spec text is refused on its merits).
-    r = httpx.post(
+    r = http_calls.post(
         f"{info.api_url}/jobs",
         content=iter([b'{"spec": "', b"a" * 1000, b'"}']),
         headers={**_auth(info), "Content-Type": "application/json"},
@@ -115,8 +115,8 @@ def test_slow_partial_requests_are_closed_and_a_normal_request_still_works(info)
         s.sendall(b"POST /jobs HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
     with trickling(socks):  # a slowloris keeps each connection busy with a byte a second
         # While they are open, a normal request is served.
-        r = httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30)
+        r = http_calls.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30)
         assert r.status_code == 200
         for s in socks:  # each is closed by the server (recv would block until BOUND_S otherwise)
             assert read_until_closed(s) == b""
-    assert httpx.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30).status_code == 200
+    assert http_calls.get(f"{info.api_url}/jobs", headers=_auth(info), timeout=30).status_code == 200

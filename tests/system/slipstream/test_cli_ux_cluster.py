@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-import httpx
+import http_calls
 import redis
 from cluster_helpers import JOB_TIMEOUT_S, wait_for
 
@@ -76,7 +76,7 @@ buffer: {{max_staleness: 1}}
     assert len(set(seen)) > 1, f"status froze at version {seen[:1]} while the generators scaled"
 
     # Ray's log of the job carries the actors' colours; `slipstream logs` shows it without them
-    raw = httpx.get(
+    raw = http_calls.get(
         f"{info.dashboard_url}/api/jobs/{st['ray_job_id']}/logs",
         headers={"Authorization": f"Bearer {info.ray_auth_token}"},
         timeout=30,

@@ -7,7 +7,7 @@ to tell a rise from noise: it checks that every version reaches both engines).""
 
 from pathlib import Path
 
-import httpx
+import http_calls
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,7 +75,7 @@ class Scraper:
         finally:
             r.close()
         for replica in self.REPLICAS:
-            text = httpx.get(f"http://{targets[replica]}/metrics", timeout=10).text
+            text = http_calls.get(f"http://{targets[replica]}/metrics", timeout=10).text
             self.samples[replica] = [
                 (s.name, s.labels, s.value)
                 for fam in text_string_to_metric_families(text)

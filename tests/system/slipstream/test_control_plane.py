@@ -6,7 +6,7 @@ trained twice. Bad specs and missing tokens are refused with precise errors."""
 import time
 from pathlib import Path
 
-import httpx
+import http_calls
 import pytest
 import redis
 from cluster_helpers import JOB_TIMEOUT_S, QUICK_POLL_S, spec_text, wait_for
@@ -21,13 +21,13 @@ def _spec_file(tmp_path, model_dir, name: str) -> Path:
 
 
 def test_api_requires_the_token(info):
-    assert httpx.get(f"{info.api_url}/jobs").status_code == 401
-    bad = httpx.get(f"{info.api_url}/jobs", headers={"Authorization": "Bearer nope"})
+    assert http_calls.get(f"{info.api_url}/jobs").status_code == 401
+    bad = http_calls.get(f"{info.api_url}/jobs", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and "token" in bad.json()["detail"]
-    ok = httpx.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"})
+    ok = http_calls.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"})
     assert ok.status_code == 200
-    assert httpx.get(f"{info.api_url}/openapi.json").status_code == 200  # the docs are public
-    big = httpx.post(
+    assert http_calls.get(f"{info.api_url}/openapi.json").status_code == 200  # the docs are public
+    big = http_calls.post(
         f"{info.api_url}/jobs",
         headers={"Authorization": f"Bearer {info.api_token}"},
         json={"spec": "x" * (2 << 20)},

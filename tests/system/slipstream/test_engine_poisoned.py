@@ -40,7 +40,7 @@ def test_a_poisoned_engine_is_replaced_and_training_goes_on(tmp_path, tiny_model
     caplog.set_level(logging.WARNING, logger="slipstream.job.generators")
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
         d = job.driver.generators
-        job.wait("the first steps", lambda: job.version() >= 2)
+        job.wait("the first steps", lambda: job.version() >= 2, faults.START_WAIT_S)
         old, url = d.engines[0], d.engine_urls[0]
         staged = tmp_path / "fault.staged"
         staged.write_text(STICKY)

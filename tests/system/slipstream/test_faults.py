@@ -41,7 +41,7 @@ def test_job_survives_killed_and_hung_processes(tmp_path, tiny_model_dir, monkey
     monkeypatch.setattr(generators_mod, "LAPSED_S", 10.0)
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir), tmp_path) as job:
         d = job.driver
-        job.wait("the first steps", lambda: job.version() >= 3)
+        job.wait("the first steps", lambda: job.version() >= 3, faults.START_WAIT_S)
 
         f = faults.kill_worker(job)
         job.wait_progress("the worker kill")
@@ -86,7 +86,7 @@ def test_job_whose_only_engine_is_killed_trains_on(tmp_path, tiny_model_dir):
     the weight bus admits it. The trainer, out of groups, publishes for it (bus.idle_sync_s) instead of
     waiting for a step that would never come."""
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir, engines=1), tmp_path) as job:
-        job.wait("the first steps", lambda: job.version() >= 3)
+        job.wait("the first steps", lambda: job.version() >= 3, faults.START_WAIT_S)
         f = faults.kill_engine(job, 0)
         job.wait_progress("the kill of the only engine")
         print(

@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import http_calls
 import httpx
 import psutil
 import pytest
@@ -52,7 +53,7 @@ class DriverCensus:
 
 def _submit_until_killed(info, spec: str, cwd: str) -> None:
     try:
-        httpx.post(
+        http_calls.post(
             f"{info.api_url}/jobs",
             headers={"Authorization": f"Bearer {info.api_token}"},
             json={"spec": spec, "cwd": cwd},

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import http_calls
 import redis
 from cluster_helpers import ENDED, QUICK_POLL_S, spec_text, wait_for
 
@@ -47,14 +48,13 @@ def _engine_actors(info) -> list[str]:
 
 def _driver_metrics(info, name: str) -> str:
     """The job driver's /metrics, where Prometheus finds it (the job's metrics targets in Redis)."""
-    import httpx
 
     from replay_buffer.keys import JobKeys
 
     r = redis.Redis.from_url(info.redis_url)
     address = r.hget(JobKeys(name).metrics_targets, "driver")
     assert address is not None, r.hgetall(JobKeys(name).metrics_targets)  # a new run once wiped it
-    return httpx.get(f"http://{address.decode()}/metrics", timeout=10).text
+    return http_calls.get(f"http://{address.decode()}/metrics", timeout=10).text
 
 
 def test_a_scale_up_without_room_waits_in_the_background(info, client, tmp_path, tiny_model_dir):

@@ -20,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import http_calls
 import httpx
 import psutil
 import pytest
@@ -208,7 +209,7 @@ def test_every_engine_route_but_health_and_metrics_refuses_a_missing_or_wrong_ke
     assert open_ == []
     # Unknown paths too (no route-existence oracle), and the right key does get through.
     assert _refused(engine.url, "POST", "/no_such_route", {}) == 401
-    ok = httpx.get(f"{engine.url}/get_model_info", headers={"Authorization": f"Bearer {ENGINE_KEY}"})
+    ok = http_calls.get(f"{engine.url}/get_model_info", headers={"Authorization": f"Bearer {ENGINE_KEY}"})
     assert ok.status_code == 200
     print(
         f"\nengine: {len(routes) - len(ENGINE_PUBLIC)} (method, route) pairs answer 401; open: {sorted(ENGINE_PUBLIC)}"
@@ -230,7 +231,7 @@ def test_every_control_api_route_but_health_and_static_pages_refuses_a_missing_o
         if codes != {401}:
             open_.append((method, path, codes))
     assert open_ == []
-    ok = httpx.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"})
+    ok = http_calls.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"})
     assert ok.status_code == 200
 
 
@@ -258,7 +259,9 @@ def _mentions(calls: list[tuple], value: str) -> bool:
 
 
 def test_engine_compares_the_key_in_constant_time(engine, compare_spy):
-    r = httpx.post(f"{engine.url}/pause_generation", headers={"Authorization": "Bearer guess-1"}, json={})
+    r = http_calls.post(
+        f"{engine.url}/pause_generation", headers={"Authorization": "Bearer guess-1"}, json={}
+    )
     assert r.status_code == 401
     assert _mentions(compare_spy, "guess-1") and _mentions(compare_spy, ENGINE_KEY)
 
@@ -452,9 +455,9 @@ def test_no_secret_value_in_logs_output_or_command_lines(cluster_up, home, engin
     info, up_output = cluster_up
     # Exercise the paths that handle the secrets before reading the logs: refused and accepted requests.
     for token in ("wrong", info.api_token):
-        httpx.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {token}"})
+        http_calls.get(f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {token}"})
     for key in ("wrong", ENGINE_KEY):
-        httpx.get(f"{engine.url}/get_model_info", headers={"Authorization": f"Bearer {key}"})
+        http_calls.get(f"{engine.url}/get_model_info", headers={"Authorization": f"Bearer {key}"})
     redis.Redis.from_url(info.redis_url).ping()
 
     values = {
@@ -504,9 +507,11 @@ def test_engine_cli_takes_its_key_from_the_environment(tiny_model_dir):
         line = proc.stdout.readline()
         assert line.startswith("engine ready at "), line
         url = line.split()[-1]
-        assert httpx.post(f"{url}/flush_cache").status_code == 401
-        assert httpx.post(f"{url}/flush_cache", headers={"Authorization": "Bearer nope"}).status_code == 401
-        ok = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {key}"})
+        assert http_calls.post(f"{url}/flush_cache").status_code == 401
+        assert (
+            http_calls.post(f"{url}/flush_cache", headers={"Authorization": "Bearer nope"}).status_code == 401
+        )
+        ok = http_calls.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {key}"})
         assert ok.status_code == 200
         assert key not in " ".join(psutil.Process(proc.pid).cmdline())
     finally:

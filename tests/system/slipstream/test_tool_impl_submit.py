@@ -8,6 +8,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import http_calls
 import httpx
 import pytest
 from tool_allow_list import ALLOWED
@@ -28,7 +29,7 @@ def info():
 
 
 def _submit(info, text: str, cwd: Path) -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         f"{info.api_url}/jobs",
         headers={"Authorization": f"Bearer {info.api_token}"},
         json={"spec": text, "cwd": str(cwd)},
@@ -58,7 +59,7 @@ def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(
         r = _submit(info, head + text, tmp_path)
         assert r.status_code == 422, r.text
         assert message in r.json()["detail"], r.json()
-    jobs = httpx.get(
+    jobs = http_calls.get(
         f"{info.api_url}/jobs", headers={"Authorization": f"Bearer {info.api_token}"}, timeout=30
     ).json()
     assert jobs == [] and not marker.exists()
@@ -79,7 +80,7 @@ def test_the_control_api_refuses_bad_or_disallowed_impls_at_submit(
         env = ray.get_job_info(r.json()["ray_job_id"]).runtime_env["env_vars"]
         assert json.loads(env[TOOL_MODULES_ENV]) == ALLOWED
     finally:
-        httpx.post(
+        http_calls.post(
             f"{info.api_url}/jobs/echo/stop",
             headers={"Authorization": f"Bearer {info.api_token}"},
             json={"force": True},

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import http_calls
 import httpx
 import pytest
 import torch
@@ -197,13 +198,13 @@ def server(model):
 
 
 def _post(server, body: dict, path: str = "/generate") -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         server.url + path, json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
     )
 
 
 def _metric(server, name: str, **labels) -> float:
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
+    text = http_calls.get(server.url + "/metrics", headers={"Authorization": f"Bearer {API_KEY}"}).text
     total = 0.0
     for line in text.splitlines():
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):

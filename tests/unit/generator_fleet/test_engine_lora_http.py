@@ -9,7 +9,7 @@ import concurrent.futures
 import copy
 import json
 
-import httpx
+import http_calls
 import pytest
 import torch
 from metrics_text import sample
@@ -78,7 +78,7 @@ def generate(url: str, prompts, lora_path, **extra) -> list[dict]:
         "sampling_params": {"temperature": 0.0, "max_new_tokens": N, "ignore_eos": True},
         **extra,
     }
-    r = httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+    r = http_calls.post(url + "/generate", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -117,7 +117,7 @@ def test_adapter_from_dir_and_tensors_mixed_with_base_in_one_batch(setup):
     # a single-prompt request with a str lora_path
     one = generate(url, PROMPTS[1], "two")
     assert one["output_ids"] == greedy_reference(s["merged2"], PROMPTS[1], N)
-    text = httpx.get(url + "/metrics").text
+    text = http_calls.get(url + "/metrics").text
     assert sample(text, "slipstream_engine_lora_adapters") == 2
     assert sample(text, "slipstream_engine_lora_ops_total", op="load_from_tensors", outcome="ok") == 1
 
@@ -142,7 +142,7 @@ def test_replace_in_place_unload_and_errors(setup):
         s["merged2"], PROMPTS[2], N
     )
     client.unload_lora_adapter(url, "r")
-    r = httpx.post(
+    r = http_calls.post(
         url + "/generate",
         json={"input_ids": PROMPTS[0], "lora_path": "r", "sampling_params": {"max_new_tokens": 2}},
         headers={"Authorization": "Bearer k"},
@@ -178,9 +178,11 @@ def test_replace_in_place_unload_and_errors(setup):
 def test_lora_path_on_an_engine_without_lora_is_400(tmp_path):
     build_noisy_model(tmp_path / "m", seed=5)
     with EngineServer(str(tmp_path / "m"), context_length=64) as server:
-        r = httpx.post(server.url + "/generate", json={"input_ids": [1, 2], "lora_path": "x"})
+        r = http_calls.post(server.url + "/generate", json={"input_ids": [1, 2], "lora_path": "x"})
         assert r.status_code == 400 and "not enabled" in r.text
-        r = httpx.post(server.url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+        r = http_calls.post(
+            server.url + "/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)}
+        )
         assert r.status_code == 400 and r.json()["success"] is False
 
 
@@ -241,7 +243,7 @@ def test_adapter_over_a_gloo_group_replaces_it_under_load_with_consistent_versio
                 "sampling_params": {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True},
             }
             events = []
-            with httpx.stream(
+            with http_calls.stream(
                 "POST", url + "/generate", json=body, headers={"Authorization": "Bearer k"}, timeout=60
             ) as r:
                 lines = r.iter_lines()
@@ -267,7 +269,7 @@ def test_adapter_over_a_gloo_group_replaces_it_under_load_with_consistent_versio
     assert 0 < k < 40
     want = greedy_switching(lambda i: s["merged1"] if i < k else s["merged2"], PROMPTS[2], 40)
     assert out["output_ids"] == want
-    text = httpx.get(url + "/metrics").text
+    text = http_calls.get(url + "/metrics").text
     assert sample(text, "slipstream_engine_lora_ops_total", op="update", outcome="ok") == 2
     assert sample(text, "slipstream_engine_weight_version") == 2
 

@@ -4,7 +4,7 @@ final event equal to the non-streaming answer, disconnect aborts."""
 import asyncio
 import json
 
-import httpx
+import http_calls
 import pytest
 
 from generator_fleet.client import EngineClient
@@ -24,7 +24,7 @@ def engine(tiny_model_dir):
 
 
 def _events(url: str, body: dict) -> list[str]:
-    with httpx.stream(
+    with http_calls.stream(
         "POST", url + "/generate", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
     ) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -44,7 +44,7 @@ def test_sse_events_are_cumulative_and_end_with_done(engine):
     for o in objs:  # cumulative: every event extends the previous one
         assert o["output_ids"] == objs[-1]["output_ids"][: len(o["output_ids"])]
         assert len(o["meta_info"]["output_token_logprobs"]) == len(o["output_ids"])
-    plain = httpx.post(
+    plain = http_calls.post(
         engine.url + "/generate",
         json={"input_ids": PROMPT, "sampling_params": GREEDY},
         headers={"Authorization": f"Bearer {KEY}"},

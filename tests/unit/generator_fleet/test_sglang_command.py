@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 
-import httpx
+import http_calls
 import pytest
 from sglang_shim import parse as shim_parse
 
@@ -157,8 +157,8 @@ def test_lora_job_starts_sglang_with_its_untrained_adapter(tmp_path, tiny_model_
     try:
         server.runner.load_lora_from_dir("pol", str(path))
         body = {"input_ids": [1, 5, 6, 3], "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
-        base = httpx.post(server.url + "/generate", json=body, timeout=60).json()["output_ids"]
-        on_adapter = httpx.post(
+        base = http_calls.post(server.url + "/generate", json=body, timeout=60).json()["output_ids"]
+        on_adapter = http_calls.post(
             server.url + "/generate", json={**body, "lora_path": "pol"}, timeout=60
         ).json()
         assert on_adapter["output_ids"] == base

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import http_calls
 import httpx
 import pytest
 from sse_stream import stream_objects
@@ -61,7 +62,7 @@ def test_run_batch(backend):
 
 
 def test_structural_tag_is_refused_and_empty_grammar_keys_accepted(backend):
-    r = httpx.post(
+    r = http_calls.post(
         backend.base_url + "/generate",
         json={"text": "1+2=", "sampling_params": {"max_new_tokens": 2, "structural_tag": "{}"}},
         headers={"Authorization": f"Bearer {API_KEY}"},
@@ -76,7 +77,7 @@ def test_structural_tag_is_refused_and_empty_grammar_keys_accepted(backend):
     }
     for key, values in empties.items():
         for empty in values:
-            r = httpx.post(
+            r = http_calls.post(
                 backend.base_url + "/generate",
                 json={"text": "1+2=", "sampling_params": {"max_new_tokens": 2, key: empty}},
                 headers={"Authorization": f"Bearer {API_KEY}"},
@@ -85,7 +86,7 @@ def test_structural_tag_is_refused_and_empty_grammar_keys_accepted(backend):
 
 
 def _post(backend, body: dict) -> httpx.Response:
-    return httpx.post(
+    return http_calls.post(
         backend.base_url + "/generate", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120
     )
 

@@ -4,7 +4,7 @@ token, another scheme or a bare token. Real Redis, the real control API and engi
 
 from __future__ import annotations
 
-import httpx
+import http_calls
 import pytest
 from cluster_helpers import control_with_redis, serving
 
@@ -37,23 +37,23 @@ def engine(tiny_model_dir):
 
 @pytest.mark.parametrize("header", ACCEPTED)
 def test_control_api_takes_the_bearer_scheme_in_any_case(api_url, header):
-    r = httpx.get(f"{api_url}/jobs", headers={"Authorization": header.format(t=TOKEN)})
+    r = http_calls.get(f"{api_url}/jobs", headers={"Authorization": header.format(t=TOKEN)})
     assert r.status_code == 200, (header, r.status_code, r.text)
 
 
 @pytest.mark.parametrize("header", REFUSED)
 def test_control_api_still_refuses_a_wrong_token_or_scheme(api_url, header):
-    r = httpx.get(f"{api_url}/jobs", headers={"Authorization": header.format(t=TOKEN)})
+    r = http_calls.get(f"{api_url}/jobs", headers={"Authorization": header.format(t=TOKEN)})
     assert r.status_code == 401, (header, r.status_code, r.text)
 
 
 @pytest.mark.parametrize("header", ACCEPTED)
 def test_engine_takes_the_bearer_scheme_in_any_case(engine, header):
-    r = httpx.get(f"{engine.url}/get_model_info", headers={"Authorization": header.format(t=ENGINE_KEY)})
+    r = http_calls.get(f"{engine.url}/get_model_info", headers={"Authorization": header.format(t=ENGINE_KEY)})
     assert r.status_code == 200, (header, r.status_code, r.text)
 
 
 @pytest.mark.parametrize("header", REFUSED)
 def test_engine_still_refuses_a_wrong_key_or_scheme(engine, header):
-    r = httpx.get(f"{engine.url}/get_model_info", headers={"Authorization": header.format(t=ENGINE_KEY)})
+    r = http_calls.get(f"{engine.url}/get_model_info", headers={"Authorization": header.format(t=ENGINE_KEY)})
     assert r.status_code == 401, (header, r.status_code, r.text)
