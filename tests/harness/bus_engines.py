@@ -1,5 +1,6 @@
 """Models and engines for the weight-bus tests: tiny Qwen2 models with large random weights (so two of
-them generate differently), built-in engines in this process or in a process of their own that can be SIGKILLed."""
+them generate differently), built-in engines in this process or in a process of their own that can be
+SIGKILLed."""
 
 from __future__ import annotations
 
