@@ -20,6 +20,7 @@ import httpx
 import msgspec
 
 from common import tls
+from weight_bus import metrics
 from weight_bus.errors import Refused
 from weight_bus.pipeline import Pipeline, SerialPipeline
 from weight_bus.schema import (
@@ -110,6 +111,7 @@ class EngineClient:
             raise
         except httpx.TransportError as first:
             log.info("%s/get_server_info failed (%s); trying a new connection", url, first)
+            metrics.PROBE_RETRIES.inc()
             resp = self._http.get(url + "/get_server_info", timeout=timeout)
         if resp.status_code != 200:
             raise Refused(f"{url}/get_server_info: HTTP {resp.status_code}: {resp.text[:200]}")

@@ -27,6 +27,10 @@ ENGINES = Gauge("slipstream_bus_engines", "Engines in the update group after the
 ENGINE_FAILURES = Counter(
     "slipstream_bus_engine_failures_total", "Engines dropped from the update group (dead, timed out)"
 )
+PROBE_RETRIES = Counter(
+    "slipstream_bus_probe_retries_total",
+    "Engine probes tried once more on a new connection after a transport error other than a timeout",
+)
 GROUP_REBUILDS = Counter(
     "slipstream_bus_group_rebuilds_total", "Update groups built (first connect, joins, failures)"
 )

@@ -14,6 +14,7 @@ from raw_http import scripted_server
 
 from common.net import free_port
 from generator_fleet.engine import EngineServer
+from weight_bus import metrics
 from weight_bus.engine_client import EngineClient, continue_engines
 from weight_bus.errors import BusError, Refused
 
@@ -89,10 +90,12 @@ ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 
 def test_a_probe_whose_connection_breaks_is_tried_once_more_on_a_new_one():
     """The bus drops an engine whose probe fails: a connection that breaks under a live engine gets one
     more try on a new connection, and the answer comes from it."""
+    retries = metrics.PROBE_RETRIES._value.get()
     with scripted_server([None, ANSWER]) as (url, heads):
         with EngineClient(KEY, timeout_s=10) as client:
             assert client.server_info(url) == {"tp_size": 1, "pp_size": 1}
         assert len(heads) == 2 and all(h.startswith(b"GET /get_server_info") for h in heads)
+    assert metrics.PROBE_RETRIES._value.get() == retries + 1
     with scripted_server([None, None]) as (url, heads):  # broken twice: the second error is raised
         with EngineClient(KEY, timeout_s=10) as client:
             with pytest.raises(httpx.RemoteProtocolError):
