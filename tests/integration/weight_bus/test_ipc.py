@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import http_calls
+import ipc_engine
 import msgspec
 import pytest
 import torch
@@ -29,7 +30,6 @@ from weight_bus.errors import Refused
 from weight_bus.ipc_transfer import BucketRing, wait_event
 from weight_bus.schema import UpdateWeightsFromTensor
 
-ENGINE_SCRIPT = Path(__file__).resolve().parents[2] / "harness" / "ipc_engine.py"
 ENV = {
     **os.environ,
     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
@@ -38,38 +38,11 @@ ENV = {
 }
 
 
-class IpcEngine:
-    """A built-in engine in its own process (tests/harness/ipc_engine.py) whose weights the test can
-    read back (`weights()`), and which can really die (`kill()`)."""
+class IpcEngine(ipc_engine.IpcEngine):
+    """A built-in engine in its own process (tests/harness/ipc_engine.py) with the tests' key."""
 
-    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu", env: dict | None = None) -> None:
-        self.tmp = tmp
-        self.proc = subprocess.Popen(
-            [sys.executable, str(ENGINE_SCRIPT), str(model_dir), KEY, device],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env={**ENV, **(env or {})},
-            cwd=ROOT,
-        )
-        line = self.proc.stdout.readline()
-        if not line.startswith("engine ready at "):
-            self.kill()
-            raise RuntimeError(f"engine did not start: {line!r}")
-        self.url = line.split()[-1]
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        path = self.tmp / f"weights-{self.proc.pid}.pt"
-        self.proc.stdin.write(f"dump {path}\n")
-        self.proc.stdin.flush()
-        assert self.proc.stdout.readline().strip() == "dumped"
-        return torch.load(path, map_location="cpu")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(30)
+    def __init__(self, model_dir: Path, tmp: Path, device: str = "cpu") -> None:
+        super().__init__(model_dir, tmp, KEY, device)
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +261,7 @@ def test_engine_lost_mid_handoff_is_dropped(model_dir, tmp_path, fault):
     def tensors():
         for i, item in enumerate(named.items()):
             if i == len(named) // 2:
-                b.proc.send_signal(fault)
+                b.send_signal(fault)
                 hit.set()
             yield item
 
@@ -302,7 +275,7 @@ def test_engine_lost_mid_handoff_is_dropped(model_dir, tmp_path, fault):
     finally:
         bus.close()
         if fault == signal.SIGSTOP:
-            b.proc.send_signal(signal.SIGCONT)
+            b.send_signal(signal.SIGCONT)
         a.kill()
         b.kill()
 
