@@ -26,6 +26,7 @@ import queue
 import re
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import msgspec
@@ -109,7 +110,18 @@ class _TensorBoard:
 
         if self.writer is not None:
             self.writer.close()
+        self._wait_for_a_later_second()
         self.writer = SummaryWriter(str(self.path), purge_step=purge_step, flush_secs=10)
+
+    def _wait_for_a_later_second(self) -> None:
+        """TensorBoard reads a run's event files in name order, and a name is `events.out.tfevents.<second>.
+        <host>.<pid>.<n>` with n a per-process counter: two files of one second sort by n as text (10 before
+        9), so a purge writer's file could be read before the events it discards. The new file takes a
+        second later than every file already here (a wait of at most one second, only after a restart)."""
+        seconds = [p.name.split(".")[3] for p in self.path.glob("events.out.tfevents.*")]
+        latest = max((int(s) for s in seconds if s.isdigit()), default=0)
+        while time.time() < latest + 1:
+            time.sleep(0.05)
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, rewrite: bool) -> None:
         if prefix == PROGRESS_PREFIX and (rewrite or not self.started):

@@ -4,7 +4,6 @@ duplicated across restarts and resumed attempts; evaluation records become eval 
 driver's progress stream on a real Redis; a writer failure never raises; bad tracking keys name their path."""
 
 import json
-import time
 
 import pytest
 from tracking_files import tb_events, tracking_spec, wandb_history
@@ -56,8 +55,20 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
     assert [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] == [0.5]
 
 
+def _uid_about_to_gain_a_digit() -> None:
+    """TensorBoard's per-process counter that ends each events file's name, moved (only forward) to the
+    last number of its width: the next writer's file ends in 9…9, the one after it in 10…0, which sorts
+    before it as text."""
+    from tensorboard.summary.writer import event_file_writer
+
+    counter = event_file_writer._global_uid
+    with counter._lock:
+        counter._value = 10 ** len(str(counter._value)) - 1
+
+
 def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     spec = tracking_spec(tmp_path, wandb=False)
+    _uid_about_to_gain_a_digit()  # the restart's events file is made in the same second as the first one
     t = Tracker(spec, {"run_id": "r1", "attempt": 1})
     t.log_config()
     for v in (1, 2, 3, 4):
@@ -68,10 +79,7 @@ def test_restarts_and_resumed_attempts_write_each_version_once(tmp_path):
     assert _steps(tb_events(tmp_path), "train/reward_mean") == [(1, 1), (2, 2), (3, 30)]
 
     # a resumed attempt of the run (a new driver process): it reads the earlier attempt's records again,
-    # then its trainer resumes from the checkpoint at version 2. Its events file must sort after the first
-    # one, as a later driver's does: the names start with the second they were made in (then host, pid and
-    # a process-wide counter, which other tests of this process advance, so 10 may sort before 9)
-    time.sleep(1.05)
+    # then its trainer resumes from the checkpoint at version 2 (its events files sort after the others)
     t = Tracker(spec, {"run_id": "r1", "attempt": 2})
     t.log_config()  # written by the first attempt's driver already: not again
     t.log_scalars({"accuracy": 0.9}, version=2)  # an eval result before any step of this attempt
