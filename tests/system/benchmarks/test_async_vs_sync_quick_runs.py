@@ -9,6 +9,9 @@ import pytest
 
 from benchmarks.async_vs_sync import main
 
+# run_job on the session's Ray (the bounds phase starts a Ray of its own)
+pytestmark = pytest.mark.usefixtures("shared_ray")
+
 
 def test_quick_run_in_phase_commands_writes_one_result_file_with_headline_names(tmp_path, capsys):
     """The run as three phase commands appending to one file (each short enough for one device call): the

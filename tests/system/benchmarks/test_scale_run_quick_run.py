@@ -5,7 +5,11 @@ timing thresholds: timings belong to the benchmark."""
 
 import json
 
+import pytest
+
 from benchmarks.scale_run import STAGES, main
+
+pytestmark = pytest.mark.usefixtures("shared_ray")  # its jobs (LocalJob) on the session's Ray
 
 
 def test_quick_run_scales_one_job_and_writes_result_file(tmp_path, capsys):
