@@ -78,7 +78,7 @@ def scripted_server(actions: list[bytes | None]) -> Iterator[tuple[str, list[byt
         while True:
             try:
                 conn, _ = listener.accept()
-            except OSError:  # closed on the way out
+            except OSError:  # shut down on the way out
                 return
             head = b""
             while b"\r\n\r\n" not in head and (chunk := conn.recv(65536)):
@@ -96,6 +96,7 @@ def scripted_server(actions: list[bytes | None]) -> Iterator[tuple[str, list[byt
     try:
         yield f"http://127.0.0.1:{listener.getsockname()[1]}", heads
     finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone leaves it blocked)
         listener.close()
         t.join(5)
         for conn in held:
