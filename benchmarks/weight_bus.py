@@ -142,36 +142,26 @@ def trainer_weights(shape: str, device: torch.device, seed: int) -> list[tuple[s
 # --- processes ------------------------------------------------------------------------------------
 
 
+def engine_argv(args: argparse.Namespace, path: Path) -> list[str]:
+    """The flags of the benchmark's engines (`python -m generator_fleet.engine ...`): random weights, bf16."""
+    argv = ["--model", str(path), "--port", "0", "--api-key", API_KEY, "--load-format", "dummy"]
+    argv += ["--dtype", "bfloat16", "--log-level", "WARNING", "--kv-cache-tokens", str(ENGINE_KV_TOKENS)]
+    argv += ["--max-batch-size", "8", "--context-length", "2048"]
+    if getattr(args, "lora", None):
+        argv += ["--lora", json.dumps({"rank": args.lora})]
+    if args.device == "cuda":
+        argv += ["--device", "cuda", "--disable-cuda-graph"]
+    else:
+        argv += ["--device", "cpu", "--torch-threads", "1"]
+    return argv
+
+
 class EngineProcess:
     """A built-in engine with random weights on `gpu` (None: CPU); started here, ready after wait_ready()
     (so that several engines boot at once)."""
 
     def __init__(self, args: argparse.Namespace, path: Path, log_path: Path, gpu: int | None) -> None:
-        cmd = [sys.executable, "-m", "generator_fleet.engine", "--model", str(path), "--port", "0"]
-        cmd += [
-            "--api-key",
-            API_KEY,
-            "--load-format",
-            "dummy",
-            "--dtype",
-            "bfloat16",
-            "--log-level",
-            "WARNING",
-        ]
-        cmd += [
-            "--kv-cache-tokens",
-            str(ENGINE_KV_TOKENS),
-            "--max-batch-size",
-            "8",
-            "--context-length",
-            "2048",
-        ]
-        if getattr(args, "lora", None):
-            cmd += ["--lora", json.dumps({"rank": args.lora})]
-        if args.device == "cuda":
-            cmd += ["--device", "cuda", "--disable-cuda-graph"]
-        else:
-            cmd += ["--device", "cpu", "--torch-threads", "1"]
+        cmd = [sys.executable, "-m", "generator_fleet.engine", *engine_argv(args, path)]
         self.log_path = log_path
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop())
         self.t0 = perf_counter()

@@ -63,35 +63,30 @@ def version(url: str) -> str:
     return http_calls.get(url + "/get_model_info", headers=AUTH, timeout=10).json()["weight_version"]
 
 
-class EngineProcess:
-    """`python -m generator_fleet.engine` in its own process (so it can really die); ready on return.
-
-    Forked from the test process's preloaded fork server (rank_runs.rank_context), which imported torch
-    and the engine once: a start costs a fraction of a second instead of several CPU-seconds of imports.
-    The child sends its output to `log_path`, where the engine's "engine ready at URL" line is read."""
+class ForkedEngine:
+    """`python -m generator_fleet.engine ARGV`'s entry point in a process of its own (so it can really
+    die), forked from the test process's preloaded fork server (rank_runs.rank_context), which imported
+    torch and the engine once: a start costs a fraction of a second instead of several CPU-seconds of
+    imports. The child sends its output to `log_path`, where wait_ready() reads the engine's "engine
+    ready at URL" line."""
 
     START_TIMEOUT_S = 120.0
 
-    def __init__(
-        self, model_dir: Path, log_path: Path, extra: list[str] | None = None, gpu: int | None = None
-    ) -> None:
-        """`extra`: more engine flags (e.g. `--lora <json>`); `gpu`: run on that CUDA device alone."""
-        env = {
-            **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}),
-            "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-        }
-        argv = ["--model", str(model_dir), "--port", "0", "--api-key", KEY, "--torch-threads", "1"]
-        argv += ["--log-level", "WARNING", *(extra or [])]
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]) -> None:
         self.log_path = Path(log_path)
         self.log_path.write_text("")
         self.proc = rank_context().Process(target=_engine_main, args=(argv, str(log_path), env))
         self.proc.start()
+        self.url = ""
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not (url := _ready_url(self.log_path)):
             if self.proc.exitcode is not None or time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"engine did not start (exit code {self.proc.exitcode}); see {log_path}")
+                raise RuntimeError(
+                    f"engine did not start (exit code {self.proc.exitcode}); see {self.log_path}"
+                )
             time.sleep(0.05)
         self.url = url
 
@@ -106,6 +101,25 @@ class EngineProcess:
         """Its exit code once it exited (None if it still runs after `timeout_s`)."""
         self.proc.join(timeout_s)
         return self.proc.exitcode
+
+
+class EngineProcess(ForkedEngine):
+    """A built-in engine of the weight-bus tests (key KEY, one torch thread) in its own forked process;
+    ready on return."""
+
+    def __init__(
+        self, model_dir: Path, log_path: Path, extra: list[str] | None = None, gpu: int | None = None
+    ) -> None:
+        """`extra`: more engine flags (e.g. `--lora <json>`); `gpu`: run on that CUDA device alone."""
+        env = {
+            **({"CUDA_VISIBLE_DEVICES": str(gpu)} if gpu is not None else {}),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+        argv = ["--model", str(model_dir), "--port", "0", "--api-key", KEY, "--torch-threads", "1"]
+        argv += ["--log-level", "WARNING", *(extra or [])]
+        super().__init__(argv, log_path, env)
+        self.wait_ready()
 
 
 def _ready_url(log_path: Path) -> str | None:
