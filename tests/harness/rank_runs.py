@@ -24,7 +24,7 @@ PRELOAD = (
     "transformers.models.qwen2.modeling_qwen2",  # the tiny test models are Qwen2s
     "trainer.learner",
     "trainer.checkpoint",
-    "generator_fleet.engine.__main__",  # bus_engines.EngineProcess: engines that can really die
+    "generator_fleet.engine.__main__",  # bus_engines.ForkedEngine: engines that can really die
     "generator_fleet.engine.serve",
 )
 """What the fork server imports once for every process it forks (rank processes, engine processes)."""
