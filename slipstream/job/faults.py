@@ -23,7 +23,7 @@ from replay_buffer import JobKeys, ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
 from slipstream.job import driver as driver_mod
-from slipstream.job.prepare import init_local_ray
+from slipstream.job.prepare import init_local_ray, own_processes, stop_local_ray
 from slipstream.job.store import JobStore
 from trainer.result import TrainerResult
 
@@ -62,6 +62,7 @@ class LocalJob:
         )
         self.own_ray = not ray.is_initialized()  # else: the Ray this process is connected to, left running
         if self.own_ray:
+            self.existing = own_processes()
             init_local_ray(num_cpus=self.num_cpus)
         self.driver = driver_mod.JobDriver(spec, self.redis.url, self.store)
         self.buffer = ReplayBuffer(self.r, spec.name)
@@ -91,8 +92,6 @@ class LocalJob:
         return self.result
 
     def __exit__(self, *exc) -> None:
-        import ray
-
         try:
             if self.thread.is_alive() and self.error is None:
                 try:
@@ -103,7 +102,7 @@ class LocalJob:
             self.driver.close()
             self.thread.join(60)
             if self.own_ray:
-                ray.shutdown()
+                stop_local_ray(self.existing)
             self.r.close()
             self.redis.stop()
 

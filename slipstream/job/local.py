@@ -21,7 +21,13 @@ from replay_buffer import ReplayBuffer
 from replay_buffer.client import connect
 from replay_buffer.redis_server import ManagedRedis
 from slipstream.job.driver import JobDriver
-from slipstream.job.prepare import init_local_ray, reset_run_state, resolve_paths
+from slipstream.job.prepare import (
+    init_local_ray,
+    own_processes,
+    reset_run_state,
+    resolve_paths,
+    stop_local_ray,
+)
 from slipstream.job.store import JobStore
 
 log = logging.getLogger(__name__)
@@ -82,6 +88,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
     driver = None
     t0 = time.monotonic()
     own_ray = not ray.is_initialized()
+    existing = own_processes() if own_ray else set()
     try:
         if own_ray:
             init_local_ray()
@@ -114,7 +121,7 @@ def run_job(spec: JobSpec, on_progress: Callable[[dict], None] | None = None) ->
         if driver is not None:
             driver.close()  # idempotent: a second call finds nothing left to stop
         if own_ray and ray.is_initialized():
-            ray.shutdown()
+            stop_local_ray(existing)  # with the actors' processes: none outlives the command
         r.close()
         if managed:
             managed.stop()

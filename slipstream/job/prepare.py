@@ -14,6 +14,9 @@ from jobspec import JobSpec
 log = logging.getLogger("slipstream.job.prepare")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+STOP_WAIT_S = 10.0
+"""How long stop_local_ray waits for the processes of a private Ray to exit after ray.shutdown before it
+kills them."""
 
 
 def project_pythonpath() -> str:
@@ -74,3 +77,35 @@ def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = Non
             }
         },
     )
+
+
+def own_processes() -> set[int]:
+    """The pids of every process below this one now: taken before init_local_ray, so that stop_local_ray
+    ends only what that Ray started (not, say, the job's managed Redis or a notebook's own children)."""
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def stop_local_ray(existing: set[int], wait_s: float = STOP_WAIT_S) -> list[int]:
+    """ray.shutdown(), then every process below this one that is not in `existing` (own_processes() before
+    init_local_ray) is waited for up to `wait_s` and killed if still running; returns the pids it killed.
+    Ray's daemons stop with ray.shutdown, but its workers (the job's actors) exit on their own once their
+    raylet is gone, not at once: `slipstream run` was seen returning with a rollout worker still running,
+    and a process an actor started (an SGLang server) would outlive it."""
+    import psutil
+    import ray
+
+    started = [p for p in psutil.Process().children(recursive=True) if p.pid not in existing]
+    ray.shutdown()
+    _, alive = psutil.wait_procs(started, timeout=wait_s)
+    for p in alive:
+        try:
+            log.warning(
+                "%s (pid %d) still ran %.0f s after ray.shutdown: killing it", p.name(), p.pid, wait_s
+            )
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return [p.pid for p in alive]
