@@ -117,10 +117,12 @@ class _TensorBoard:
         """TensorBoard reads a run's event files in name order, and a name is `events.out.tfevents.<second>.
         <host>.<pid>.<n>` with n a per-process counter: two files of one second sort by n as text (10 before
         9), so a purge writer's file could be read before the events it discards. The new file takes a
-        second later than every file already here (a wait of at most one second, only after a restart)."""
+        second later than every file already here (a wait of at most one second, only after a restart; a
+        file dated ahead of this host's clock, copied from another host, is not waited for)."""
         seconds = [p.name.split(".")[3] for p in self.path.glob("events.out.tfevents.*")]
         latest = max((int(s) for s in seconds if s.isdigit()), default=0)
-        while time.time() < latest + 1:
+        deadline = time.monotonic() + 1.5
+        while time.time() < latest + 1 and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def scalars(self, prefix: str, values: dict[str, float], step: int, rewrite: bool) -> None:
