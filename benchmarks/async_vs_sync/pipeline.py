@@ -28,7 +28,13 @@ def pipeline_bounds(
 
     from replay_buffer.redis_server import ManagedRedis
     from slipstream.job.generators import generators_only
-    from slipstream.job.prepare import init_local_ray, reset_run_state, resolve_paths
+    from slipstream.job.prepare import (
+        init_local_ray,
+        own_processes,
+        reset_run_state,
+        resolve_paths,
+        stop_local_ray,
+    )
     from slipstream.job.trainers import trainer_only
 
     total = args.warmup + args.steps
@@ -51,6 +57,9 @@ def pipeline_bounds(
     res: dict[str, Any] = {}
     G = spec.rollout.group_size
     gps = spec.algorithm.groups_per_step
+    existing = (
+        own_processes()
+    )  # Redis, the engine, a Ray already here: not the bounds' Ray, left to their owners
     try:
         # the bounds' actors need the engine key in their environment: a Ray of their own
         if ray.is_initialized():
@@ -99,7 +108,7 @@ def pipeline_bounds(
         if ray.is_initialized():
             if pool is not None:
                 pool.close()
-            ray.shutdown()
+            stop_local_ray(existing)  # with its workers: none outlives the phase
         managed.stop()
         if engine:
             engine.stop()
