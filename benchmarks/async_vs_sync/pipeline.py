@@ -57,9 +57,8 @@ def pipeline_bounds(
     res: dict[str, Any] = {}
     G = spec.rollout.group_size
     gps = spec.algorithm.groups_per_step
-    existing = (
-        own_processes()
-    )  # Redis, the engine, a Ray already here: not the bounds' Ray, left to their owners
+    # what runs already (Redis, the engine, a Ray): not the bounds' Ray, so left to its owners at the end
+    existing = own_processes()
     try:
         # the bounds' actors need the engine key in their environment: a Ray of their own
         if ray.is_initialized():
