@@ -86,11 +86,14 @@ class JobControl(DriverReconciler):
         tool_modules: list[str] | None = None,
         redis_timeout_s: float = REDIS_TIMEOUT_S,
         input_roots: list[str] | None = None,
+        submit_backoff_s: float = SUBMIT_BACKOFF_S,
     ) -> None:
         """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any).
         `input_roots`: the directories a job's input paths must lie in, besides its own (None: HOME, the
-        project and the temp directory: job_paths.default_input_roots)."""
+        project and the temp directory: job_paths.default_input_roots). `submit_backoff_s`: the wait before
+        a dropped Ray submission's second try (twice that before the third)."""
         self.info = info
+        self.submit_backoff_s = submit_backoff_s
         self.tool_modules = tool_modules
         self.input_roots = input_roots
         self.home = Path(info.home)
@@ -294,9 +297,9 @@ class JobControl(DriverReconciler):
                 if attempt < SUBMIT_TRIES and _transient(e):  # the same id: Ray starts it at most once
                     log.warning(
                         "job %s: Ray's job server dropped the submission (%s); try %d of %d in %.1f s",
-                        spec.name, e, attempt + 1, SUBMIT_TRIES, SUBMIT_BACKOFF_S * attempt,
+                        spec.name, e, attempt + 1, SUBMIT_TRIES, self.submit_backoff_s * attempt,
                     )  # fmt: skip
-                    time.sleep(SUBMIT_BACKOFF_S * attempt)
+                    time.sleep(self.submit_backoff_s * attempt)
                     continue
                 # it has no driver, and none can start for it now
                 self._abandon(spec.name, sid, f"Ray job submission failed: {e}")

@@ -74,7 +74,8 @@ def wait_for(
 def control_with_redis(home: Path, api_token: str = "unused", **control_kw) -> Iterator:
     """(control, redis): the real JobControl over a real Redis (a ManagedRedis, for fault tests that stop
     it), with nothing listening where Ray would be (what the control plane does before it reaches Ray:
-    spec checks, job records, errors)."""
+    spec checks, job records, errors). A submission that passes every check fails on its refused connection
+    after all its tries, without the backoff between them (nothing will start listening there)."""
     from common.net import free_port
     from replay_buffer.redis_server import ManagedRedis
     from slipstream.cluster.control import JobControl
@@ -86,7 +87,7 @@ def control_with_redis(home: Path, api_token: str = "unused", **control_kw) -> I
             ray_address=no_ray, dashboard_url=f"http://{no_ray}", prometheus_url=None,
             api_url="", api_token=api_token, ray_auth_token="unused", pids={}, running=True,
         )  # fmt: skip
-        control = JobControl(info, **control_kw)
+        control = JobControl(info, **{"submit_backoff_s": 0.0, **control_kw})
         try:
             yield control, redis
         finally:

@@ -39,8 +39,7 @@ class FlakyRay:
 
 
 @pytest.fixture
-def control(tmp_path, monkeypatch):
-    monkeypatch.setattr(control_mod, "SUBMIT_BACKOFF_S", 0.0)
+def control(tmp_path):
     (tmp_path / "jobs").mkdir()
     with control_with_redis(tmp_path) as (control, _):
         yield control
