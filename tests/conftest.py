@@ -34,6 +34,12 @@ TIERS = ("unit", "integration", "system")
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One OpenMP thread per test process and per process it starts (set before anything imports torch): the
+# suite runs several processes per core, and torch's default (a thread per core in each) has every process's
+# threads spin at each parallel region's barrier waiting for threads that are not running. On 2 cores with
+# 3 workers the in-process engine and trainer tests took 80 s and 149 CPU-s that way, 47 s and 81 CPU-s with
+# one thread. Ray actors and the engines' --torch-threads set their own; a test that wants more sets them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
