@@ -58,15 +58,24 @@ REDIS_UNAVAILABLE = (redis.ConnectionError, redis.TimeoutError)
 
 SUBMIT_TRIES = 3
 """Tries of one Ray job submission when Ray's job server drops the connection (a kept-alive connection it
-had closed, a server busy starting): the same submission id each time, so a driver starts at most once."""
+had closed, a server busy starting) or its job agent is not up yet (NO_AGENT): the same submission id each
+time, so a driver starts at most once."""
 SUBMIT_BACKOFF_S = 0.5
 
 
+NO_AGENT = "No available agent to submit job"
+"""Ray's job server's answer (HTTP 500, "please try again later") when its node's job agent has not registered
+within its 10-s wait: a cluster just started on a busy machine. Nothing was started for the submission."""
+
+
 def _transient(e: Exception) -> bool:
-    """A connection that failed or was dropped before Ray's job server answered (not an answer refusing it)."""
+    """A connection that failed or was dropped before Ray's job server answered, or its answer that its job
+    agent is not up yet (NO_AGENT); not an answer refusing the submission."""
     import requests
 
-    return isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError))
+    if isinstance(e, (requests.ConnectionError, requests.Timeout, ConnectionError, TimeoutError)):
+        return True
+    return NO_AGENT in str(e)
 
 
 class ControlError(Exception):
@@ -296,7 +305,7 @@ class JobControl(DriverReconciler):
                     return
                 if attempt < SUBMIT_TRIES and _transient(e):  # the same id: Ray starts it at most once
                     log.warning(
-                        "job %s: Ray's job server dropped the submission (%s); try %d of %d in %.1f s",
+                        "job %s: Ray's job server did not take the submission (%s); try %d of %d in %.1f s",
                         spec.name, e, attempt + 1, SUBMIT_TRIES, self.submit_backoff_s * attempt,
                     )  # fmt: skip
                     time.sleep(self.submit_backoff_s * attempt)
