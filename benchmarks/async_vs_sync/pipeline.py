@@ -68,6 +68,11 @@ def pipeline_bounds(
         pool, marks = generators_only(spec, managed.url, total * gps, args.phase_timeout_s)
         t0, g0 = next((t, g) for t, g in marks if g >= args.warmup * gps)
         t1, g1 = marks[-1]
+        if t1 <= t0:  # the timed groups came between two polls of the buffer: no window to divide by
+            raise ValueError(
+                "generator-only: the timed groups all arrived within one poll of the buffer; time more "
+                "of them (--steps, --groups-per-step)"
+            )
         gen = sampler.window(t0, t1)
         res["generator_only"] = {
             "groups_timed": g1 - g0,
