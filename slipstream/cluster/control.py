@@ -100,7 +100,7 @@ class JobControl(DriverReconciler):
         """`tool_modules`: the modules custom tools may come from ([]: builtin tools only; None: any).
         `input_roots`: the directories a job's input paths must lie in, besides its own (None: HOME, the
         project and the temp directory: job_paths.default_input_roots). `submit_backoff_s`: the wait before
-        a dropped Ray submission's second try (twice that before the third)."""
+        a Ray submission's second try after a transient failure (twice that before the third)."""
         self.info = info
         self.submit_backoff_s = submit_backoff_s
         self.tool_modules = tool_modules
