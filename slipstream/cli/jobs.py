@@ -22,6 +22,10 @@ from common import tls
 from slipstream.job.records import Status, known, status_from_dict
 
 TERMINAL = ("succeeded", "failed", "stopped", "interrupted")
+SUBMIT_TIMEOUT_S = 90.0
+"""How long `submit` waits for the control API's answer (longer than the other calls' timeout): the API tries
+Ray's job server up to 3 times, and on a cluster just started each try can wait 10 s for Ray's job agent
+(slipstream/cluster/control.py: SUBMIT_TRIES, NO_AGENT)."""
 
 
 class ApiError(Exception):
@@ -100,7 +104,13 @@ class ControlClient:
         return resp.json()
 
     def submit(self, spec_text: str, overrides: list[str], cwd: str) -> dict:
-        return self._call("POST", "/jobs", json={"spec": spec_text, "overrides": overrides, "cwd": cwd})
+        read = self.http.timeout.read
+        return self._call(
+            "POST",
+            "/jobs",
+            json={"spec": spec_text, "overrides": overrides, "cwd": cwd},
+            timeout=None if read is None else max(read, SUBMIT_TIMEOUT_S),
+        )
 
     def list(self) -> list[dict]:
         return self._call("GET", "/jobs")
