@@ -146,45 +146,38 @@ def tier(item) -> str:
         return ""
 
 
-MULTINODE = TESTS / "system" / "multinode"
-MULTINODE_UNIT = "tests/system/multinode"
-"""The two-node files' one xdist work unit: one worker runs them, one after the other."""
-
-
 def pytest_collection_modifyitems(config, items) -> None:
-    """The folder says the tier: every test under tests/system/ is `slow`. The order is the two-node tests
-    (tests/system/multinode/: two Ray nodes and a cluster in network namespaces, waiting on the product's
-    node-loss and placement timings more than on the CPU), the other system tests, integration, unit (each
-    in file order): parallel workers take the long work units first, and the short unit tests fill the
-    gaps at the end."""
+    """The folder says the tier: every test under tests/system/ is `slow`, and the two-node tests
+    (tests/system/multinode/: two Ray nodes and a cluster in network namespaces, whose `ray start` gives up
+    after 30 s on a starved box) are `serial`: `make test` runs them after the parallel part, alone. The order
+    is system, integration, unit (each in file order), so that parallel workers take the long whole-job
+    files first."""
     for item in items:
         if tier(item) == "system":
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(reversed(TIERS), start=1)}
-    items.sort(key=lambda item: 0 if MULTINODE in Path(item.fspath).parents else rank.get(tier(item), 9))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the two-node files as one work unit: each file starts a cluster of two
-    namespace nodes, and one at a time keeps their `ray start`s (which give up after 30 s) from starving
-    each other."""
-    if config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class Scheduling(LoadFileScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return MULTINODE_UNIT if scope.startswith(MULTINODE_UNIT + "/") else scope
-
-    return Scheduling(config, log)
+        if TESTS / "system" / "multinode" in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.serial)
+    rank = {name: i for i, name in enumerate(reversed(TIERS))}
+    items.sort(key=lambda item: rank.get(tier(item), len(TIERS)))
 
 
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE
 # at the end of a run (`make test` prints its head, so CI's log shows where the suite's time goes).
 DURATIONS_FILE = "test-durations.txt"
+DURATIONS_MERGE = "SLIPSTREAM_TEST_DURATIONS_MERGE"
+"""Set (by the Makefile) for a later pytest run of one `make test`: its durations join the file's."""
 _durations: dict[str, float] = {}
+
+
+def read_durations(path: Path) -> dict[str, float]:
+    """Test id -> seconds, from a durations file (empty when there is none)."""
+    out: dict[str, float] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            seconds, sep, nodeid = line.strip().partition(" s  ")
+            if sep:
+                out[nodeid] = float(seconds)
+    return out
 
 
 def pytest_runtest_logreport(report):
@@ -195,6 +188,9 @@ def pytest_sessionfinish(session, exitstatus):
     if not _durations or hasattr(session.config, "workerinput"):
         return
     path = session.config.rootpath / DURATIONS_FILE
+    if os.environ.get(DURATIONS_MERGE):  # a later part of one `make test`: keep the earlier part's
+        for nodeid, seconds in read_durations(path).items():
+            _durations.setdefault(nodeid, seconds)
     total = sum(_durations.values())
     rows = sorted(_durations.items(), key=lambda kv: kv[1], reverse=True)
     tiers: dict[str, float] = {}
