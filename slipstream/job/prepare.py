@@ -55,6 +55,12 @@ def reset_run_state(out: Path, managed_redis: bool) -> None:
             path.unlink()
 
 
+NO_PRESTART = {"prestart_worker_first_driver": False}
+"""Ray's system config for a private Ray: no idle workers started ahead for the driver. Every actor of a job
+runs with the job's runtime env (below), so Ray starts it a worker of its own anyway; the workers it would
+prestart (one per core) would only sit idle, each a Python process of about 80 MB that polls its raylet."""
+
+
 def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = None) -> None:
     """A private Ray instance for one job on this machine; every actor gets the project on its path,
     no hub access, and `env`."""
@@ -66,6 +72,7 @@ def init_local_ray(env: dict[str, str] | None = None, num_cpus: int | None = Non
         include_dashboard=False,
         log_to_driver=True,
         logging_level=logging.WARNING,
+        _system_config=NO_PRESTART,
         runtime_env={
             "env_vars": {
                 "PYTHONPATH": project_pythonpath(),
