@@ -3,7 +3,8 @@ call) shuts Ray down, waits for the processes that came after the Ray's start an
 running (here a child that ignores SIGTERM stands for a worker slow to notice its raylet is gone: CI saw
 `slipstream run` return with a rollout worker still running), with a warning naming it. A child this
 process had before the Ray started (the job's managed Redis) is left alone. In a process of its own: the
-test session's shared Ray is not touched."""
+test session's shared Ray is not touched. The Ray starts no idle workers ahead: the actor has a worker of
+its own, and none sits idle beside it."""
 
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[3]
 
 SCRIPT = """
-import subprocess, sys, psutil, ray
+import subprocess, sys, time, psutil, ray
 from slipstream.job.prepare import init_local_ray, own_processes, stop_local_ray
 
 before = subprocess.Popen(["sleep", "300"], stdout=subprocess.DEVNULL)  # a child from before the Ray (Redis)
@@ -27,7 +28,16 @@ class Actor:
         import os
         return os.getpid()
 
-actor = ray.get(Actor.remote().pid.remote())
+handle = Actor.remote()
+actor = ray.get(handle.pid.remote())
+time.sleep(2)  # a worker Ray prestarts is up within a second of the driver
+idle = []
+for p in psutil.Process().children(recursive=True):
+    try:
+        idle += [p.pid] if p.cmdline()[:1] == ["ray::IDLE"] else []
+    except psutil.NoSuchProcess:
+        pass
+print("idle", *idle, flush=True)
 slow = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 300"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 started = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in existing]
 print("started", *started, flush=True)
@@ -54,6 +64,7 @@ def test_stop_local_ray_leaves_no_process_it_started_and_only_those():
     started, killed = set(map(int, out["started"])), set(map(int, out["killed"]))
     actor, slow = int(out["actor"][0]), int(out["actor"][2])
     assert {actor, slow} <= started and len(started) > 3  # Ray's daemons, its workers and the slow child
+    assert out["idle"] == []  # no worker started ahead of an actor
     assert slow in killed and actor not in killed  # the actor's worker went with its raylet
     assert not any(_running(pid) for pid in started)  # nothing it started still runs
     assert out["before"] == ["None"]  # the older child still ran when stop_local_ray returned
