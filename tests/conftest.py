@@ -150,24 +150,15 @@ def pytest_collection_modifyitems(config, items) -> None:
     """The folder says the tier: every test under tests/system/ is `slow`, and the two-node tests
     (tests/system/multinode/: two Ray nodes and a cluster in network namespaces, whose `ray start` gives up
     after 30 s on a starved box) are `serial`: `make test` runs them after the parallel part, alone. The order
-    is the system tests on the shared Ray (so that each worker's run of them is one stretch:
-    ray_fixtures.py), the other system tests, integration, unit (each in file order), so that parallel
-    workers take the long whole-job files first."""
-    from ray_fixtures import SHARED
-
+    is system, integration, unit (each in file order), so that parallel workers take the long whole-job
+    files first."""
     for item in items:
         if tier(item) == "system":
             item.add_marker(pytest.mark.slow)
         if TESTS / "system" / "multinode" in Path(item.fspath).parents:
             item.add_marker(pytest.mark.serial)
-    rank = {name: i for i, name in enumerate(reversed(TIERS), start=1)}  # system, integration, unit
-
-    def order(item) -> int:
-        if tier(item) == "system" and SHARED in item.fixturenames:
-            return 0
-        return rank.get(tier(item), len(TIERS) + 1)
-
-    items.sort(key=order)
+    rank = {name: i for i, name in enumerate(reversed(TIERS))}
+    items.sort(key=lambda item: rank.get(tier(item), len(TIERS)))
 
 
 # ---- test durations: every test's setup + call + teardown time, slowest first, written to DURATIONS_FILE

@@ -1,15 +1,14 @@
 """One local Ray for the whole-job tests of a pytest run (fixture `shared_ray`): `run_job` and `LocalJob`
 use the Ray this process is connected to and leave it running, so consecutive job tests skip Ray's start
-and stop (about 5 s each on 2 cores). It lives only as long as the tests in a row that ask for it (the
-suite hands their files out first, tests/conftest.py): an idle Ray still costs about 2 CPU-s a minute,
-which a cluster test's minutes beside it would waste. A test whose job leaves Ray's resources taken gets
-the next test a fresh Ray; a test that starts a Ray of its own calls `shutdown_shared_ray()` first."""
+and stop (about 5 s each on 2 cores). A test whose job leaves Ray's resources taken gets the next test a
+fresh Ray; a test that starts a Ray of its own calls `shutdown_shared_ray()` first."""
 
 from __future__ import annotations
 
 import logging
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,6 @@ RELEASE_WAIT_S = 15.0
 """How long a finished job's actors may take to give their resources back before Ray is restarted."""
 
 
-SHARED = "shared_ray"
-"""The fixture's name, which a test asks for (tests/conftest.py orders the tests that do first)."""
 _started = False
 """Whether the Ray this process is connected to is the shared one (started by `shared_ray`)."""
 
@@ -59,9 +56,10 @@ def _resources_free(ray) -> bool:
 
 
 def pytest_runtest_teardown(item, nextitem) -> None:
-    """The shared Ray lives only across consecutive tests that ask for it: the next test that does not (a
-    cluster's, a unit test) finds no Ray connected, as it would alone."""
-    if nextitem is None or SHARED not in nextitem.fixturenames:
+    """The shared Ray lives only across consecutive whole-job tests: the next test outside tests/system
+    (unit, integration) finds no Ray connected, as it would alone."""
+    system = Path(__file__).resolve().parents[1] / "system"
+    if nextitem is None or system not in Path(nextitem.fspath).parents:
         shutdown_shared_ray()
 
 
