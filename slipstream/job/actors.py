@@ -317,6 +317,21 @@ class RolloutActor:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def stacks(self) -> list[str]:
+        """Where each of this process's asyncio tasks waits: its chain of awaits, outermost first (a
+        stalled job's diagnosis: slipstream/job/faults.py)."""
+        out = []
+        for task in asyncio.all_tasks():
+            frames, coro = [], task.get_coro()
+            while coro is not None and len(frames) < 16:
+                if frame := getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None):
+                    code = frame.f_code
+                    frames.append(f"{code.co_name} ({code.co_filename.rsplit('/', 1)[-1]}:{frame.f_lineno})")
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+            if frames:
+                out.append(" > ".join(frames))
+        return out
+
 
 @ray.remote(num_cpus=0)
 class EvalActor:

@@ -122,20 +122,50 @@ class LocalJob:
             time.sleep(0.2)
 
     def situation(self) -> str:
-        """What a timed-out wait reports: the version, the engine registry and the trainer's last lines."""
+        """What a timed-out wait reports: the version, the engine registry, the admission books (a job that
+        stalls with its rollout workers held by admission has lost slots), the trainer's last lines and
+        where each rollout worker's coroutines wait."""
         from weight_bus.registry import EngineRegistry
 
         parts = []
         try:
             reg = EngineRegistry(self.r, self.spec.name)
             parts.append(f"version {self.version()}, engines live {reg.live()}, joining {reg.joining()}")
+            parts.append(self.admission())
         except Exception as e:  # Redis gone: say so, the timeout is the news
             parts.append(f"registry unreadable: {e!r}")
         log_file = Path(self.spec.output_dir) / "logs" / "trainer-0.log"
         if log_file.exists():
             tail = log_file.read_text(errors="replace").splitlines()[-12:]
             parts.append("trainer-0.log ends: " + " | ".join(line[24:] for line in tail))  # sans timestamps
+        parts += self.worker_stacks()
         return "; ".join(parts)
+
+    def admission(self) -> str:
+        """The buffer's admission books: groups started against the cap, each worker's reservations, and
+        where the started groups are (unread, pending, in flight)."""
+        st = self.buffer.stats()
+        spec = self.spec
+        cap = (st["version"] + spec.buffer.max_staleness + 1) * spec.algorithm.groups_per_step
+        reservations = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.reservations).items()}
+        keys = ("produced", "consumed", "unread", "pending", "dropped_future", "reissue_queue", "workers")
+        return f"admission: started {st['started']} of cap {cap}, reservations {reservations}, " + ", ".join(
+            f"{k} {st[k]}" for k in keys
+        )
+
+    def worker_stacks(self) -> list[str]:
+        """Where each rollout worker's coroutines wait (RolloutActor.stacks), or that its event loop did
+        not answer."""
+        import ray
+
+        out = []
+        for i, (actor, _) in enumerate(self.driver.generators.workers):
+            try:
+                stacks = ray.get(actor.stacks.remote(), timeout=10)
+                out.append(f"rollout-{i} tasks: " + " || ".join(stacks))
+            except Exception as e:  # a blocked loop or a dead actor: that is the news
+                out.append(f"rollout-{i} stacks unreadable: {type(e).__name__}")
+        return out
 
     def wait_progress(self, what: str, steps: int = 3) -> None:
         v0 = self.version()

@@ -87,6 +87,11 @@ def test_job_whose_only_engine_is_killed_trains_on(tmp_path, tiny_model_dir):
     waiting for a step that would never come."""
     with faults.LocalJob(_spec(tmp_path, tiny_model_dir, engines=1), tmp_path) as job:
         job.wait("the first steps", lambda: job.version() >= 3, faults.START_WAIT_S)
+        # what a timed-out wait would report: the admission books and where the worker's coroutines wait
+        seen = job.situation()
+        print(f"situation: {seen}")
+        assert "admission: started " in seen and " of cap " in seen, seen
+        assert "rollout-0 tasks: " in seen and "rollout.py:" in seen, seen
         f = faults.kill_engine(job, 0)
         job.wait_progress("the kill of the only engine")
         print(
