@@ -130,7 +130,7 @@ class RolloutWorker:
             cfg.rollout.concurrency,
         )
         try:
-            await asyncio.gather(*(self._loop() for _ in range(cfg.rollout.concurrency)))
+            await asyncio.gather(*(self._loop(i) for i in range(cfg.rollout.concurrency)))
         finally:
             heartbeat.cancel()
             registry.cancel()
@@ -168,11 +168,14 @@ class RolloutWorker:
             return self.task.get(prompt_id)
         return self.task.sample(self.rng)
 
-    async def _loop(self) -> None:
+    async def _loop(self, caller: int) -> None:
         buf = self.config.buffer
         while not self._stop.is_set():
             admitted_at = await self.producer.admit(
-                self.config.groups_per_step, buf.max_staleness, oldest=buf.admission == "oldest"
+                self.config.groups_per_step,
+                buf.max_staleness,
+                oldest=buf.admission == "oldest",
+                caller=caller,
             )
             if admitted_at is None:
                 metrics.ADMISSION_WAITS.inc()

@@ -6,7 +6,8 @@ A command whose reply was lost may have been applied, and is then applied again 
 stalled past the socket timeout runs both copies once it continues). The buffer tolerates that: a group
 stored twice is skipped as a duplicate by the trainer's trained-id check and counted in `duplicates`; the
 trainer's commit and its drops count once however often they arrive (replay_buffer/scripts.py: COMMIT,
-SETTLE).
+SETTLE), and a rollout loop's admission call is granted once (ADMIT remembers each loop's last granted
+call), so a retry never takes a second slot that nothing would give back.
 
 A `rediss://` URL (an operator-run Redis with TLS) trusts `$SLIPSTREAM_CA_CERT`'s CA unless the URL names
 its own (`?ssl_ca_certs=/path/ca.pem`): common/tls.py.

@@ -120,6 +120,22 @@ class JobKeys(msgspec.Struct, frozen=True):
         return self._k("admitted:")
 
     @property
+    def lease_keys(self) -> list[str]:
+        """KEYS of the scripts that release workers' reservations (scripts.REAP, LEAVE; ADMIT adds `version`
+        fourth): started, reservations, workers, reissue, stats, admitted, admit_calls."""
+        return [
+            self.started, self.reservations, self.workers, self.reissue, self.stats, self.admitted,
+            self.admit_calls,
+        ]  # fmt: skip
+
+    @property
+    def admit_calls(self) -> str:
+        """Hash `<worker>:<caller>` -> `<call>:<version>`: the last admission each of a worker's callers
+        (its rollout loops) was granted. A retried call whose first reply was lost (Redis applied it, then
+        the connection dropped: replay_buffer/client.py) gets the same answer instead of a second slot."""
+        return self._k("admit_calls")
+
+    @property
     def lengths(self) -> str:
         """Hash `trained:<tokens>` / `stale:<tokens>` -> samples of that response length trained, or in
         groups dropped (or recycled) as too stale."""
@@ -213,6 +229,7 @@ class JobKeys(msgspec.Struct, frozen=True):
             self.groups, self.dead_letter, self.version, self.started, self.trained, self.commits,
             self.reservations,
             self.workers, self.recycle, self.reissue, self.ledger, self.stats, self.staleness, self.admitted,
+            self.admit_calls,
             self.lengths,
             self.progress, self.run, self.engines, self.engines_joining, self.metrics_targets,
         ]  # fmt: skip

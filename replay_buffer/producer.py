@@ -3,6 +3,7 @@ Stream under admission control (replay_buffer/scripts.py), idempotently per grou
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import redis
@@ -30,23 +31,28 @@ class BufferProducer:
         self._forget = client.register_script(scripts.FORGET)
         self._inflight = self.keys.inflight(worker_id)
         self._admitted_mine = self.keys.admitted_by(worker_id)
-        self._lease_keys = [
-            self.keys.started, self.keys.reservations, self.keys.workers, self.keys.reissue, self.keys.stats,
-            self.keys.admitted,
-        ]  # fmt: skip
+        self._lease_keys = self.keys.lease_keys
+        self._calls = itertools.count()
+        """Numbers this worker's admission calls (with the caller, ADMIT's guard against a retried call)."""
 
     async def version(self) -> int:
         return int(await self.r.get(self.keys.version) or 0)
 
-    async def try_admit(self, groups_per_step: int, max_staleness: int, oldest: bool = False) -> bool:
+    async def try_admit(
+        self, groups_per_step: int, max_staleness: int, oldest: bool = False, caller: int = 0
+    ) -> bool:
         """`admit`, for callers that do not hand the admission version back to `put`/`release`."""
-        return await self.admit(groups_per_step, max_staleness, oldest) is not None
+        return await self.admit(groups_per_step, max_staleness, oldest, caller) is not None
 
-    async def admit(self, groups_per_step: int, max_staleness: int, oldest: bool = False) -> int | None:
+    async def admit(
+        self, groups_per_step: int, max_staleness: int, oldest: bool = False, caller: int = 0
+    ) -> int | None:
         """Atomically reserve one group slot for this worker; the version it was admitted at (give it to
         `put` or `release`), or None when the fleet is max_staleness versions ahead of the published
         version or, with `oldest` (buffer.admission: oldest), of the oldest group still in flight. Also
-        renews this worker's lease and releases expired workers' reservations."""
+        renews this worker's lease and releases expired workers' reservations. `caller`: which of the
+        worker's concurrent loops asks (each has one call out at a time): a call the client retries after
+        losing Redis's reply is then answered once, not given a second slot."""
         try:
             v = await self._admit(
                 keys=[*self._lease_keys[:3], self.keys.version, *self._lease_keys[3:]],
@@ -58,6 +64,8 @@ class BufferProducer:
                     self.keys.inflight_prefix,
                     self.keys.admitted_prefix,
                     1 if oldest else 0,
+                    caller,
+                    next(self._calls),
                 ],
             )
         except redis.ResponseError as e:

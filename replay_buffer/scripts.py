@@ -27,9 +27,17 @@ local function forget_admitted(admitted, aprefix, w)
   end
   redis.call('DEL', aprefix .. w)
 end
+-- A worker's answered admission calls (ADMIT's replay guard) go with it.
+local function forget_calls(calls, w)
+  local mine = w .. ':'
+  for _, f in ipairs(redis.call('HKEYS', calls)) do
+    if string.sub(f, 1, #mine) == mine then redis.call('HDEL', calls, f) end
+  end
+end
 -- A worker's reservations go back to the pool and its in-flight prompts to the reissue list.
-local function release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix)
+local function release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix, calls)
   forget_admitted(admitted, aprefix, w)
+  forget_calls(calls, w)
   local n = tonumber(redis.call('HGET', reservations, w) or '0')
   if n ~= 0 then redis.call('DECRBY', started, n) end
   redis.call('HDEL', reservations, w)
@@ -42,10 +50,11 @@ local function release(started, reservations, workers, reissue, stats, prefix, w
   end
   return n
 end
-local function reap(started, reservations, workers, reissue, stats, prefix, now, admitted, aprefix)
+local function reap(started, reservations, workers, reissue, stats, prefix, now, admitted, aprefix, calls)
   local released = 0
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', workers, '-inf', now)) do
-    released = released + release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix)
+    released = released + release(started, reservations, workers, reissue, stats, prefix, w, admitted, aprefix,
+                                  calls)
   end
   return released
 end
@@ -54,15 +63,24 @@ end
 ADMIT = (
     _REAP
     + """
--- KEYS: started, reservations, workers, version, reissue, stats, admitted
--- ARGV: groups_per_step, max_staleness, worker, lease_ms, inflight prefix, admitted prefix, oldest (1/0)
+-- KEYS: started, reservations, workers, version, reissue, stats, admitted, admit_calls
+-- ARGV: groups_per_step, max_staleness, worker, lease_ms, inflight prefix, admitted prefix, oldest (1/0),
+--   caller (one of the worker's loops), call (unique per call of the worker)
 -- Returns the version the slot was admitted at, or -1 when the cap is reached.
 -- The cap: (base + max_staleness + 1) * groups_per_step groups started, base = the published version, or
 -- with `oldest` the smaller of it and the admission version of the oldest group still in flight: groups
 -- admitted later can then never overtake that one by enough steps to make it stale.
+-- A call this script already granted (the client retries it with the same ARGV after losing the reply) is
+-- answered again from admit_calls instead of taking a second slot that no group would ever give back.
 redis.replicate_commands()
+local field = ARGV[3] .. ':' .. ARGV[8]
+local last = redis.call('HGET', KEYS[8], field)
+if last then
+  local sep = string.find(last, ':', 1, true)
+  if string.sub(last, 1, sep - 1) == ARGV[9] then return tonumber(string.sub(last, sep + 1)) end
+end
 local now = now_ms()
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[5], now, KEYS[7], ARGV[6])
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[5], KEYS[6], ARGV[5], now, KEYS[7], ARGV[6], KEYS[8])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[4]), ARGV[3])
 local v = tonumber(redis.call('GET', KEYS[4]) or '0')
 local base = v
@@ -79,6 +97,7 @@ if started + 1 <= cap then
   redis.call('HINCRBY', KEYS[7], v, 1)
   redis.call('HINCRBY', ARGV[6] .. ARGV[3], v, 1)
   redis.call('INCR', KEYS[1])
+  redis.call('HSET', KEYS[8], field, ARGV[9] .. ':' .. v)
   return v
 end
 return -1
@@ -88,9 +107,10 @@ return -1
 REAP = (
     _REAP
     + """
--- KEYS: started, reservations, workers, reissue, stats, admitted   ARGV: inflight prefix, admitted prefix
+-- KEYS: started, reservations, workers, reissue, stats, admitted, admit_calls
+-- ARGV: inflight prefix, admitted prefix
 redis.replicate_commands()
-return reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms(), KEYS[6], ARGV[2])
+return reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1], now_ms(), KEYS[6], ARGV[2], KEYS[7])
 """
 )
 
@@ -105,9 +125,9 @@ return redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 LEAVE = (
     _REAP
     + """
--- KEYS: started, reservations, workers, reissue, stats, admitted   ARGV: worker, inflight prefix,
+-- KEYS: started, reservations, workers, reissue, stats, admitted, admit_calls   ARGV: worker, inflight prefix,
 -- admitted prefix (a worker leaving with groups unfinished, e.g. cancelled: their prompts are reissued too)
-return release(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], ARGV[1], KEYS[6], ARGV[3])
+return release(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[2], ARGV[1], KEYS[6], ARGV[3], KEYS[7])
 """
 )
 

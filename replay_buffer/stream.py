@@ -277,15 +277,8 @@ class ReplayBuffer:
     def reap_workers(self) -> int:
         """Release the reservations of workers whose lease expired (their in-flight prompts are
         reissued); returns how many reservations were released."""
-        keys = [
-            self.keys.started,
-            self.keys.reservations,
-            self.keys.workers,
-            self.keys.reissue,
-            self.keys.stats,
-            self.keys.admitted,
-        ]
-        return int(self._reap(keys=keys, args=[self.keys.inflight_prefix, self.keys.admitted_prefix]))
+        args = [self.keys.inflight_prefix, self.keys.admitted_prefix]
+        return int(self._reap(keys=self.keys.lease_keys, args=args))
 
     def put(self, group: GroupRecord) -> str:
         """Synchronous XADD without a reservation (tests, tools); rollout workers use BufferProducer."""
