@@ -142,14 +142,19 @@ class LocalJob:
         return "; ".join(parts)
 
     def admission(self) -> str:
-        """The buffer's admission books: groups started against the cap, each worker's reservations, and
-        where the started groups are (unread, pending, in flight)."""
+        """The buffer's admission books: groups started against the cap at the published version (with
+        `buffer.admission: oldest` the oldest version in `admitted` lowers it), each worker's reservations,
+        the in-flight groups by admission version, and where the started groups are."""
         st = self.buffer.stats()
         spec = self.spec
         cap = (st["version"] + spec.buffer.max_staleness + 1) * spec.algorithm.groups_per_step
-        reservations = {k.decode(): int(v) for k, v in self.r.hgetall(self.keys.reservations).items()}
+
+        def counts(key: str) -> dict[str, int]:
+            return {k.decode(): int(v) for k, v in self.r.hgetall(key).items()}
+
+        books = f"reservations {counts(self.keys.reservations)}, admitted {counts(self.keys.admitted)}"
         keys = ("produced", "consumed", "unread", "pending", "dropped_future", "reissue_queue", "workers")
-        return f"admission: started {st['started']} of cap {cap}, reservations {reservations}, " + ", ".join(
+        return f"admission: started {st['started']} of cap {cap}, {books}, " + ", ".join(
             f"{k} {st[k]}" for k in keys
         )
 
