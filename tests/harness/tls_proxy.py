@@ -1,7 +1,7 @@
 """TLS for the tests of "across nodes" (docs/security.md): a private CA and a server certificate made at test
 time (`cryptography`), and a TLS-terminating TCP proxy (what caddy or nginx does in front of the control
 API or an engine) in a thread of the test process: https://127.0.0.1:PORT in front of http://host:port.
-Shared by the control API's, the engines' and Redis' TLS tests."""
+Shared by the control API's, the engines' and Redis' TLS tests; its byte pump (`pipe`) by other proxies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import datetime
 import ipaddress
 import ssl
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,9 +120,17 @@ def make_certs(directory: Path) -> Certs:
     return out
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+async def pipe(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    through: Callable[[bytes], bytes | None] | None = None,
+) -> None:
+    """Copy `reader` to `writer` until EOF, then close `writer`. `through` sees each chunk first and
+    returns what to pass on, or None to stop there (a proxy that drops a reply)."""
     try:
         while data := await reader.read(1 << 16):
+            if through is not None and (data := through(data)) is None:
+                break
             writer.write(data)
             await writer.drain()
     except (ConnectionError, ssl.SSLError, OSError):
@@ -151,7 +159,7 @@ def tls_proxy(certs: Certs, upstream: str) -> Iterator[str]:
         except OSError:
             client_w.close()
             return
-        await asyncio.gather(_pipe(client_r, up_w), _pipe(up_r, client_w))
+        await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
 
     async def serve() -> None:
         server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tls_proxy import pipe
+
 from replay_buffer import BufferProducer
 from replay_buffer.client import connect_async
 from replay_buffer.keys import JobKeys
@@ -29,26 +31,20 @@ class ReplyDropper:
     async def _handle(self, client_r, client_w) -> None:
         redis_r, redis_w = await asyncio.open_connection("127.0.0.1", self.target_port)
 
-        async def up() -> None:
-            while data := await client_r.read(65536):
-                if self.armed and b"EVALSHA" in data.upper():
-                    self.armed, self._drop_reply = False, True
-                redis_w.write(data)
-                await redis_w.drain()
-            redis_w.close()
+        def up(data: bytes) -> bytes:
+            if self.armed and b"EVALSHA" in data.upper():
+                self.armed, self._drop_reply = False, True
+            return data
 
-        async def down() -> None:
-            while data := await redis_r.read(65536):
-                if self._drop_reply:  # applied by Redis; the client never hears of it
-                    self._drop_reply = False
-                    self.dropped += 1
-                    break
-                client_w.write(data)
-                await client_w.drain()
-            client_w.close()
-            redis_w.close()
+        def down(data: bytes) -> bytes | None:
+            if self._drop_reply:  # applied by Redis; the client never hears of it
+                self._drop_reply = False
+                self.dropped += 1
+                redis_w.close()
+                return None
+            return data
 
-        await asyncio.gather(up(), down(), return_exceptions=True)
+        await asyncio.gather(pipe(client_r, redis_w, up), pipe(redis_r, client_w, down))
 
 
 def test_a_retried_admission_holds_one_slot(redis_server, redis_client, job_id):
