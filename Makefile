@@ -35,13 +35,14 @@ demo: $(STAMP)
 # its head.
 TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+SERIAL_XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n 2 --dist loadfile)
 # Every worker collects every test module, and pytest rewrites each one's asserts: with bytecode writing off
 # (PYTHONDONTWRITEBYTECODE set) it does so again in each worker on every run (collection 11 s instead of 7 per
 # process). The suite writes its caches to the gitignored __pycache__ folders.
 test test-fast: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not serial"; rc=$$?; \
-	SLIPSTREAM_TEST_DURATIONS_MERGE=1 $(PY) -m pytest -q -m serial tests/system/multinode; rc2=$$?; [ $$rc2 -eq 5 ] && rc2=0; \
+	SLIPSTREAM_TEST_DURATIONS_MERGE=1 $(PY) -m pytest -q $(SERIAL_XDIST) -m serial tests/system/multinode; rc2=$$?; [ $$rc2 -eq 5 ] && rc2=0; \
 	head -n 30 test-durations.txt 2>/dev/null; [ $$rc -eq 0 ] && [ $$rc2 -eq 0 ]
 
 # The development tiers: tests/unit and tests/integration (no whole job; tests/system is the rest).
