@@ -40,15 +40,22 @@ def job_ref(spec: JobSpec) -> JobRef:
 
 
 def _setup_process(
-    job: JobRef | TrainerConfig | RolloutConfig | EvalConfig, name: str, redis_url: str, threads: int
+    job: JobRef | TrainerConfig | RolloutConfig | EvalConfig,
+    name: str,
+    redis_url: str,
+    threads: int | None = None,
 ) -> None:
-    """Logging, threads and metrics of this actor's process, for the job `job` names."""
-    import torch
-
+    """Logging, threads and metrics of this actor's process, for the job `job` names. `threads`: torch's
+    intra-op threads, for a process that computes with torch; None for one that does not (a rollout worker,
+    the evaluator, a launcher of outside engines), which then never imports torch: 0.9 of a rollout
+    worker's 2.2 CPU-s start on a tiny model was that import."""
     from slipstream.job import gpu_metrics
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(threads)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
     log_dir = Path(job.output_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     root = logging.getLogger()
@@ -216,7 +223,7 @@ class SGLangEngineActor:
     ) -> None:
         from generator_fleet.launch import SGLangServer, write_untrained_adapter
 
-        _setup_process(job, f"engine-{index}", redis_url, 1)
+        _setup_process(job, f"engine-{index}", redis_url)
         local_model(model_path, f"engine-{index}", redis_url, job.name, need_weights="SGLang loads it")
         self.redis_url, self.job, self.router_url = redis_url, job.name, generators.router_url
         self.api_key = api_key
@@ -283,7 +290,7 @@ class ExternalEnginesActor:
     ) -> None:
         from generator_fleet.launch import ExternalEngines
 
-        _setup_process(job, "external-engines", redis_url, 1)
+        _setup_process(job, "external-engines", redis_url)
         self.redis_url, self.job = redis_url, job.name
         self.engines = ExternalEngines(urls, router_url, api_key)
 
@@ -302,7 +309,7 @@ class RolloutActor:
     ) -> None:
         from generator_fleet.rollout import RolloutWorker
 
-        _setup_process(config, f"rollout-{index}", redis_url, 1)
+        _setup_process(config, f"rollout-{index}", redis_url)
         path, _ = local_model(config.model.path, f"rollout-{index}", redis_url, config.name)  # the tokenizer
         config = _with_model_path(config, path)
         self.worker = RolloutWorker(config, redis_url, engine_urls, api_key, worker_id=index)
@@ -348,7 +355,7 @@ class EvalActor:
     ) -> None:
         from generator_fleet.evaluation import Evaluator
 
-        _setup_process(config, f"evaluator-{index}", redis_url, 1)
+        _setup_process(config, f"evaluator-{index}", redis_url)
         path, _ = local_model(
             config.model.path, f"evaluator-{index}", redis_url, config.name
         )  # the tokenizer

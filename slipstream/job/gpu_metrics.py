@@ -12,10 +12,12 @@ nvidia-ml-py) when importable, else `nvidia-smi`. Registered by every job proces
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 from prometheus_client.core import GaugeMetricFamily
@@ -23,6 +25,8 @@ from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
 
+DEVICE_FILES = "/dev/nvidia[0-9]*"
+"""The NVIDIA driver's per-GPU device files: none on a machine without NVIDIA GPUs."""
 CACHE_S = 2.0
 """nvidia-smi takes ~50 ms: one reading serves every scrape within this window."""
 METRICS = (
@@ -34,9 +38,12 @@ METRICS = (
 
 
 def visible_gpus() -> list[int]:
-    """Physical indices of the GPUs this process may use ([] on a CPU-only process)."""
+    """Physical indices of the GPUs this process may use ([] on a CPU-only process). A machine without
+    NVIDIA device files has none: answered without importing torch (a rollout worker never needs it)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None and env.strip() == "":  # Ray's setting for an actor given no GPU
+        return []
+    if "torch" not in sys.modules and not glob.glob(DEVICE_FILES):
         return []
     try:
         import torch
