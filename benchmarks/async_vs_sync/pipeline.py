@@ -59,11 +59,14 @@ def pipeline_bounds(
     gps = spec.algorithm.groups_per_step
     # what runs already (Redis, the engine, a Ray): not the bounds' Ray, so left to its owners at the end
     existing = own_processes()
+    # the bounds' actors need the engine key in their environment: a Ray of their own; without an outside
+    # engine, a Ray this process is already connected to (the staleness phases', a test session's) serves
+    own_ray = engine is not None or not ray.is_initialized()
     try:
-        # the bounds' actors need the engine key in their environment: a Ray of their own
-        if ray.is_initialized():
-            ray.shutdown()
-        init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
+        if own_ray:
+            if ray.is_initialized():
+                ray.shutdown()
+            init_local_ray({ENGINE_KEY_ENV: os.environ[ENGINE_KEY_ENV]} if engine else None)
         # generator-only: the workers fill the buffer; no trainer exists yet
         pool, marks = generators_only(spec, managed.url, total * gps, args.phase_timeout_s)
         t0, g0 = next((t, g) for t, g in marks if g >= args.warmup * gps)
@@ -112,7 +115,8 @@ def pipeline_bounds(
         if ray.is_initialized():
             if pool is not None:
                 pool.close()
-            stop_local_ray(existing)  # with its workers: none outlives the phase
+            if own_ray:
+                stop_local_ray(existing)  # with its workers: none outlives the phase
         managed.stop()
         if engine:
             engine.stop()

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.async_vs_sync import main
 
-# run_job on the session's Ray (the bounds phase starts a Ray of its own)
+# run_job and the bounds phase on the session's Ray
 pytestmark = pytest.mark.usefixtures("shared_ray")
 
 
