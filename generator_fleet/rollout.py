@@ -186,7 +186,7 @@ class RolloutWorker:
             try:
                 samples = await self._group(problem)
             except EngineError as e:
-                await self.producer.release(problem.prompt_id, admitted_at)
+                await self.producer.release(problem.prompt_id, admitted_at, caller)
                 self._given_up_in_a_row += 1
                 wait_s = min(RETRY_BACKOFF_S * 2**self._given_up_in_a_row, GIVE_UP_BACKOFF_MAX_S)
                 log.error("group for %s given up: %s; next group in %.1f s", problem.prompt_id, e, wait_s)
@@ -194,12 +194,14 @@ class RolloutWorker:
                 continue
             self._given_up_in_a_row = 0
             if reason := await self._filter(samples):
-                await self.producer.release(problem.prompt_id, admitted_at)
+                await self.producer.release(problem.prompt_id, admitted_at, caller)
                 metrics.GROUPS_FILTERED.labels(reason).inc()
                 self.filtered += 1
                 log.debug("group for %s filtered (%s): not put into the buffer", problem.prompt_id, reason)
                 continue
-            await self.producer.put(make_group(self.config.name, problem.prompt_id, samples), admitted_at)
+            await self.producer.put(
+                make_group(self.config.name, problem.prompt_id, samples), admitted_at, caller
+            )
             self.produced += 1
 
     async def _idle(self, seconds: float) -> None:

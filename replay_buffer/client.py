@@ -3,11 +3,12 @@ timeout with capped exponential backoff for up to ~OUTAGE_S, so a restart of red
 replays in a second or two) pauses a job instead of killing its processes.
 
 A command whose reply was lost may have been applied, and is then applied again by the retry (Redis
-stalled past the socket timeout runs both copies once it continues). The buffer tolerates that: a group
-stored twice is skipped as a duplicate by the trainer's trained-id check and counted in `duplicates`; the
+stalled past the socket timeout runs both copies once it continues). The buffer tolerates that: the
 trainer's commit and its drops count once however often they arrive (replay_buffer/scripts.py: COMMIT,
-SETTLE), and a rollout loop's admission call is granted once (ADMIT remembers each loop's last granted
-call), so a retry never takes a second slot that nothing would give back.
+SETTLE); a rollout loop's admission call is granted once (ADMIT remembers each loop's last granted call),
+and the loop's put or release of that slot ends it once (END_SLOT marks the same entry with its answer),
+so a retry never stores a group twice or takes or frees a slot twice. A group stored twice all the same
+(a producer that names no loop) is skipped by the trainer's trained-id check and counted in `duplicates`.
 
 A `rediss://` URL (an operator-run Redis with TLS) trusts `$SLIPSTREAM_CA_CERT`'s CA unless the URL names
 its own (`?ssl_ca_certs=/path/ca.pem`): common/tls.py.

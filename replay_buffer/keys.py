@@ -131,8 +131,10 @@ class JobKeys(msgspec.Struct, frozen=True):
     @property
     def admit_calls(self) -> str:
         """Hash `<worker>:<caller>` -> `<call>:<version>`: the last admission each of a worker's callers
-        (its rollout loops) was granted. A retried call whose first reply was lost (Redis applied it, then
-        the connection dropped: replay_buffer/client.py) gets the same answer instead of a second slot."""
+        (its rollout loops) was granted, `:<entry id>` or `:released` appended once its put or release
+        ended the slot. A retried call whose first reply was lost (Redis applied it, then the connection
+        dropped: replay_buffer/client.py) gets the same answer instead of a second slot, a second copy of
+        its group or a slot given back twice."""
         return self._k("admit_calls")
 
     @property

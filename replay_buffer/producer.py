@@ -28,7 +28,7 @@ class BufferProducer:
         self._admit = client.register_script(scripts.ADMIT)
         self._heartbeat = client.register_script(scripts.HEARTBEAT)
         self._leave = client.register_script(scripts.LEAVE)
-        self._forget = client.register_script(scripts.FORGET)
+        self._end_slot = client.register_script(scripts.END_SLOT)
         self._inflight = self.keys.inflight(worker_id)
         self._admitted_mine = self.keys.admitted_by(worker_id)
         self._lease_keys = self.keys.lease_keys
@@ -74,13 +74,6 @@ class BufferProducer:
             raise
         return int(v) if int(v) >= 0 else None
 
-    async def _forget_admitted(self, pipe, admitted_at: int | None) -> None:
-        """One in-flight group admitted at `admitted_at` is no longer in flight (put or released)."""
-        if admitted_at is not None:
-            await self._forget(
-                keys=[self.keys.admitted, self._admitted_mine], args=[admitted_at], client=pipe
-            )
-
     async def begin(self, prompt_id: str) -> None:
         """Record that this worker now generates a group for `prompt_id` (after try_admit): if the worker
         dies before `put` or `release`, the prompt is reissued to the others once its lease expires."""
@@ -94,16 +87,14 @@ class BufferProducer:
         """Renew the lease; a worker that stops calling this (and try_admit) for lease_ms is presumed dead."""
         await self._heartbeat(keys=[self.keys.workers], args=[self.worker_id, self.lease_ms])
 
-    async def release(self, prompt_id: str | None = None, admitted_at: int | None = None) -> None:
+    async def release(
+        self, prompt_id: str | None = None, admitted_at: int | None = None, caller: int | None = None
+    ) -> None:
         """Give back a reserved slot whose group will not be produced (e.g. the rollout failed); the
-        prompt `begin` recorded, if any, is no longer in flight, nor the admission `admit` returned."""
-        pipe = self.r.pipeline(transaction=True)
-        pipe.hincrby(self.keys.reservations, self.worker_id, -1)
-        pipe.decr(self.keys.started)
-        if prompt_id is not None:
-            pipe.lrem(self._inflight, 1, prompt_id)
-        await self._forget_admitted(pipe, admitted_at)
-        await pipe.execute()
+        prompt `begin` recorded, if any, is no longer in flight, nor the admission `admit` returned.
+        `caller`: the loop whose admission this was (as given to `admit`): a retried call is then applied
+        once."""
+        await self._end(prompt_id, admitted_at, caller, "")
 
     async def leave(self) -> int:
         """Worker shutdown: release every reservation it still holds; returns how many."""
@@ -116,23 +107,41 @@ class BufferProducer:
         """A prompt_id whose group was dropped as stale (stale_policy: recycle), to generate again."""
         return as_str(await self.r.lpop(self.keys.recycle))
 
-    async def put(self, group: GroupRecord, admitted_at: int | None = None) -> str:
+    async def put(self, group: GroupRecord, admitted_at: int | None = None, caller: int | None = None) -> str:
         """Append a finished group (its reservation becomes a record); `admitted_at`: what `admit`
-        returned for it."""
+        returned for it; `caller`: the loop that was admitted (as given to `admit`): a retried call then
+        stores the group once and answers the first call's entry id."""
         t0 = time.perf_counter()
-        data = encode(group)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(self.keys.groups, {"d": data})
-        pipe.hincrby(self.keys.stats, "produced", 1)
-        pipe.hincrby(self.keys.reservations, self.worker_id, -1)  # the reservation became a record
-        pipe.lrem(self._inflight, 1, group.prompt_id)
-        await self._forget_admitted(pipe, admitted_at)
-        try:
-            entry_id, *_ = await pipe.execute()
-        except redis.ResponseError as e:
-            if is_oom(e):
-                raise full_error(e, self.keys.job, await memory_async(self.r)) from e
-            raise
+        entry_id = await self._end(group.prompt_id, admitted_at, caller, encode(group))
         metrics.PUT_SECONDS.observe(time.perf_counter() - t0)
         metrics.GROUPS_PRODUCED.inc()
-        return as_str(entry_id)
+        return entry_id
+
+    async def _end(self, prompt_id: str | None, admitted_at: int | None, caller: int | None, data) -> str:
+        """A reserved slot ends (scripts.END_SLOT): with `data` (the encoded group) put, else released."""
+        k = self.keys
+        try:
+            out = await self._end_slot(
+                keys=[
+                    k.reservations,
+                    k.started,
+                    k.stats,
+                    k.groups,
+                    self._inflight,
+                    k.admitted,
+                    self._admitted_mine,
+                    k.admit_calls,
+                ],  # fmt: skip
+                args=[
+                    self.worker_id,
+                    prompt_id or "",
+                    "" if admitted_at is None else admitted_at,
+                    "" if caller is None else f"{self.worker_id}:{caller}",
+                    data,
+                ],
+            )
+        except redis.ResponseError as e:
+            if is_oom(e):
+                raise full_error(e, k.job, await memory_async(self.r)) from e
+            raise
+        return as_str(out)

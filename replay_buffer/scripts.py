@@ -144,14 +144,42 @@ redis.call('SET', KEYS[1], to)
 return cur - to
 """
 
-FORGET = """
--- KEYS: admitted, admitted:<worker>   ARGV: version
--- One in-flight group admitted at ARGV[1] is no longer in flight (put or released); a count that reaches 0
--- goes, in the same step (a leftover 0 would hold `oldest` admission at its version for good).
-for _, k in ipairs(KEYS) do
-  if redis.call('HINCRBY', k, ARGV[1], -1) <= 0 then redis.call('HDEL', k, ARGV[1]) end
+END_SLOT = """
+-- KEYS: reservations, started, stats, groups, inflight:<worker>, admitted, admitted:<worker>, admit_calls
+-- ARGV: worker, prompt_id ('': none), admitted_at ('': none), the caller's admit_calls field ('': none),
+--   the encoded group ('': a release)
+-- A reserved slot ends: `put` appends its group to the stream (the reservation became a record), `release`
+-- gives the slot back. Either way the prompt is no longer in flight, nor the admission. Returns the group's
+-- entry id, or 'released'. With a field (the rollout loop ADMIT granted the slot to: one admission out per
+-- loop), the entry `<call>:<version>` is marked with that answer: a call the client retries after losing
+-- the reply (replay_buffer/client.py) returns it again instead of storing the group twice, or counting the
+-- slot out twice (a leaked slot, or one admission too many).
+redis.replicate_commands()
+local cur = nil
+if ARGV[4] ~= '' then
+  cur = redis.call('HGET', KEYS[8], ARGV[4])
+  if cur then
+    local done = string.match(cur, '^[^:]*:[^:]*:(.+)$')
+    if done then return done end
+  end
 end
-return 0
+local out = 'released'
+if ARGV[5] ~= '' then
+  out = redis.call('XADD', KEYS[4], '*', 'd', ARGV[5])
+  redis.call('HINCRBY', KEYS[3], 'produced', 1)
+else
+  redis.call('DECR', KEYS[2])
+end
+redis.call('HINCRBY', KEYS[1], ARGV[1], -1)
+if ARGV[2] ~= '' then redis.call('LREM', KEYS[5], 1, ARGV[2]) end
+-- an admission count that reaches 0 goes at once (a leftover 0 would hold `oldest` admission at its version)
+if ARGV[3] ~= '' then
+  for _, k in ipairs({KEYS[6], KEYS[7]}) do
+    if redis.call('HINCRBY', k, ARGV[3], -1) <= 0 then redis.call('HDEL', k, ARGV[3]) end
+  end
+end
+if cur then redis.call('HSET', KEYS[8], ARGV[4], cur .. ':' .. out) end
+return out
 """
 
 COMMIT = """

@@ -1,7 +1,11 @@
-"""A lost reply to an admission call, for real: Redis applied the call, then the connection dropped before
-its reply arrived, and the product's client (replay_buffer/client.connect_async) sent it again. Through a
-TCP proxy that swallows that one reply, the worker holds one slot, not two: a second would never be given
-back while the worker lives, and enough of them (a Redis restart under busy workers) hold admission shut."""
+"""A lost reply to a rollout loop's buffer calls, for real: Redis applied the call, then the connection
+dropped before its reply arrived, and the product's client (replay_buffer/client.connect_async) sent it
+again. Through a TCP proxy that swallows that one reply:
+- an admission holds one slot, not two: a second would never be given back while the worker lives, and
+  enough of them (a Redis restart under busy workers) hold admission shut;
+- a put stores its group once and counts its slot out once (twice: a duplicate to skip, and a reservation
+  count below the truth, which the worker's leave would turn into a slot taken for good);
+- a release gives its slot back once (twice: one admission more than the cap allows)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ import asyncio
 
 from tls_proxy import pipe
 
-from replay_buffer import BufferProducer
+from replay_buffer import BufferProducer, scripts
 from replay_buffer.client import connect_async
 from replay_buffer.keys import JobKeys
+from replay_buffer.schema import Sample, make_group
 
 
 class ReplyDropper:
@@ -66,6 +71,58 @@ def test_a_retried_admission_holds_one_slot(redis_server, redis_client, job_id):
         assert int(redis_client.get(keys.started)) == 3
         assert await p.leave() == 3  # every slot back, and the worker's answered calls gone with it
         assert int(redis_client.get(keys.started)) == 0
+        assert redis_client.hkeys(keys.admit_calls) == []
+        await r.aclose()
+        proxy.server.close()
+
+    asyncio.run(scenario())
+
+
+def _group(job: str, prompt_id: str):
+    s = Sample.build(
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        behavior_logprobs=[-0.1],
+        token_versions=[0],
+        reward=1.0,
+        finish_reason="stop",
+    )
+    return make_group(job, prompt_id, [s, s])
+
+
+def test_a_retried_put_or_release_ends_its_slot_once(redis_server, redis_client, job_id):
+    keys = JobKeys(job_id)
+
+    async def scenario():
+        proxy = ReplyDropper(redis_server.port)
+        port = await proxy.start()
+        r = connect_async(redis_server.url.replace(f":{redis_server.port}/", f":{port}/"))
+        p = BufferProducer(r, job_id, worker_id="w0")
+        # two loops admitted at version 0, each with its prompt in flight
+        for caller, prompt in ((0, "a"), (1, "b")):
+            assert await p.admit(2, 1, caller=caller) == 0
+            await p.begin(prompt)
+        await r.script_load(scripts.END_SLOT)  # the armed EVALSHA is the call itself, not a NOSCRIPT miss
+        proxy.armed = True
+        entry = await p.put(_group(job_id, "a"), admitted_at=0, caller=0)  # applied, reply lost, retried
+        assert proxy.dropped == 1
+        assert [e[0].decode() for e in redis_client.xrange(keys.groups)] == [entry]  # stored once
+        assert int(redis_client.hget(keys.stats, "produced")) == 1
+        assert int(redis_client.hget(keys.reservations, "w0")) == 1
+        assert int(redis_client.get(keys.started)) == 2  # a put keeps its slot (the trainer's step frees it)
+        proxy.armed = True
+        await p.release("b", admitted_at=0, caller=1)  # applied, reply lost, retried
+        assert proxy.dropped == 2
+        assert int(redis_client.get(keys.started)) == 1  # given back once
+        assert int(redis_client.hget(keys.reservations, "w0")) == 0
+        assert redis_client.lrange(keys.inflight("w0"), 0, -1) == []
+        assert redis_client.hgetall(keys.admitted) == {}  # neither admission is in flight any more
+        # the loops' next admissions are new calls: each takes a slot and ends it once more
+        assert await p.admit(2, 1, caller=0) == 0
+        await p.release(admitted_at=0, caller=0)
+        assert int(redis_client.get(keys.started)) == 1
+        assert await p.leave() == 0  # nothing held, nothing to give back
         assert redis_client.hkeys(keys.admit_calls) == []
         await r.aclose()
         proxy.server.close()
