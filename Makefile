@@ -30,7 +30,9 @@ demo: $(STAMP)
 # The suite runs in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, whole-job
 # files first): many tests wait on other processes (engines, Ray actors, servers), which in one process
 # leaves a third of two cores idle (3 workers on 2 cores: 29 instead of 38 minutes). TEST_WORKERS=0 runs
-# it in this one process. Tests marked `serial` (two Ray nodes in network namespaces) run after it, alone.
+# it in this one process. Tests marked `serial` (two Ray nodes in network namespaces) run after it, by
+# themselves, a file per worker in two (their jobs wait on Ray's node timings: 2:34 instead of 3:06). Four
+# workers instead of three gained nothing (15:36 against 15:23: the two cores are busy already).
 # Every test's time goes to test-durations.txt (per-tier sums first, then the slowest); `make test` prints
 # its head.
 TEST_WORKERS ?= 3
