@@ -14,6 +14,7 @@ turns the kernel off.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -32,30 +33,17 @@ BLOCK = 8192
 NUM_WARPS = 8
 ENABLE_ENV = "SLIPSTREAM_ENGINE_COPY_KERNEL"
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU installs: every copy goes through _foreach_copy_
-    triton = None
 
-if triton is not None:
-
-    @triton.jit
-    def _copy_chunks(src_ptrs, dst_ptrs, words, chunk_pair, chunk_start, BLOCK: tl.constexpr):
-        """One chunk of one pair per program. The alignment hints (ALIGN, which the plan checked) and
-        an unmasked body for whole chunks make every access 16 bytes wide."""
-        pid = tl.program_id(0)
-        pair = tl.load(chunk_pair + pid)
-        start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)
-        n = tl.multiple_of(tl.load(words + pair), 2)
-        src = tl.multiple_of(tl.load(src_ptrs + pair).to(tl.pointer_type(tl.int64)), 16)
-        dst = tl.multiple_of(tl.load(dst_ptrs + pair).to(tl.pointer_type(tl.int64)), 16)
-        idx = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
-            tl.store(dst + idx, tl.load(src + idx))
-        else:
-            mask = idx < n
-            tl.store(dst + idx, tl.load(src + idx, mask=mask), mask=mask)
+@functools.cache
+def copy_kernel():
+    """The Triton kernel (engine/multi_copy_kernel.py), None without Triton. Imported at the first copy on
+    CUDA: importing Triton costs an engine about 0.2 CPU-s at start, which one on CPU (every copy a
+    foreach) need not spend."""
+    try:
+        from generator_fleet.engine.multi_copy_kernel import copy_chunks
+    except ImportError:  # CPU installs: every copy goes through _foreach_copy_
+        return None
+    return copy_chunks
 
 
 def _kernel_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -90,7 +78,7 @@ class CopyPlan:
         """The (name, tensor) list the plan was last run for, while it lives (MultiCopy.copy)."""
         self.block, self.num_warps = block, num_warps
         device = src[0].device if src else torch.device("cpu")
-        fast = triton is not None and device.type == "cuda"
+        fast = device.type == "cuda" and copy_kernel() is not None
         words = [d.numel() * d.element_size() // WORD for d in dst]
         kernel = [i for i, (d, s) in enumerate(zip(dst, src, strict=True)) if fast and _kernel_copyable(d, s)]
         self.rest = sorted(set(range(len(dst))) - set(kernel))
@@ -120,7 +108,7 @@ class CopyPlan:
     def run(self) -> None:
         """Queue every copy on the current stream."""
         if self.chunks:
-            _copy_chunks[(self.chunks,)](
+            copy_kernel()[(self.chunks,)](
                 self.src_ptrs,
                 self.dst_ptrs,
                 self.words,
@@ -164,7 +152,7 @@ class MultiCopy:
         names = [n for n, _ in named]
         src = [t for _, t in named]
         dst = dst_of(names)
-        if not self.enabled or src[0].device.type != "cuda" or triton is None:
+        if not self.enabled or src[0].device.type != "cuda" or copy_kernel() is None:
             torch._foreach_copy_(dst, src)
             return
         key = (tuple(names), tuple(map(torch.Tensor.data_ptr, src)), tuple(t.dtype for t in src))

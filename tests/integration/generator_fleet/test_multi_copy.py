@@ -2,9 +2,14 @@
 for bit whatever its size (a chunk boundary inside a tensor, tensors smaller than one chunk), pairs the
 kernel cannot take (a cast, byte counts off 16-byte multiples) go through the foreach copy, and a plan is
 reused only for the same tensors: at once for the very list it last ran for, by comparison for another.
-On CPU everything goes through the foreach copy."""
+On CPU everything goes through the foreach copy; the kernel itself runs there under Triton's interpreter."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,7 +47,7 @@ def test_every_tensor_lands_bit_for_bit_and_a_plan_is_reused_for_the_same_tensor
         mc.copy(named if round_ else list(named), dst_of)  # a plain list first, then the kept one
         for i, (d, s) in enumerate(zip(dst, src, strict=True)):
             assert torch.equal(d, s.to(d.dtype)), (round_, i)
-    if device == "cuda" and multi_copy.triton is not None:
+    if device == "cuda" and multi_copy.copy_kernel() is not None:
         assert mc.plans_built == 1
         assert mc.plan.source() is named
         assert mc.plan.rest == [6, 7]  # the odd-sized one and the cast: foreach
@@ -68,3 +73,36 @@ def test_views_into_one_buffer_as_the_fused_projections_are():
     views = {"q": q, "k": k, "v": v}
     MultiCopy(enabled=True).copy(list(zip("qkv", src, strict=True)), lambda ns: [views[n] for n in ns])
     assert torch.equal(qkv, torch.cat(src))
+
+
+INTERPRETED = """
+import sys
+import torch
+from generator_fleet.engine import multi_copy as m
+
+assert "triton" not in sys.modules, "importing the engine's copy imported Triton"
+kernel = m.copy_kernel()
+src = [torch.randn(m.BLOCK * 4 + 8, dtype=torch.bfloat16), torch.randn(2048, dtype=torch.bfloat16)]
+dst = [torch.zeros_like(t) for t in src]
+words = [t.numel() * t.element_size() // m.WORD for t in dst]
+pairs, starts = [], []
+for j, w in enumerate(words):
+    pairs += [j] * len(range(0, w, m.BLOCK))
+    starts += list(range(0, w, m.BLOCK))
+table = torch.tensor([[t.data_ptr() for t in src], [t.data_ptr() for t in dst], words], dtype=torch.int64)
+chunk_pair, chunk_start = torch.tensor(pairs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64)
+kernel[(len(pairs),)](table[0], table[1], table[2], chunk_pair, chunk_start, BLOCK=m.BLOCK)
+assert all(torch.equal(d, s) for d, s in zip(dst, src)), "a chunk did not land"
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA runs the compiled kernel (the tests above)")
+def test_the_kernel_is_imported_at_its_first_use_and_copies_every_chunk_interpreted():
+    """Triton's interpreter is chosen when triton is first imported: a fresh process with TRITON_INTERPRET=1
+    runs the kernel on CPU (a tensor of several chunks, its last one partial, and one under a chunk)."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    r = subprocess.run(
+        [sys.executable, "-c", INTERPRETED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
