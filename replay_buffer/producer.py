@@ -131,7 +131,7 @@ class BufferProducer:
                     k.admitted,
                     self._admitted_mine,
                     k.admit_calls,
-                ],  # fmt: skip
+                ],
                 args=[
                     self.worker_id,
                     prompt_id or "",
