@@ -6,8 +6,8 @@ character-level tokenizers then silently drop every space and newline. A directo
 saved as a generic fast tokenizer is therefore loaded as exactly that.
 
 AutoTokenizer is imported only for the other directories: its module imports transformers' model
-configuration, and with it torch (1.3 CPU-s of a rollout worker's 2.5 s start on a tiny model, which
-needs neither).
+configuration, and with it torch, which a rollout worker does not use (loading a tiny model's tokenizer
+takes 0.4 CPU-s instead of 1.7 in a process without torch).
 """
 
 from __future__ import annotations
