@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 
+from sample_pair import one_token_group
 from tls_proxy import pipe
 
 from replay_buffer import BufferProducer, scripts
 from replay_buffer.client import connect_async
 from replay_buffer.keys import JobKeys
-from replay_buffer.schema import Sample, make_group
 
 
 class ReplyDropper:
@@ -52,14 +52,19 @@ class ReplyDropper:
         await asyncio.gather(pipe(client_r, redis_w, up), pipe(redis_r, client_w, down))
 
 
+async def _behind_dropper(redis_server, job_id) -> tuple[ReplyDropper, object, BufferProducer]:
+    """(the proxy, the product's async client through it, worker w0's producer on that client)."""
+    proxy = ReplyDropper(redis_server.port)
+    port = await proxy.start()
+    r = connect_async(redis_server.url.replace(f":{redis_server.port}/", f":{port}/"))
+    return proxy, r, BufferProducer(r, job_id, worker_id="w0")
+
+
 def test_a_retried_admission_holds_one_slot(redis_server, redis_client, job_id):
     keys = JobKeys(job_id)
 
     async def scenario():
-        proxy = ReplyDropper(redis_server.port)
-        port = await proxy.start()
-        r = connect_async(redis_server.url.replace(f":{redis_server.port}/", f":{port}/"))
-        p = BufferProducer(r, job_id, worker_id="w0")
+        proxy, r, p = await _behind_dropper(redis_server, job_id)
         assert await p.admit(2, 1, caller=0) == 0  # the script is loaded; an ordinary call
         proxy.armed = True
         assert await p.admit(2, 1, caller=1) == 0  # applied, its reply lost, retried: the same answer
@@ -78,34 +83,20 @@ def test_a_retried_admission_holds_one_slot(redis_server, redis_client, job_id):
     asyncio.run(scenario())
 
 
-def _group(job: str, prompt_id: str):
-    s = Sample.build(
-        prompt_ids=[1],
-        response_ids=[2],
-        loss_mask=[1],
-        behavior_logprobs=[-0.1],
-        token_versions=[0],
-        reward=1.0,
-        finish_reason="stop",
-    )
-    return make_group(job, prompt_id, [s, s])
-
-
 def test_a_retried_put_or_release_ends_its_slot_once(redis_server, redis_client, job_id):
     keys = JobKeys(job_id)
 
     async def scenario():
-        proxy = ReplyDropper(redis_server.port)
-        port = await proxy.start()
-        r = connect_async(redis_server.url.replace(f":{redis_server.port}/", f":{port}/"))
-        p = BufferProducer(r, job_id, worker_id="w0")
+        proxy, r, p = await _behind_dropper(redis_server, job_id)
         # two loops admitted at version 0, each with its prompt in flight
         for caller, prompt in ((0, "a"), (1, "b")):
             assert await p.admit(2, 1, caller=caller) == 0
             await p.begin(prompt)
         await r.script_load(scripts.END_SLOT)  # the armed EVALSHA is the call itself, not a NOSCRIPT miss
         proxy.armed = True
-        entry = await p.put(_group(job_id, "a"), admitted_at=0, caller=0)  # applied, reply lost, retried
+        entry = await p.put(
+            one_token_group(job_id, "a"), admitted_at=0, caller=0
+        )  # applied, reply lost, retried
         assert proxy.dropped == 1
         assert [e[0].decode() for e in redis_client.xrange(keys.groups)] == [entry]  # stored once
         assert int(redis_client.hget(keys.stats, "produced")) == 1

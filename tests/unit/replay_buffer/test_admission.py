@@ -9,21 +9,9 @@ import sys
 import time
 
 import redis.asyncio as aioredis
+from sample_pair import one_token_group
 
-from replay_buffer import BufferProducer, ReplayBuffer, Sample, make_group
-
-
-def _group(job, prompt_id="p"):
-    s = Sample.build(
-        prompt_ids=[1],
-        response_ids=[2],
-        loss_mask=[1],
-        behavior_logprobs=[-0.1],
-        token_versions=[0],
-        reward=1.0,
-        finish_reason="stop",
-    )
-    return make_group(job, prompt_id, [s, s])
+from replay_buffer import BufferProducer, ReplayBuffer
 
 
 def _run(coro):
@@ -74,7 +62,7 @@ def test_put_turns_a_reservation_into_a_record_and_leave_releases_the_rest(
         clients, (p,) = await _producers(redis_server.url, job_id, ["w0"])
         for _ in range(3):
             assert await p.try_admit(10, 0)
-        await p.put(_group(job_id))
+        await p.put(one_token_group(job_id))
         assert int(await p.r.hget(p.keys.reservations, "w0")) == 2
         assert await p.leave() == 2
         await _close(clients)
@@ -162,7 +150,7 @@ def test_in_flight_prompts_follow_put_release_and_leave(redis_server, redis_clie
         for prompt in ("a", "b", "c", "d"):
             assert await w.try_admit(4, 0)
             await w.begin(prompt)
-        await w.put(_group(job_id, "a"))
+        await w.put(one_token_group(job_id, "a"))
         await w.release("b")  # given up: not reissued
         key = w.keys.inflight("w")
         assert [x.decode() for x in await w.r.lrange(key, 0, -1)] == ["c", "d"]
@@ -221,13 +209,13 @@ def test_oldest_admission_waits_for_the_oldest_group_in_flight(redis_server, job
         short_at = [await short.admit(2, 1, oldest) for _ in range(3)]
         assert short_at == [0, 0, 0] and await short.admit(2, 1, oldest) is None  # (0 + 1 + 1) * 2 = 4
         for i, at in enumerate(short_at):
-            await short.put(_group(job, f"s{i}"), admitted_at=at)
+            await short.put(one_token_group(job, f"s{i}"), admitted_at=at)
         await asyncio.to_thread(_train_one_step, redis_server.url, job, 0, 2)  # version 1 published
         more = await short.admit(2, 1, oldest)
         if oldest:
             assert more is None  # base = the long group's version 0, not 1
             assert {int(k): int(v) for k, v in (await long.r.hgetall(long.keys.admitted)).items()} == {0: 1}
-            await long.put(_group(job, "long"), admitted_at=0)
+            await long.put(one_token_group(job, "long"), admitted_at=0)
             assert await long.r.hgetall(long.keys.admitted) == {}  # no count of 0 is left behind
             assert await long.r.exists(long.keys.admitted_by("long"), long.keys.admitted_by("short")) == 0
             assert await short.admit(2, 1, oldest) == 1  # base = version 1 now: cap 6
