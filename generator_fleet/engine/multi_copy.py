@@ -46,6 +46,16 @@ def copy_kernel():
     return copy_chunks
 
 
+def chunks(words: list[int], block: int = BLOCK) -> tuple[list[int], list[int]]:
+    """The kernel's launch table for pairs of `words` each: every chunk's pair index and first word."""
+    pair_of_chunk, start_of_chunk = [], []
+    for j, n in enumerate(words):
+        starts = range(0, n, block)
+        pair_of_chunk += [j] * len(starts)
+        start_of_chunk += starts
+    return pair_of_chunk, start_of_chunk
+
+
 def _kernel_copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     nbytes = src.numel() * src.element_size()
     return (
@@ -87,11 +97,7 @@ class CopyPlan:
         self.chunks = 0
         self.kernel_bytes = sum(words[i] for i in kernel) * WORD
         if kernel:
-            pair_of_chunk, start_of_chunk = [], []
-            for j, i in enumerate(kernel):
-                starts = range(0, words[i], block)
-                pair_of_chunk += [j] * len(starts)
-                start_of_chunk += starts
+            pair_of_chunk, start_of_chunk = chunks([words[i] for i in kernel], block)
             table = torch.tensor(
                 [
                     [src[i].data_ptr() for i in kernel],

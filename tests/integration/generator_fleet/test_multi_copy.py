@@ -85,10 +85,7 @@ kernel = m.copy_kernel()
 src = [torch.randn(m.BLOCK * 4 + 8, dtype=torch.bfloat16), torch.randn(2048, dtype=torch.bfloat16)]
 dst = [torch.zeros_like(t) for t in src]
 words = [t.numel() * t.element_size() // m.WORD for t in dst]
-pairs, starts = [], []
-for j, w in enumerate(words):
-    pairs += [j] * len(range(0, w, m.BLOCK))
-    starts += list(range(0, w, m.BLOCK))
+pairs, starts = m.chunks(words)
 table = torch.tensor([[t.data_ptr() for t in src], [t.data_ptr() for t in dst], words], dtype=torch.int64)
 chunk_pair, chunk_start = torch.tensor(pairs, dtype=torch.int32), torch.tensor(starts, dtype=torch.int64)
 kernel[(len(pairs),)](table[0], table[1], table[2], chunk_pair, chunk_start, BLOCK=m.BLOCK)

@@ -94,16 +94,15 @@ def test_a_retried_put_or_release_ends_its_slot_once(redis_server, redis_client,
             await p.begin(prompt)
         await r.script_load(scripts.END_SLOT)  # the armed EVALSHA is the call itself, not a NOSCRIPT miss
         proxy.armed = True
-        entry = await p.put(
-            one_token_group(job_id, "a"), admitted_at=0, caller=0
-        )  # applied, reply lost, retried
+        # applied, its reply lost, retried
+        entry = await p.put(one_token_group(job_id, "a"), admitted_at=0, caller=0)
         assert proxy.dropped == 1
         assert [e[0].decode() for e in redis_client.xrange(keys.groups)] == [entry]  # stored once
         assert int(redis_client.hget(keys.stats, "produced")) == 1
         assert int(redis_client.hget(keys.reservations, "w0")) == 1
         assert int(redis_client.get(keys.started)) == 2  # a put keeps its slot (the trainer's step frees it)
         proxy.armed = True
-        await p.release("b", admitted_at=0, caller=1)  # applied, reply lost, retried
+        await p.release("b", admitted_at=0, caller=1)  # applied, its reply lost, retried
         assert proxy.dropped == 2
         assert int(redis_client.get(keys.started)) == 1  # given back once
         assert int(redis_client.hget(keys.reservations, "w0")) == 0
