@@ -10,6 +10,7 @@ import signal
 import sys
 
 from common.http_guard import ENGINE_LIMITS, add_limit_arguments, limits_from_args
+from common.startup import gc_paused
 from generator_fleet.engine import options
 
 API_KEY_ENV = "SLIPSTREAM_ENGINE_API_KEY"
@@ -63,9 +64,10 @@ def main(argv: list[str] | None = None) -> None:
             args.host,
         )
 
-    from generator_fleet.engine.serve import EngineServer  # after parsing: --help stays instant
+    with gc_paused():  # torch, transformers and the model load (common/startup.py)
+        from generator_fleet.engine.serve import EngineServer  # after parsing: --help stays instant
 
-    server = EngineServer(opts, api_key=api_key, limits=http_limits).start()
+        server = EngineServer(opts, api_key=api_key, limits=http_limits).start()
 
     asked: list[int] = []
 

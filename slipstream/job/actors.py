@@ -16,6 +16,7 @@ import msgspec
 import ray
 
 from common.logtext import PlainFormatter
+from common.startup import without_gc
 from generator_fleet.config import EvalConfig, GeneratorsSpec, RolloutConfig
 from generator_fleet.engine.options import EngineOptions
 from jobspec import JobSpec
@@ -126,6 +127,7 @@ class EngineActor:
     """One built-in engine. `joining`: started mid-job (scaling up): it waits in the registry's joining set,
     taking no rollout traffic, until the weight bus has given it the current weights."""
 
+    @without_gc  # its imports and model load: common/startup.py
     def __init__(
         self,
         job: JobRef,
@@ -305,6 +307,7 @@ class ExternalEnginesActor:
 
 @ray.remote(num_cpus=0)
 class RolloutActor:
+    @without_gc  # its imports and model load: common/startup.py
     def __init__(
         self, config: RolloutConfig, redis_url: str, engine_urls: list[str], api_key: str, index: int
     ) -> None:
@@ -345,6 +348,7 @@ class RolloutActor:
 class EvalActor:
     """The job's evaluator (generator_fleet/evaluation.py), beside its rollout workers."""
 
+    @without_gc  # its imports and model load: common/startup.py
     def __init__(
         self,
         config: EvalConfig,
@@ -380,6 +384,7 @@ class TrainerActor:
     the engines are up (its imports and model check overlap theirs); `setup` builds the trainer for the
     engines of that moment."""
 
+    @without_gc  # its imports and model load: common/startup.py
     def __init__(self, config: TrainerConfig, redis_url: str, rank: int = 0, world_size: int = 1) -> None:
         import trainer.trainer  # noqa: F401 - the heavy imports, while the engines start
 
@@ -401,6 +406,7 @@ class TrainerActor:
         self._store = host_store(host, self.world_size)
         return host, self._store.port
 
+    @without_gc
     def setup(
         self, engine_urls: list[str], api_key: str | None, master: tuple[str, int] | None = None
     ) -> None:
