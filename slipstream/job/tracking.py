@@ -106,12 +106,12 @@ class _TensorBoard:
         """The spec, held until the first step's writer opens (with its purge_step) when not fresh."""
 
     def _open(self, purge_step: int | None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from slipstream.job.tb_events import EventFile
 
         if self.writer is not None:
             self.writer.close()
         self._wait_for_a_later_second()
-        self.writer = SummaryWriter(str(self.path), purge_step=purge_step, flush_secs=10)
+        self.writer = EventFile(str(self.path), purge_step=purge_step, flush_secs=10)
 
     def _wait_for_a_later_second(self) -> None:
         """TensorBoard reads a run's event files in name order, and a name is `events.out.tfevents.<second>.
@@ -138,7 +138,7 @@ class _TensorBoard:
             self._write_config(self.pending_config)
             self.pending_config = None
         for k, v in values.items():
-            self.writer.add_scalar(f"{prefix}/{k}", v, global_step=step)
+            self.writer.add_scalar(f"{prefix}/{k}", v, step)
 
     def config(self, spec: JobSpec) -> None:
         if self.writer is None and not self.fresh:
@@ -149,11 +149,8 @@ class _TensorBoard:
         self._write_config(spec)
 
     def _write_config(self, spec: JobSpec) -> None:
-        from torch.utils.tensorboard.summary import hparams
-
-        self.writer.add_text("config/spec", "```\n" + to_json(spec) + "\n```", global_step=0)
-        for summary in hparams(flat_config(spec), {}):  # experiment, session start, session end
-            self.writer.file_writer.add_summary(summary)
+        self.writer.add_text("config/spec", "```\n" + to_json(spec) + "\n```")
+        self.writer.add_hparams(flat_config(spec))
 
     def flush(self) -> None:
         if self.writer is not None:

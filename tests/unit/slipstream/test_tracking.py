@@ -4,6 +4,8 @@ duplicated across restarts and resumed attempts; evaluation records become eval 
 driver's progress stream on a real Redis; a writer failure never raises; bad tracking keys name their path."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from tracking_files import tb_events, tracking_spec, wandb_history
@@ -53,6 +55,57 @@ def test_progress_eval_and_config_go_to_tensorboard_and_wandb(tmp_path):
         (1, 0.1), (2, 0.2), (3, 0.3)
     ]  # fmt: skip
     assert [r["eval/accuracy"] for r in rows if "eval/accuracy" in r] == [0.5]
+
+
+TB_WITHOUT_TORCH = """
+import sys
+from slipstream.job.tracking import Tracker
+from tracking_files import tracking_spec
+t = Tracker(tracking_spec(sys.argv[1], wandb=False), {"run_id": "r1", "attempt": 1})
+t.log_config()
+t.log_progress({"step": 1, "version": 1, "attempt": 1, "reward_mean": 0.5})
+t.close()
+assert t.status()["errors"] == {}, t.status()
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+
+
+def test_tensorboard_events_are_written_without_torch_and_the_hparams_keep_their_types(tmp_path):
+    """A job's driver writes its events without importing torch (slipstream/job/tb_events.py): the
+    scalars, the spec's text and the hparams plugin's experiment and session, its values typed."""
+    from tensorboard.plugins.hparams import api_pb2, plugin_data_pb2
+
+    env_path = [str(p) for p in sys.path if p]
+    out = subprocess.run(
+        [sys.executable, "-c", TB_WITHOUT_TORCH, str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": ":".join(env_path), "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"  # no torch module loaded
+    acc = tb_events(tmp_path)
+    assert _steps(acc, "train/reward_mean") == [(1, 0.5)]
+    assert '"name": "trk"' in acc.Tensors("config/spec/text_summary")[0].tensor_proto.string_val[0].decode()
+    data = {
+        tag: plugin_data_pb2.HParamsPluginData.FromString(m.plugin_data.content)
+        for tag, m in acc.summary_metadata.items()
+        if m.plugin_data.plugin_name == "hparams"
+    }
+    assert set(data) == {"_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info"}
+    types = {
+        i.name: api_pb2.DataType.Name(i.type) for i in data["_hparams_/experiment"].experiment.hparam_infos
+    }
+    values = data["_hparams_/session_start_info"].session_start_info.hparams
+    assert types["name"] == "DATA_TYPE_STRING" and values["name"].string_value == "trk"
+    assert (
+        types["algorithm.total_steps"] == "DATA_TYPE_FLOAT64"
+        and values["algorithm.total_steps"].number_value > 0
+    )
+    assert (
+        types["tracking.wandb.enabled"] == "DATA_TYPE_BOOL"
+        and values["tracking.wandb.enabled"].bool_value is False
+    )
+    status = data["_hparams_/session_end_info"].session_end_info.status
+    assert api_pb2.Status.Name(status) == "STATUS_SUCCESS"
 
 
 def _uid_about_to_gain_a_digit() -> None:
