@@ -162,6 +162,7 @@ class EngineActor:
             options = msgspec.structs.replace(options, host=node_address(redis_url))
         self.server = EngineServer(options, api_key=api_key)
 
+    @without_gc  # the model's modeling import and load
     def start(self) -> str:
 
         from weight_bus.registry import EngineRegistration
