@@ -308,7 +308,7 @@ class ExternalEnginesActor:
 
 @ray.remote(num_cpus=0)
 class RolloutActor:
-    @without_gc  # its imports and model load: common/startup.py
+    @without_gc  # its imports and tokenizer: common/startup.py
     def __init__(
         self, config: RolloutConfig, redis_url: str, engine_urls: list[str], api_key: str, index: int
     ) -> None:
@@ -349,7 +349,7 @@ class RolloutActor:
 class EvalActor:
     """The job's evaluator (generator_fleet/evaluation.py), beside its rollout workers."""
 
-    @without_gc  # its imports and model load: common/startup.py
+    @without_gc  # its imports and tokenizer: common/startup.py
     def __init__(
         self,
         config: EvalConfig,
