@@ -1,7 +1,7 @@
 """TensorBoard event files written with the `tensorboard` package alone: the scalars, text and hyperparameter
 summaries the job's tracker writes (slipstream/job/tracking.py), in the records `torch.utils.tensorboard`'s
-SummaryWriter writes for them. That writer imports torch, which a job's driver otherwise never needs: 1.4
-CPU-s and a few hundred MB in every cluster job's driver process; this one imports in 0.3."""
+SummaryWriter writes for them. That writer (with its hparams) imports torch, which a job's driver otherwise
+never needs: 1.6 CPU-s and a few hundred MB in every cluster job's driver process; this one imports in 0.3."""
 
 from __future__ import annotations
 
