@@ -66,8 +66,11 @@ def test_trainer_without_a_batch_admits_a_joining_engine(
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         deadline = time.monotonic() + LIMIT_S
-        # the registry admits the engine inside the publish; the publish is counted once it returned
-        admitted = lambda: registry.live() == [engine.url] and _idle_publishes() >= before + 1  # noqa: E731
+
+        def admitted() -> bool:
+            """The registry admits the engine inside the publish; the publish is counted once it returned."""
+            return registry.live() == [engine.url] and _idle_publishes() >= before + 1
+
         while not admitted() and time.monotonic() < deadline and thread.is_alive():
             time.sleep(0.1)
         assert registry.live() == [engine.url] and registry.joining() == [], out

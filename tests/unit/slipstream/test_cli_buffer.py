@@ -2,7 +2,9 @@
 
 import json
 
-from replay_buffer import ReplayBuffer, Sample, make_group
+from sample_pair import one_token_group
+
+from replay_buffer import ReplayBuffer
 from slipstream.cli import main
 
 
@@ -11,18 +13,9 @@ def test_buffer_stats_shows_depth_pending_dead_letter_and_staleness(
 ):
     buf = ReplayBuffer(redis_client, job_id)
     buf.ensure_group()
-    s = Sample.build(
-        prompt_ids=[1],
-        response_ids=[2],
-        loss_mask=[1],
-        behavior_logprobs=[-1.0],
-        token_versions=[0],
-        reward=0.0,
-        finish_reason="stop",
-    )
     redis_client.xadd(buf.keys.groups, {"d": b"junk"})
     for _ in range(3):
-        buf.put(make_group(job_id, "p", [s, s]))
+        buf.put(one_token_group(job_id))
     buf.commit(buf.take_batch(2, 1, 1, block_ms=50), version=1)
     buf.take_batch(1, 1, 1, block_ms=50)  # read, not committed
 
