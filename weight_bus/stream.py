@@ -29,7 +29,7 @@ from concurrent.futures import Future, wait
 
 import torch
 
-from weight_bus.errors import BusError, Refused, UpdateFailed, _error
+from weight_bus.errors import BusError, UpdateFailed, _error
 from weight_bus.group import broadcast_async, dtype_from_name, dtype_name
 from weight_bus.packing import Bucket
 from weight_bus.receiver import FLATTENED_BUCKET
@@ -338,15 +338,7 @@ def _recover(tr, failure: UpdateFailed, calls: dict[str, Future]) -> list[str]:
     log.warning("streamed weight update failed: %s", failure)
     m.leave_group()
     errors: dict[str, BaseException] = dict(failure.errors)
-    for e in m.engines:
-        if e.url in errors and not isinstance(errors[e.url], Refused):
-            e.channel.close()
-    wait(calls.values(), timeout=tr.timeout_s + 2 * tr.grace)
-    for url, f in calls.items():
-        if url not in errors:
-            err = _error(f) if f.done() else TimeoutError("no answer in time")
-            if err is not None:
-                errors[url] = err
+    tr.settle({u: [f] for u, f in calls.items()}, errors)
     dropped = tr.drop_lost(errors, failure)
     unfinished = [e for e in m.engines if e.url in errors]
     list(tr.calls.map(m.leave_on_engine, m.engines))  # the group is gone: every engine leaves it

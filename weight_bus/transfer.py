@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -473,6 +473,35 @@ class Transfer:
             raise UpdateFailed(b, {}, e) from e
         return b
 
+    def settle(self, calls: dict[str, list[Future]], errors: dict[str, BaseException]) -> None:
+        """After leaving a broken group: wait (bounded, timeout_s + 2 grace) for each engine's answers to
+        the failed update's calls, and add to `errors` each engine whose answer failed or never came.
+
+        An engine already failed in `errors` (transport error, timeout) is not waited on. One still silent
+        is probed first: if it does not answer the probe either (a stopped or hung process, a lost host),
+        it is lost after PROBE_TIMEOUT_S instead of the whole bound; without this, a hung engine held the
+        trainer for timeout_s + grace (the broadcast) plus timeout_s + 2 grace (this wait), 25 s with
+        bus.timeout_s 5, and a driver replaced it sooner than that."""
+        m = self.members
+        deadline = time.monotonic() + self.timeout_s + 2 * self.grace
+        silent = [u for u, fs in calls.items() if u not in errors and not all(f.done() for f in fs)]
+        for url, info in (m.probe(silent) if silent else {}).items():
+            if isinstance(info, BaseException) and not all(f.done() for f in calls[url]):
+                errors[url] = info
+        for e in m.engines:  # lost: stop waiting on them
+            if e.url in errors and not isinstance(errors[e.url], Refused):
+                e.channel.close()
+        wait(
+            [f for u, fs in calls.items() if u not in errors for f in fs],
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+        for url, fs in calls.items():
+            if url not in errors:
+                for f in fs:
+                    if (err := _error(f) if f.done() else TimeoutError("no answer in time")) is not None:
+                        errors[url] = err
+                        break
+
     def drop_lost(self, errors: dict[str, BaseException], failure: UpdateFailed) -> list[str]:
         """After a failed update, with every engine's error: drop the lost ones (a transport error or no
         answer in time, or no answer to a probe now) and return them. Everyone alive, nothing failed on
@@ -507,17 +536,11 @@ class Transfer:
         # group timeout, and then fails the rest at once), so that each engine's answer tells what
         # happened to it. One that stays silent is lost.
         errors: dict[str, BaseException] = dict(failure.errors)
-        for e in m.engines:  # already lost (no answer in time, connection error): stop waiting on them
-            if e.url in errors and not isinstance(errors[e.url], Refused):
-                e.channel.close()
-        calls = [f for b in pending for f in b.calls.values()]
-        wait(calls, timeout=self.timeout_s + 2 * self.grace)
+        calls: dict[str, list[Future]] = {}
         for b in pending:
             for url, f in b.calls.items():
-                if url not in errors:
-                    err = _error(f) if f.done() else TimeoutError("no answer in time")
-                    if err is not None:
-                        errors[url] = err
+                calls.setdefault(url, []).append(f)
+        self.settle(calls, errors)
         dropped = self.drop_lost(errors, failure)
         if not self.repair_in_stream and confirmed > 0 and m.engines:
             survivors = list(m.engines)

@@ -25,7 +25,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from generator_fleet.engine.arena import lay_out_weights
-from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error
+from generator_fleet.engine.faults import FAULT_ENV, EngineUnhealthy, is_fatal_cuda_error, step_delay_s
 from generator_fleet.engine.grammar import GrammarBackend
 from generator_fleet.engine.kv_cache import PagedKVCache, blocks_for
 from generator_fleet.engine.lora import LoraBank
@@ -212,6 +212,7 @@ class Runner(RunnerWeights, RunnerSteps):
         self.on_fatal: list[Callable[[str], None]] = []
         """Called once (from the thread that hit the error) when the engine turns unhealthy."""
         self._fault = os.environ.get(FAULT_ENV) or None
+        self._step_delay_s = step_delay_s()
         self.profiler = StepProfiler(profile_dir, self.device)
         self._lora_sources: dict[str, str] = {}
 
@@ -464,6 +465,8 @@ class Runner(RunnerWeights, RunnerSteps):
                         self._cv.notify_all()
                 if fatal:
                     return
+                if self._step_delay_s:
+                    time.sleep(self._step_delay_s)  # STEP_DELAY_ENV's testing hook
 
     def poison(self, exc: BaseException) -> bool:
         """If `exc` is a fatal CUDA error (is_fatal_cuda_error), turn the engine unhealthy: log the cause

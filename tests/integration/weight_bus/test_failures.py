@@ -1,8 +1,8 @@
 """Engines that fail during a weight update, and engines that join mid-job, against real built-in engines
 over HTTP + gloo. An engine SIGKILLed before the first bucket or between broadcasts, or one that hangs
-(SIGSTOP), is dropped; the group is rebuilt over the survivors and the same update still reaches them,
-bit for bit; publish returns. An engine that registers mid-job gets the current weights before the
-registry shows it to rollout workers."""
+(SIGSTOP), is dropped (after a failed update, one that answers no probe is not waited for); the group is
+rebuilt over the survivors and the same update still reaches them, bit for bit; publish returns. An
+engine that registers mid-job gets the current weights before the registry shows it to rollout workers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import http_calls
 import httpx
@@ -49,7 +49,7 @@ def victims(models, tmp_path_factory):
     """Engine processes started side by side (each test kills or stops one)."""
     logs = tmp_path_factory.mktemp("engine-logs")
     with ThreadPoolExecutor(4) as pool:
-        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(5)))
+        procs = list(pool.map(lambda i: EngineProcess(models.path_a, logs / f"engine-{i}.log"), range(6)))
     yield procs
     for p in procs:
         p.kill()
@@ -169,6 +169,27 @@ def test_engine_that_hangs_mid_update_is_dropped_after_the_timeout(models, survi
         assert stats.dropped == [victim.url] and stats.engines == [survivor.url]
         assert_holds(survivor, models.b)
         assert version(survivor.url) == "9"
+    finally:
+        bus.close()
+        victim.kill()
+
+
+def test_after_a_failed_update_an_engine_that_answers_no_probe_is_not_waited_for(survivor, victims):
+    """Telling the dead from the alive after a failed update (Transfer.settle): each engine's call to the
+    update is waited for (bounded: timeout_s + 2 grace), but one that is silent and answers no probe
+    either (a stopped process, as a streamed update's broadcast that never completes leaves it) is lost
+    on the probe's error at once; a live engine that answers late is still waited for."""
+    victim = victims[5]
+    bus = WeightBus([survivor.url, victim.url], api_key=KEY, timeout_s=TIMEOUT_S)
+    bus.connect()
+    try:
+        victim.kill(signal.SIGSTOP)
+        late, never = Future(), Future()  # the survivor's answer comes late; the stopped engine's never
+        threading.Timer(0.5, late.set_result, [{}]).start()
+        errors: dict[str, BaseException] = {}
+        bus.transfer.settle({survivor.url: [late], victim.url: [never]}, errors)
+        assert late.done() and list(errors) == [victim.url], errors
+        assert isinstance(errors[victim.url], httpx.TimeoutException), repr(errors[victim.url])
     finally:
         bus.close()
         victim.kill()

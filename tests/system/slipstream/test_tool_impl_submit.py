@@ -11,6 +11,7 @@ from pathlib import Path
 import http_calls
 import httpx
 import pytest
+from cluster_helpers import paced_engines
 from tool_allow_list import ALLOWED
 
 from generator_fleet.tools.impl_check import TOOL_MODULES_ENV
@@ -21,7 +22,8 @@ from slipstream.cluster.state import ray_env
 @pytest.fixture(scope="module")
 def info():
     home = Path(tempfile.mkdtemp(prefix="sstool-", dir="/tmp"))
-    info = cluster.up(home, start_prometheus=False, tool_modules=ALLOWED)
+    with paced_engines():
+        info = cluster.up(home, start_prometheus=False, tool_modules=ALLOWED)
     try:
         yield info
     finally:
