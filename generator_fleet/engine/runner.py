@@ -211,8 +211,7 @@ class Runner(RunnerWeights, RunnerSteps):
         """Set once a fatal CUDA error hit the engine (the cause); the runner then takes no more work."""
         self.on_fatal: list[Callable[[str], None]] = []
         """Called once (from the thread that hit the error) when the engine turns unhealthy."""
-        self._fault = os.environ.get(FAULT_ENV) or None
-        self._step_delay_s = step_delay_s()
+        self._fault, self._step_delay_s = os.environ.get(FAULT_ENV) or None, step_delay_s()  # testing hooks
         self.profiler = StepProfiler(profile_dir, self.device)
         self._lora_sources: dict[str, str] = {}
 
