@@ -39,8 +39,10 @@ def _generate_and_count(model_dir, monkeypatch, delay: str | None) -> tuple[list
         stats = server.runner.stats
         steps = stats.num_prefill_steps_total + stats.num_decode_steps_total
     finally:
-        monkeypatch.setattr(runner_mod.time, "sleep", real_sleep)
+        # the answer can come back before the wait after the last step: stop() joins the generation
+        # thread, so that wait is counted too
         server.stop()
+        monkeypatch.setattr(runner_mod.time, "sleep", real_sleep)
     return slept, steps
 
 
