@@ -93,13 +93,12 @@ class StepProfiler:
         return self._want is not None or (self._stop and self._prof is not None)
 
     def at_boundary(self) -> None:
-        """Between two steps, on the generation thread: begin an asked-for profile, end one asked to stop."""
+        """Between two steps, on the generation thread: begin an asked-for profile, end one asked to stop.
+        A profile stopped before this thread began it is begun and ended here: its files say 0 steps, as
+        /stop_profile's answer promised (on a busy host the stop can come before the thread woke)."""
         with self._lock:
             want, self._want = self._want, None
             stop = self._stop and (self._prof is not None or want is not None)
-            if want is not None and stop:
-                self._stop = False
-                return  # stopped before it began
         if want is not None:
             self._prof = torch.profiler.profile(
                 activities=want["activities"],
@@ -111,7 +110,7 @@ class StepProfiler:
             log.info(
                 "profiling started: %s steps into %s", want["steps"] or "until /stop_profile", want["dir"]
             )
-        elif stop:
+        if stop:
             self.finish()
 
     def step(self, kind: str):

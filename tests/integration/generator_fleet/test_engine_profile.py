@@ -77,3 +77,19 @@ def test_profiling_is_off_without_a_profile_directory(model):
         assert _post(server, "/stop_profile").status_code == 400
     finally:
         server.stop()
+
+
+def test_a_profile_stopped_before_the_generation_thread_began_it_still_writes_its_files(tmp_path):
+    """/start_profile then /stop_profile before the generation thread reached a step boundary (a busy
+    host): the stop's answer said it stopped, so the boundary begins and ends it, writing 0 steps."""
+    import torch
+
+    from generator_fleet.engine.profiling import StepProfiler
+
+    profiler = StepProfiler(str(tmp_path), torch.device("cpu"))
+    profiler.start(output_dir="early")
+    assert profiler.stop() and profiler.pending
+    profiler.at_boundary()
+    _, summary = _files(tmp_path / "early", timeout_s=5.0)  # written by at_boundary itself
+    assert summary.read_text().startswith("0 steps profiled")
+    assert not profiler.pending and not profiler.stop()  # nothing left running
