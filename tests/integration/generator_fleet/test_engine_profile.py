@@ -11,9 +11,11 @@ import time
 
 import http_calls
 import pytest
+import torch
 from tiny_engine_model import build_noisy_model
 
 from generator_fleet.engine import EngineServer
+from generator_fleet.engine.profiling import StepProfiler
 
 KEY = "profile-test-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -82,10 +84,6 @@ def test_profiling_is_off_without_a_profile_directory(model):
 def test_a_profile_stopped_before_the_generation_thread_began_it_still_writes_its_files(tmp_path):
     """/start_profile then /stop_profile before the generation thread reached a step boundary (a busy
     host): the stop's answer said it stopped, so the boundary begins and ends it, writing 0 steps."""
-    import torch
-
-    from generator_fleet.engine.profiling import StepProfiler
-
     profiler = StepProfiler(str(tmp_path), torch.device("cpu"))
     profiler.start(output_dir="early")
     assert profiler.stop() and profiler.pending
